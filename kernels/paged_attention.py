@@ -87,8 +87,13 @@ def paged_attention_ref(
         if end == start or context_len == 0:
             continue
         keys, values = gather_context(kv_cache, block_tables[row], context_len)
-        q_pos = torch.arange(context_len - (end - start), context_len, device=q.device)
-        k_pos = torch.arange(context_len, device=q.device)
+        first_q_pos = context_len - (end - start)
+        q_pos = torch.arange(first_q_pos, context_len, device=q.device)
+        # Keys no query can see are sliced away, not masked: with a sliding window their
+        # blocks may already be freed (NaN under the sanitizer) and 0 * NaN is NaN.
+        first_k_pos = 0 if sliding_window is None else max(0, first_q_pos - sliding_window + 1)
+        keys, values = keys[first_k_pos:], values[first_k_pos:]
+        k_pos = torch.arange(first_k_pos, context_len, device=q.device)
         o, row_lse = attention_over_context(
             q[start:end], keys, values, q_pos, k_pos, scale, sliding_window
         )

@@ -1,0 +1,182 @@
+"""Engine configuration: one dataclass per concern, each validated on construction.
+
+Every invalid value raises `ValueError` naming the field and the allowed range
+(invariant 10: bad configuration fails loudly at start).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
+
+
+def require(ok: bool, field_name: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{field_name} must be {allowed}, got {value!r}")
+
+
+def require_int(field_name: str, value: Any, low: int, high: int | None = None) -> None:
+    in_range = isinstance(value, int) and not isinstance(value, bool) and value >= low
+    if high is not None:
+        in_range = in_range and value <= high
+    allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+    require(in_range, field_name, allowed, value)
+
+
+@dataclass
+class ModelConfig:
+    """What to load: a Hugging Face checkpoint directory and the compute dtype."""
+
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    hf_config: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.model, str | os.PathLike), "model", "a directory path", self.model)
+        self.model = str(self.model)
+        path = Path(self.model)
+        require(path.is_dir(), "model", "an existing Hugging Face checkpoint directory", self.model)
+        config_file = path / "config.json"
+        require(config_file.is_file(), "model", "a directory containing config.json", self.model)
+        require(self.dtype in DTYPES, "dtype", f"one of {DTYPES}", self.dtype)
+        require_int("seed", self.seed, 0)
+        if not self.hf_config:
+            self.hf_config = json.loads(config_file.read_text())
+        text_config = self.text_config
+        require(
+            bool(text_config.get("architectures") or self.hf_config.get("architectures")),
+            "config.json architectures",
+            "a non-empty list",
+            None,
+        )
+        derived = int(text_config.get("max_position_embeddings") or 4096)
+        if self.max_model_len is None:
+            self.max_model_len = derived
+        require_int("max_model_len", self.max_model_len, 2)
+
+    @property
+    def text_config(self) -> dict:
+        """The language-model part (multimodal checkpoints nest it under text_config)."""
+        return self.hf_config.get("text_config") or self.hf_config
+
+    @property
+    def architecture(self) -> str:
+        archs = self.hf_config.get("architectures") or self.text_config.get("architectures")
+        return archs[0]
+
+    @property
+    def torch_dtype_name(self) -> str:
+        """The dtype to compute in: explicit, else the checkpoint's, else float32."""
+        if self.dtype != "auto":
+            return self.dtype
+        saved = self.hf_config.get("dtype") or self.hf_config.get("torch_dtype") or "float32"
+        return saved if saved in DTYPES else "float32"
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: page geometry, pool size, prefix caching, sanitizer."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    # None: on when the environment sets KVLOOM_SANITIZE=1 (the test suite does).
+    sanitize: bool | None = None
+
+    def __post_init__(self) -> None:
+        require_int("block_size", self.block_size, 1, 4096)
+        if self.num_kv_blocks is not None:
+            require_int("num_kv_blocks", self.num_kv_blocks, 1)
+        if self.kv_cache_memory_bytes is not None:
+            require_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        ok = isinstance(self.gpu_memory_utilization, int | float)
+        require(
+            ok and 0.0 < self.gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            "a number in (0, 1]",
+            self.gpu_memory_utilization,
+        )
+        if self.sanitize is None:
+            self.sanitize = os.environ.get("KVLOOM_SANITIZE", "") not in ("", "0")
+
+
+@dataclass
+class SchedulerConfig:
+    """The token budget of one step and how prefills are chunked."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        require_int("max_num_seqs", self.max_num_seqs, 1)
+        require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        require_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        require_int("max_model_len", self.max_model_len, 2)
+
+
+@dataclass
+class ParallelConfig:
+    """Worker grid: tensor parallel × decode context parallel, and how it is hosted."""
+
+    tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    executor: str = "auto"
+
+    def __post_init__(self) -> None:
+        require_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1024)
+        require_int("decode_context_parallel_size", self.decode_context_parallel_size, 1, 1024)
+        executors = ("auto", "inprocess", "ray")
+        require(self.executor in executors, "executor", f"one of {executors}", self.executor)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.decode_context_parallel_size
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: str = "auto"
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Builds the config from the flat keyword arguments of `LLM(...)` / `Engine(...)`."""
+        kwargs = dict(kwargs)
+        device = kwargs.pop("device", "auto")
+        parts: dict[str, dict[str, Any]] = {}
+        for name, klass in (
+            ("model", ModelConfig),
+            ("cache", CacheConfig),
+            ("scheduler", SchedulerConfig),
+            ("parallel", ParallelConfig),
+        ):
+            names = {f.name for f in fields(klass)} - {"hf_config"}
+            parts[name] = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        if kwargs:
+            raise ValueError(f"unknown engine argument(s): {', '.join(sorted(kwargs))}")
+        if "model" not in parts["model"]:
+            raise ValueError("model must be a Hugging Face checkpoint directory, got nothing")
+        model = ModelConfig(**parts["model"])
+        parts["scheduler"]["max_model_len"] = model.max_model_len
+        require(device in ("auto", "cpu", "cuda"), "device", "one of auto, cpu, cuda", device)
+        return cls(
+            model=model,
+            cache=CacheConfig(**parts["cache"]),
+            scheduler=SchedulerConfig(**parts["scheduler"]),
+            parallel=ParallelConfig(**parts["parallel"]),
+            device=device,
+        )

@@ -1,0 +1,164 @@
+"""The engine: requests in, one scheduled step at a time, RequestOutputs out."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from typing import Any
+
+from kvloom.cluster.config import EngineConfig
+from kvloom.cluster.executor import Executor, make_executor
+from kvloom.cluster.kv_cache.coordinator import KVCacheCoordinator
+from kvloom.cluster.output_processor import OutputProcessor
+from kvloom.cluster.outputs import RequestOutput
+from kvloom.cluster.request import Request, RequestStatus
+from kvloom.cluster.sampling_params import SamplingParams
+from kvloom.cluster.scheduler import Scheduler
+from kvloom.cluster.tokenizer import Tokenizer
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+class Engine:
+    def __init__(self, progress: bool = True, **kwargs: Any):
+        self.config = EngineConfig.from_kwargs(**kwargs)
+        self.tokenizer = Tokenizer(self.config.model.model)
+        self.executor: Executor = make_executor(self.config, progress=progress)
+        num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_kv_cache(num_blocks)
+        cache = self.config.cache
+        self.kv_cache = KVCacheCoordinator(
+            self.executor.kv_cache_groups,
+            num_blocks,
+            enable_caching=cache.enable_prefix_caching,
+            sanitize=cache.sanitize,
+        )
+        self.scheduler = Scheduler(self.config.scheduler, self.kv_cache, self.config.model.seed)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.vocab_size = int(self.config.model.text_config["vocab_size"])
+        self._counter = itertools.count()
+        self.num_finished = 0
+        self.num_aborted = 0
+
+    # -- requests -------------------------------------------------------------------
+    def _prompt_ids(self, prompt: PromptInput) -> tuple[list[int], str | None, str | None]:
+        cache_salt = None
+        if isinstance(prompt, dict):
+            cache_salt = prompt.get("cache_salt")
+            if cache_salt is not None and not isinstance(cache_salt, str):
+                raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt must have a 'prompt' or 'prompt_token_ids' key")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self.tokenizer.encode(prompt), prompt, cache_salt
+        if not isinstance(prompt, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        return prompt, None, cache_salt
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        token_ids, text, salt = self._prompt_ids(prompt)
+        if not token_ids:
+            raise ValueError("prompt must not be empty (it has no tokens)")
+        max_len = self.config.scheduler.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens, at or over max_model_len ({max_len}); "
+                "it must leave room for at least one generated token"
+            )
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = replace(params, eos_token_ids=self.tokenizer.eos_token_ids)
+        request = Request(
+            request_id=str(request_id),
+            prompt_token_ids=list(token_ids),
+            sampling_params=params,
+            prompt=text,
+            cache_salt=cache_salt or salt,
+        )
+        self.scheduler.add_request(request)
+        self.outputs.add(request)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            request = self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            if request is not None:
+                self.outputs.states.pop(rid, None)
+                self.num_aborted += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def next_request_id(self) -> str:
+        return str(next(self._counter))
+
+    # -- stepping -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled step; returns outputs of requests that advanced."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty and not sched.finished_request_ids and not sched.blocks_to_poison:
+            return []
+        runner_out = self.executor.execute_model(sched)
+        advanced, finished = self.scheduler.update_from_output(sched, runner_out)
+        results = []
+        for request in advanced:
+            stop = self.outputs.process(request, runner_out.logprobs.get(request.request_id))
+            if stop is not None and not request.status.finished:
+                request.stop_reason = stop
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            elif stop is not None:
+                request.stop_reason = stop
+                request.status = RequestStatus.FINISHED_STOPPED
+            done = request.status.finished
+            self.num_finished += done
+            results.append(self.outputs.make_output(request, finished=done))
+        for request in finished:
+            if request not in advanced:
+                self.num_finished += 1
+                results.append(self.outputs.make_output(request, finished=True))
+        return results
+
+    def stats(self) -> dict[str, Any]:
+        pool = self.kv_cache.pool
+        prefix = self.kv_cache.stats
+        return {
+            "num_blocks": pool.num_blocks,
+            "num_free_blocks": pool.num_free_blocks,
+            "kv_cache_usage": self.kv_cache.usage,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.scheduler.num_steps,
+            "num_finished": self.num_finished,
+            "num_aborted": self.num_aborted,
+            "prefix_cache_queried_tokens": prefix.queried_tokens,
+            "prefix_cache_hit_tokens": prefix.hit_tokens,
+            "prefix_cache_hit_rate": prefix.hit_tokens / max(prefix.queried_tokens, 1),
+            "prefix_cache_hit_tokens_per_group": list(prefix.per_group_hit_tokens),
+            "num_evictions": pool.num_evictions,
+        }
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,52 @@
+"""Executors run scheduled steps on workers. All share this interface; the in-process
+one (TP = DCP = 1, no Ray) holds the worker in the engine's own process."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvloom.cluster.config import EngineConfig
+from kvloom.cluster.kv_cache.spec import KVCacheGroup
+from kvloom.cluster.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(Protocol):
+    kv_cache_groups: list[KVCacheGroup]
+
+    def determine_num_blocks(self) -> int: ...
+
+    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None: ...
+
+
+class InProcessExecutor:
+    def __init__(self, config: EngineConfig, progress: bool = True):
+        from kvloom.workers.worker import Worker  # data plane, imported only here
+
+        self.worker = Worker(config, progress=progress)
+        self.kv_cache_groups = self.worker.kv_cache_groups
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(sched)
+
+    def shutdown(self) -> None:
+        self.worker = None
+
+
+def make_executor(config: EngineConfig, progress: bool = True) -> Executor:
+    parallel = config.parallel
+    if parallel.executor == "ray" or parallel.world_size > 1:
+        raise ValueError(
+            "tensor_parallel_size / decode_context_parallel_size > 1 need the Ray executor, "
+            "which is not available yet"
+        )
+    return InProcessExecutor(config, progress=progress)

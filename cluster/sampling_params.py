@@ -1,0 +1,89 @@
+"""Per-request sampling parameters, shaped like vLLM's so users can switch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvloom.cluster.config import require, require_int
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    # Filled by the engine from generation_config.json; not a user knob.
+    eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        require(self.n == 1, "n", "1 (parallel sampling is not supported yet)", self.n)
+        if self.max_tokens is not None:
+            require_int("max_tokens", self.max_tokens, 1)
+        require_int("min_tokens", self.min_tokens, 0)
+        require(
+            _is_number(self.temperature) and self.temperature >= 0,
+            "temperature",
+            "a number >= 0",
+            self.temperature,
+        )
+        require(
+            _is_number(self.top_p) and 0 < self.top_p <= 1,
+            "top_p",
+            "a number in (0, 1]",
+            self.top_p,
+        )
+        require(
+            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+            "top_k",
+            "-1 (disabled) or an integer >= 1",
+            self.top_k,
+        )
+        require(
+            _is_number(self.min_p) and 0 <= self.min_p <= 1,
+            "min_p",
+            "a number in [0, 1]",
+            self.min_p,
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            require(_is_number(value) and -2 <= value <= 2, name, "a number in [-2, 2]", value)
+        require(
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            "a number > 0",
+            self.repetition_penalty,
+        )
+        if self.seed is not None:
+            require_int("seed", self.seed, 0, 2**63 - 1)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        for s in self.stop:
+            require(isinstance(s, str) and s != "", "stop", "a list of non-empty strings", s)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        for t in self.stop_token_ids:
+            require_int("stop_token_ids", t, 0)
+        if self.logprobs is not None:
+            require_int("logprobs", self.logprobs, 0, 1024)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value

@@ -1,0 +1,216 @@
+"""The scheduler: continuous batching with no prefill or decode phase.
+
+Each step every request's computed tokens catch up with its token count under one token
+budget: running requests first (a decode is one token, a prefill chunk as many as fit),
+then waiting ones in FCFS order. When the pool cannot hold a running request's next
+tokens the newest running request is preempted by recompute: its blocks are freed and it
+returns to the front of the queue, keeping its outputs.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+from kvloom.cluster.config import SchedulerConfig
+from kvloom.cluster.kv_cache.coordinator import KVCacheCoordinator
+from kvloom.cluster.request import Request, RequestStatus
+from kvloom.cluster.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheCoordinator, seed: int = 0):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._seed_rng = random.Random(seed)
+        self._sampling_seeds: dict[str, int] = {}
+        # What the workers already know of each request: tokens and blocks per group.
+        self._sent_tokens: dict[str, int] = {}
+        self._sent_blocks: dict[str, list[int]] = {}
+        self._forget: list[str] = []
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    # -- requests in and out --------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        seed = request.sampling_params.seed
+        self._sampling_seeds[request.request_id] = (
+            seed if seed is not None else self._seed_rng.getrandbits(63)
+        )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Ends a request (abort, or a stop string found by the output processor)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self._release(request)
+        return request
+
+    def _release(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        self._sampling_seeds.pop(request.request_id, None)
+        if self._sent_tokens.pop(request.request_id, None) is not None:
+            self._forget.append(request.request_id)
+        self._sent_blocks.pop(request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -------------------------------------------------------------------
+    def _chunk_size(self, request: Request, budget: int) -> int:
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if self.config.long_prefill_token_threshold > 0:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        return num_new
+
+    def _preempt(self, victim: Request) -> None:
+        self.kv_cache.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        if self._sent_tokens.pop(victim.request_id, None) is not None:
+            self._forget.append(victim.request_id)
+        self._sent_blocks.pop(victim.request_id, None)
+        self.waiting.appendleft(victim)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        preempted = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._chunk_size(request, budget)
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                if victim.request_id in scheduled:
+                    budget += scheduled.pop(victim.request_id)
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = num_new
+                budget -= num_new
+                index += 1
+
+        while self.waiting and budget > 0 and not preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            hit = self.kv_cache.find_cache_hit(request)
+            request.num_computed_tokens = hit.num_tokens
+            num_new = self._chunk_size(request, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, hit.blocks):
+                request.num_computed_tokens = 0
+                break
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = hit.num_tokens
+                self.kv_cache.record_hit(request, hit)
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        return self._build_output(scheduled)
+
+    def _build_output(self, scheduled: dict[str, int]) -> SchedulerOutput:
+        out = SchedulerOutput(
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            finished_request_ids=self._forget,
+            blocks_to_poison=self.kv_cache.pool.drain_poison_list(),
+        )
+        self._forget = []
+        for request_id in scheduled:
+            request = self.requests[request_id]
+            block_ids = self.kv_cache.block_ids(request_id)
+            if request_id not in self._sent_tokens:
+                out.new_requests.append(
+                    NewRequestData(
+                        request_id=request_id,
+                        token_ids=list(request.all_token_ids),
+                        sampling_params=request.sampling_params,
+                        block_ids=block_ids,
+                        num_computed_tokens=request.num_computed_tokens,
+                        num_output_tokens=request.num_output_tokens,
+                        sampling_seed=self._sampling_seeds[request_id],
+                    )
+                )
+            else:
+                sent = self._sent_blocks[request_id]
+                out.cached_requests.append(
+                    CachedRequestData(
+                        request_id=request_id,
+                        new_token_ids=request.all_token_ids[self._sent_tokens[request_id] :],
+                        new_block_ids=tuple(ids[n:] for ids, n in zip(block_ids, sent)),
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+            self._sent_tokens[request_id] = request.num_tokens
+            self._sent_blocks[request_id] = [len(ids) for ids in block_ids]
+        self.num_steps += 1
+        return out
+
+    # -- after the step -------------------------------------------------------------
+    def update_from_output(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> tuple[list[Request], list[Request]]:
+        """Advances requests by what was computed; returns (advanced, newly finished)."""
+        advanced, finished = [], []
+        for request_id, num_tokens in sched_out.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += num_tokens
+            self.kv_cache.publish_computed_blocks(request)
+            new_tokens = runner_out.sampled_token_ids.get(request_id, [])
+            for token_id in new_tokens:
+                request.append_output_token(token_id)
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    request.status = status
+                    break
+            if new_tokens:
+                advanced.append(request)
+            if request.status.finished:
+                self.running.remove(request)
+                del self.requests[request_id]
+                self._release(request)
+                finished.append(request)
+        return advanced, finished
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in params.eos_token_ids:
+                request.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

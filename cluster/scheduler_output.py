@@ -1,0 +1,58 @@
+"""What the scheduler sends the workers each step: plain data, cheap to serialize.
+
+New (or resumed) requests travel in full once; running requests travel as diffs (new
+token ids the workers have not seen, new block ids).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvloom.cluster.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    request_id: str
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: tuple[list[int], ...]  # per KV-cache group
+    num_computed_tokens: int
+    num_output_tokens: int  # outputs already in token_ids (a resumed request)
+    sampling_seed: int
+
+
+@dataclass
+class CachedRequestData:
+    request_id: str
+    new_token_ids: list[int]
+    new_block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    # request id -> tokens to compute this step (in batch order: dict order)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests the workers must forget (finished, aborted or preempted).
+    finished_request_ids: list[str] = field(default_factory=list)
+    # Sanitizer: blocks to NaN-fill before this step runs.
+    blocks_to_poison: list[int] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """request id -> sampled token ids (empty for a partial prefill chunk)."""
+
+    sampled_token_ids: dict[str, list[int]]
+    # request id -> per sampled token: (sampled logprob, sampled rank, [(id, logprob), ...])
+    logprobs: dict[str, list[tuple[float, int, list[tuple[int, float]]]]] = field(
+        default_factory=dict
+    )

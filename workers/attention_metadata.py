@@ -1,0 +1,41 @@
+"""Per-step batch description shared by every layer of the forward pass.
+
+`ForwardBatch` is built once per step by the model runner and passed explicitly down
+the model (no global context). It holds, per KV-cache group, the block table and slot
+mapping, and for the whole batch the row layout and the one row classification
+(invariant 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class GroupMetadata:
+    """Where one KV-cache group's tokens live: block table rows and write slots."""
+
+    block_tables: torch.Tensor  # [num_rows, max_blocks] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = do not write
+
+
+@dataclass
+class ForwardBatch:
+    positions: torch.Tensor  # [num_tokens]
+    query_start_loc: torch.Tensor  # [num_rows + 1] int32
+    seq_lens: torch.Tensor  # [num_rows] context length after this step's tokens
+    num_computed_tokens: torch.Tensor  # [num_rows] before this step
+    query_start_loc_list: list[int]
+    seq_lens_list: list[int]
+    groups: list[GroupMetadata] = field(default_factory=list)
+    # layer index -> KV-cache group index, fixed at model construction.
+    layer_to_group: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.seq_lens_list)
+
+    def group_for(self, layer_index: int) -> GroupMetadata:
+        return self.groups[self.layer_to_group[layer_index]]

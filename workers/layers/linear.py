@@ -1,0 +1,167 @@
+"""Linear layers written for tensor parallelism (they run unchanged with one rank).
+
+Column-parallel layers split output features across ranks; row-parallel layers split
+input features and all-reduce their partial sums. Fused projections (QKV, gate+up) keep
+one weight whose row ranges are filled shard by shard at load time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
+
+
+def check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(
+            f"weight {name}: checkpoint shape {tuple(loaded.shape)} does not match the "
+            f"model's expected shape {tuple(expected)}"
+        )
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split over ranks. `output_sizes` lists the fused
+    parts (e.g. [intermediate, intermediate] for gate+up); each part is split."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        tp: TPGroup | None = None,
+        dtype: torch.dtype = torch.float32,
+        gather_output: bool = False,
+    ):
+        super().__init__()
+        self.tp = tp or LocalGroup()
+        self.input_size = input_size
+        self.output_sizes = list(output_sizes)
+        self.local_sizes = [s // self.tp.world_size for s in output_sizes]
+        for s in output_sizes:
+            shard_range(s, 0, self.tp.world_size, "linear output size")
+        self.gather_output = gather_output
+        local_out = sum(self.local_sizes)
+        self.weight = nn.Parameter(torch.empty(local_out, input_size, dtype=dtype), False)
+        self.bias = nn.Parameter(torch.empty(local_out, dtype=dtype), False) if bias else None
+
+    def load_shard(self, param_name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        """Copies this rank's slice of fused part `shard` from a full checkpoint tensor."""
+        param = self.weight if param_name == "weight" else self.bias
+        full = self.output_sizes[shard]
+        expected = (full, self.input_size) if param_name == "weight" else (full,)
+        check_shape(param_name, loaded, expected)
+        start, end = shard_range(full, self.tp.rank, self.tp.world_size, "linear output size")
+        offset = sum(self.local_sizes[:shard])
+        param.data[offset : offset + end - start].copy_(loaded[start:end])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return self.tp.all_gather(y, dim=-1) if self.gather_output else y
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections fused; heads are split over ranks. With more ranks than
+    KV heads, each KV head is replicated on the ranks whose query heads use it."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp: TPGroup | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        tp = tp or LocalGroup()
+        if num_heads % tp.world_size:
+            raise ValueError(
+                f"num_attention_heads ({num_heads}) must be divisible by "
+                f"tensor_parallel_size ({tp.world_size})"
+            )
+        self.num_kv_heads_total = num_kv_heads
+        self.kv_replicas = max(1, tp.world_size // num_kv_heads)
+        if num_kv_heads >= tp.world_size and num_kv_heads % tp.world_size:
+            raise ValueError(
+                f"num_key_value_heads ({num_kv_heads}) must be divisible by "
+                f"tensor_parallel_size ({tp.world_size})"
+            )
+        kv_shards = num_kv_heads * self.kv_replicas  # kv heads after replication
+        self.head_size = head_size
+        self.num_heads = num_heads // tp.world_size
+        self.num_kv_heads = kv_shards // tp.world_size
+        super().__init__(
+            hidden_size,
+            [num_heads * head_size, kv_shards * head_size, kv_shards * head_size],
+            bias=bias,
+            tp=tp,
+            dtype=dtype,
+        )
+
+    def load_shard(self, param_name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        if shard > 0 and self.kv_replicas > 1:
+            loaded = loaded.unflatten(0, (self.num_kv_heads_total, self.head_size))
+            loaded = loaded.repeat_interleave(self.kv_replicas, dim=0).flatten(0, 1)
+        super().load_shard(param_name, loaded, shard)
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split(self.local_sizes, dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split over ranks; partial sums all-reduced."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp: TPGroup | None = None,
+        dtype: torch.dtype = torch.float32,
+        reduce_results: bool = True,
+    ):
+        super().__init__()
+        self.tp = tp or LocalGroup()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.reduce_results = reduce_results
+        start, end = shard_range(input_size, self.tp.rank, self.tp.world_size, "linear input size")
+        self.in_range = (start, end)
+        self.weight = nn.Parameter(torch.empty(output_size, end - start, dtype=dtype), False)
+        self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), False) if bias else None
+
+    def load_shard(self, param_name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        if param_name == "bias":
+            check_shape(param_name, loaded, (self.output_size,))
+            self.bias.data.copy_(loaded)
+            return
+        check_shape(param_name, loaded, (self.output_size, self.input_size))
+        start, end = self.in_range
+        self.weight.data.copy_(loaded[:, start:end])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce_results and self.tp.world_size > 1:
+            y = self.tp.all_reduce(y)
+        # Bias once, after the reduction, so it is not counted world_size times.
+        return y + self.bias if self.bias is not None else y
+
+
+class ReplicatedLinear(nn.Module):
+    """A small linear kept whole on every rank (routers, gates)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype=torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), False)
+        self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), False) if bias else None
+
+    def load_shard(self, param_name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        param = self.weight if param_name == "weight" else self.bias
+        check_shape(param_name, loaded, tuple(param.shape))
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,176 @@
+"""Runs one scheduled step on a worker: batch tensors, forward, logits, sampling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kvloom.cluster.config import EngineConfig
+from kvloom.cluster.kv_cache.spec import KVCacheGroup, group_layers
+from kvloom.cluster.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
+from kvloom.workers.input_batch import InputBatch
+from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
+from kvloom.workers.models.registry import model_class
+from kvloom.workers.sampler import RowSamplingState, sample
+from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
+
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DEFAULT_CPU_KV_BYTES = 64 * 2**20
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device, tp: TPGroup | None = None):
+        self.config = config
+        self.device = device
+        self.tp = tp or LocalGroup()
+        self.dtype_name = config.model.torch_dtype_name
+        self.dtype = TORCH_DTYPES[self.dtype_name]
+        self.block_size = config.cache.block_size
+        self.input_batch = InputBatch()
+        self.model = None
+        self.groups: list[KVCacheGroup] = []
+        self.layer_to_group: dict[int, int] = {}
+
+    def load_model(self, progress: bool = True) -> None:
+        klass = model_class(self.config.model.architecture)
+        with torch.device(self.device):
+            model = klass(self.config.model.text_config, self.dtype, self.tp)
+        load_weights(
+            model,
+            iterate_checkpoint(Path(self.config.model.model), progress=progress),
+            klass.stacked_params,
+            klass.ignored_weight_prefixes,
+            model.tied,
+        )
+        self.model = model.eval()
+        specs = model.kv_cache_specs(self.block_size, self.dtype_name)
+        self.groups = group_layers(specs)
+        self.layer_to_group = {
+            layer: g for g, group in enumerate(self.groups) for layer in group.layer_names
+        }
+
+    # -- KV cache -------------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        return sum(g.spec.page_size_bytes * len(g.layer_names) for g in self.groups)
+
+    def num_blocks_for_budget(self) -> int:
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        budget = cache.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                budget = int(free - total * (1 - cache.gpu_memory_utilization))
+            else:
+                budget = DEFAULT_CPU_KV_BYTES
+        sched = self.config.scheduler
+        useful = sched.max_num_seqs * -(-sched.max_model_len // self.block_size) * len(self.groups)
+        num_blocks = min(budget // self.bytes_per_block(), useful)
+        if num_blocks < 1:
+            raise ValueError(
+                f"no room for the KV cache: one block needs {self.bytes_per_block()} bytes, "
+                f"the budget is {budget} bytes (raise gpu_memory_utilization or "
+                "kv_cache_memory_bytes, or set num_kv_blocks)"
+            )
+        return num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        for attn in self.model.attention_layers():
+            shape = (2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_size)
+            attn.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def poison_blocks(self, block_ids: list[int]) -> None:
+        """Sanitizer: freed blocks read as NaN, so any stale read shows up."""
+        if not block_ids:
+            return
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for attn in self.model.attention_layers():
+            attn.kv_cache[:, ids] = float("nan")
+
+    # -- one step -------------------------------------------------------------------
+    def build_batch(self, sched: SchedulerOutput):
+        input_ids, positions, query_start, seq_lens, computed = [], [], [0], [], []
+        slots = [[] for _ in self.groups]
+        block_rows = [[] for _ in self.groups]
+        sample_rows: list[tuple[str, int]] = []  # (request id, token index of last query)
+        for request_id, num_new in sched.num_scheduled_tokens.items():
+            state = self.input_batch.requests[request_id]
+            start = state.num_computed_tokens
+            end = start + num_new
+            input_ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            computed.append(start)
+            seq_lens.append(end)
+            query_start.append(query_start[-1] + num_new)
+            for g, ids in enumerate(state.block_ids):
+                bs = self.groups[g].spec.block_size
+                slots[g].extend(ids[p // bs] * bs + p % bs for p in range(start, end))
+                block_rows[g].append(ids)
+            if end == len(state.token_ids):
+                sample_rows.append((request_id, query_start[-1] - 1))
+        dev = self.device
+
+        def tensor(values, dtype=torch.long):
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        groups = []
+        for g in range(len(self.groups)):
+            width = max((len(r) for r in block_rows[g]), default=0)
+            table = [r + [0] * (width - len(r)) for r in block_rows[g]]
+            groups.append(
+                GroupMetadata(tensor(table, torch.int32).view(len(table), width), tensor(slots[g]))
+            )
+        batch = ForwardBatch(
+            positions=tensor(positions),
+            query_start_loc=tensor(query_start, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            num_computed_tokens=tensor(computed, torch.int32),
+            query_start_loc_list=query_start,
+            seq_lens_list=seq_lens,
+            groups=groups,
+            layer_to_group=self.layer_to_group,
+        )
+        return tensor(input_ids), batch, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.input_batch.apply(sched)
+        if self.config.cache.sanitize:
+            self.poison_blocks(sched.blocks_to_poison)
+        if sched.is_empty:
+            return ModelRunnerOutput({})
+        input_ids, batch, sample_rows = self.build_batch(sched)
+        hidden = self.model(input_ids, batch.positions, batch)
+        if not sample_rows:
+            return ModelRunnerOutput({})
+        index = torch.tensor([i for _, i in sample_rows], device=self.device)
+        logits = self.model.compute_logits(hidden[index])
+        rows = []
+        for request_id, _ in sample_rows:
+            state = self.input_batch.requests[request_id]
+            rows.append(
+                RowSamplingState(
+                    state.sampling_params,
+                    state.sampling_seed,
+                    state.token_ids[: state.num_prompt_tokens],
+                    state.output_token_ids,
+                )
+            )
+        max_logprobs = max(
+            [r.params.logprobs for r in rows if r.params.logprobs is not None], default=-1
+        )
+        tokens, infos = sample(logits, rows, max_logprobs)
+        out = ModelRunnerOutput({})
+        for (request_id, _), token, info in zip(sample_rows, tokens, infos):
+            out.sampled_token_ids[request_id] = [token]
+            if info is not None:
+                out.logprobs[request_id] = [info]
+        return out

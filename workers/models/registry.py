@@ -1,0 +1,24 @@
+"""Architecture name (config.json `architectures[0]`) -> model class."""
+
+from __future__ import annotations
+
+import importlib
+
+# Lazy "module:Class" so importing the registry does not import every model.
+MODELS = {
+    "LlamaForCausalLM": "llama:LlamaForCausalLM",
+    "MistralForCausalLM": "llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "llama:Qwen3ForCausalLM",
+}
+
+
+def model_class(architecture: str):
+    target = MODELS.get(architecture)
+    if target is None:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(sorted(MODELS))}"
+        )
+    module_name, class_name = target.split(":")
+    module = importlib.import_module(f"kvloom.workers.models.{module_name}")
+    return getattr(module, class_name)

@@ -1,0 +1,106 @@
+"""Token sampling: penalties, temperature, min-p, top-k, top-p, seeded draws, logprobs.
+
+Randomness is keyed by (request seed, output position), not by a stream shared across
+the batch, so a seeded request draws the same tokens whatever else is batched with it
+and after a preemption recomputes it. Sampling is the exponential race: argmax(p / E)
+with E ~ Exp(1) picks token i with probability p_i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvloom.cluster.sampling_params import SamplingParams
+
+_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class RowSamplingState:
+    params: SamplingParams
+    seed: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+def draw_key(seed: int, position: int) -> int:
+    return (seed * _MIX + position * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[RowSamplingState]) -> None:
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(
+                sorted(set(row.prompt_token_ids) | set(row.output_token_ids)),
+                dtype=torch.long,
+                device=logits.device,
+            )
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(
+                vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+            )
+        if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
+            ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        if len(row.output_token_ids) < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(p.eos_token_ids))
+            if banned:
+                logits[i, banned] = float("-inf")
+
+
+def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Zeroes tokens outside min-p, top-k and top-p (one row); never empties the row."""
+    if min_p > 0:
+        probs = torch.where(probs >= min_p * probs.max(), probs, torch.zeros_like(probs))
+    if top_k > 0 and top_k < probs.shape[-1]:
+        kth = torch.topk(probs, top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        cumulative = sorted_probs.cumsum(0)
+        # Keep a token if the mass before it is < top_p (the first token always stays).
+        keep_sorted = (cumulative - sorted_probs) < top_p * cumulative[-1]
+        keep = torch.zeros_like(keep_sorted).scatter(0, order, keep_sorted)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+    return probs
+
+
+def sample(
+    logits: torch.Tensor, rows: list[RowSamplingState], max_logprobs: int
+) -> tuple[list[int], list[tuple[float, int, list[tuple[int, float]]] | None]]:
+    """logits: [rows, vocab] float. Returns sampled ids and, per row, logprob info if asked."""
+    raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if max_logprobs >= 0 else None
+    logits = logits.float().clone()
+    apply_penalties(logits, rows)
+    tokens: list[int] = []
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.greedy:
+            tokens.append(int(torch.argmax(logits[i])))
+            continue
+        probs = torch.softmax(logits[i] / p.temperature, dim=-1)
+        probs = filter_probs(probs, p.top_k, p.top_p, p.min_p)
+        gen = torch.Generator(device="cpu").manual_seed(
+            draw_key(row.seed, len(row.output_token_ids))
+        )
+        noise = torch.empty(probs.shape[0], dtype=torch.float32).exponential_(generator=gen)
+        tokens.append(int(torch.argmax(probs.cpu() / noise)))
+    infos: list = []
+    for i, row in enumerate(rows):
+        n = row.params.logprobs
+        if n is None or raw_logprobs is None:
+            infos.append(None)
+            continue
+        lp = raw_logprobs[i]
+        chosen = float(lp[tokens[i]])
+        rank = int((lp > lp[tokens[i]]).sum()) + 1
+        top = []
+        if n > 0:
+            values, ids = torch.topk(lp, min(n, lp.shape[0]))
+            top = [(int(t), float(v)) for t, v in zip(ids, values)]
+        infos.append((chosen, rank, top))
+    return tokens, infos
