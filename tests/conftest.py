@@ -1,0 +1,115 @@
+"""Shared fixtures: tiny random-weight Hugging Face checkpoints built with transformers.
+
+The whole suite runs with the sanitizer on (invariant 2): freed KV blocks and state slots
+are NaN-filled, so a stale read turns into NaN and fails a test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("KVLOOM_SANITIZE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+VOCAB = 512
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+# Tiny configs of each architecture: few layers, small widths, the demo tokenizer's vocab.
+TINY_CONFIGS = {
+    "llama": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "qwen2": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=False,
+    ),
+    "qwen3": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=True,
+    ),
+    "mistral": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=None,
+    ),
+}
+CONFIG_CLASSES = {
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+    "mistral": "MistralConfig",
+}
+
+
+@pytest.fixture(scope="session")
+def demo_tokenizer_dir(tmp_path_factory) -> Path:
+    from kvloom.cluster.demo_model import write_demo_model
+
+    return write_demo_model(tmp_path_factory.mktemp("demo-tokenizer"), arch="llama")
+
+
+def build_hf_model(arch: str, out: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """Saves a random-weight transformers model of `arch` with the demo tokenizer."""
+    import torch
+    import transformers
+
+    cfg_cls = getattr(transformers, CONFIG_CLASSES[arch])
+    kwargs = dict(TINY_CONFIGS[arch], vocab_size=VOCAB, max_position_embeddings=4096)
+    kwargs.update(bos_token_id=0, eos_token_id=2, **overrides)
+    config = cfg_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Default init (std 0.02) gives near-uniform logits; widen it so greedy margins are real.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.25)
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, demo_tokenizer_dir):
+    """tiny_model(arch, **config overrides) -> checkpoint dir (cached per session)."""
+    cache: dict = {}
+
+    def make(arch: str = "llama", **overrides) -> Path:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            cache[key] = build_hf_model(arch, out, demo_tokenizer_dir, **overrides)
+        return cache[key]
+
+    return make
