@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvloom.workers.row_kinds import RowClasses
+
 
 @dataclass
 class GroupMetadata:
@@ -19,6 +21,8 @@ class GroupMetadata:
 
     block_tables: torch.Tensor  # [num_rows, max_blocks] int32
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = do not write
+    # Linear-state groups: the block holding each row's live state (-1 for padding rows).
+    state_indices: torch.Tensor | None = None
 
 
 @dataclass
@@ -29,6 +33,7 @@ class ForwardBatch:
     num_computed_tokens: torch.Tensor  # [num_rows] before this step
     query_start_loc_list: list[int]
     seq_lens_list: list[int]
+    rows: RowClasses
     groups: list[GroupMetadata] = field(default_factory=list)
     # layer index -> KV-cache group index, fixed at model construction.
     layer_to_group: dict[int, int] = field(default_factory=dict)

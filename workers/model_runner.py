@@ -7,21 +7,17 @@ from pathlib import Path
 import torch
 
 from kvloom.cluster.config import EngineConfig
-from kvloom.cluster.kv_cache.spec import KVCacheGroup, group_layers
+from kvloom.cluster.kv_cache.spec import KVCacheGroup, LinearStateSpec, group_layers
 from kvloom.cluster.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
+from kvloom.workers.dtypes import TORCH_DTYPES
 from kvloom.workers.input_batch import InputBatch
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
 from kvloom.workers.models.registry import model_class
+from kvloom.workers.row_kinds import RowClasses, classify_rows
 from kvloom.workers.sampler import RowSamplingState, sample
 from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
 
-TORCH_DTYPES = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 DEFAULT_CPU_KV_BYTES = 64 * 2**20
 
 
@@ -83,17 +79,19 @@ class ModelRunner:
         return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        for attn in self.model.attention_layers():
-            shape = (2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_size)
-            attn.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        """Every cache-owning layer allocates its pages (KV blocks or state slots), indexed
+        by block ids of the one shared pool."""
+        for layer in self.model.cache_layers():
+            spec = self.groups[self.layer_to_group[layer.layer_index]].spec
+            layer.allocate_cache(num_blocks, spec, self.device)
 
     def poison_blocks(self, block_ids: list[int]) -> None:
-        """Sanitizer: freed blocks read as NaN, so any stale read shows up."""
+        """Sanitizer: freed blocks and state slots read as NaN, so a stale read shows up."""
         if not block_ids:
             return
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for attn in self.model.attention_layers():
-            attn.kv_cache[:, ids] = float("nan")
+        for layer in self.model.cache_layers():
+            layer.poison_cache(ids)
 
     # -- one step -------------------------------------------------------------------
     def build_batch(self, sched: SchedulerOutput):
@@ -111,9 +109,11 @@ class ModelRunner:
             seq_lens.append(end)
             query_start.append(query_start[-1] + num_new)
             for g, ids in enumerate(state.block_ids):
+                block_rows[g].append(ids)
+                if isinstance(self.groups[g].spec, LinearStateSpec):
+                    continue  # state lives in one page per request, no per-token slots
                 bs = self.groups[g].spec.block_size
                 slots[g].extend(ids[p // bs] * bs + p % bs for p in range(start, end))
-                block_rows[g].append(ids)
             if end == len(state.token_ids):
                 sample_rows.append((request_id, query_start[-1] - 1))
         dev = self.device
@@ -125,9 +125,13 @@ class ModelRunner:
         for g in range(len(self.groups)):
             width = max((len(r) for r in block_rows[g]), default=0)
             table = [r + [0] * (width - len(r)) for r in block_rows[g]]
-            groups.append(
-                GroupMetadata(tensor(table, torch.int32).view(len(table), width), tensor(slots[g]))
+            meta = GroupMetadata(
+                tensor(table, torch.int32).view(len(table), width), tensor(slots[g])
             )
+            if isinstance(self.groups[g].spec, LinearStateSpec):
+                meta.state_indices = tensor([r[0] if r else -1 for r in block_rows[g]])
+            groups.append(meta)
+        scheduled = list(sched.num_scheduled_tokens.values())
         batch = ForwardBatch(
             positions=tensor(positions),
             query_start_loc=tensor(query_start, torch.int32),
@@ -135,6 +139,7 @@ class ModelRunner:
             num_computed_tokens=tensor(computed, torch.int32),
             query_start_loc_list=query_start,
             seq_lens_list=seq_lens,
+            rows=RowClasses(classify_rows(computed, scheduled), scheduled),
             groups=groups,
             layer_to_group=self.layer_to_group,
         )

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from kvloom.cluster.kv_cache.block_hash import extend_block_hashes
 from kvloom.cluster.kv_cache.block_pool import BlockPool, KVBlock
-from kvloom.cluster.kv_cache.group_manager import FullAttentionManager
-from kvloom.cluster.kv_cache.spec import FullAttentionSpec, KVCacheGroup
+from kvloom.cluster.kv_cache.group_manager import FullAttentionManager, LinearStateManager
+from kvloom.cluster.kv_cache.spec import FullAttentionSpec, KVCacheGroup, LinearStateSpec, MLASpec
 from kvloom.cluster.request import Request
 
 
@@ -25,8 +25,10 @@ class PrefixCacheStats:
 
 
 def make_manager(group: KVCacheGroup, pool: BlockPool, group_id: int):
-    if isinstance(group.spec, FullAttentionSpec):
+    if isinstance(group.spec, FullAttentionSpec | MLASpec):
         return FullAttentionManager(group.spec, pool, group_id)
+    if isinstance(group.spec, LinearStateSpec):
+        return LinearStateManager(group.spec, pool, group_id)
     raise ValueError(f"no KV-cache manager for spec {type(group.spec).__name__}")
 
 

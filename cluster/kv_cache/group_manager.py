@@ -71,3 +71,42 @@ class FullAttentionManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+
+class LinearStateManager:
+    """Linear attention: a request holds one page, its live state (conv + recurrent),
+    whatever its length. Without state checkpoints there is nothing to hit."""
+
+    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int):
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.pool = pool
+        self.group_id = group_id
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+
+    def find_longest_hit(self, block_hashes: list[bytes], max_tokens: int) -> list[KVBlock]:
+        return []
+
+    def trim_hit(self, hit: list[KVBlock], num_tokens: int) -> list[KVBlock]:
+        return []
+
+    def publish_full_blocks(self, request_id: str, block_hashes: list[bytes], num_tokens: int):
+        pass
+
+    def num_new_blocks_needed(self, request_id: str, num_tokens: int, num_hit_blocks: int) -> int:
+        return 0 if self.req_blocks.get(request_id) else 1
+
+    def add_hit_blocks(self, request_id: str, hit: list[KVBlock]) -> None:
+        raise AssertionError("linear-state groups serve no prefix hits without checkpoints")
+
+    def allocate(self, request_id: str, num_tokens: int) -> list[KVBlock]:
+        if self.req_blocks.get(request_id):
+            return []
+        self.req_blocks[request_id] = self.pool.get_new_blocks(1)
+        return self.req_blocks[request_id]
+
+    def free(self, request_id: str) -> None:
+        self.pool.free_blocks(self.req_blocks.pop(request_id, []))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]

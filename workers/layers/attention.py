@@ -8,6 +8,7 @@ from torch import nn
 from kvloom.kernels.kv_cache_write import write_kv_cache_ref
 from kvloom.kernels.paged_attention import paged_attention_ref
 from kvloom.workers.attention_metadata import ForwardBatch
+from kvloom.workers.dtypes import TORCH_DTYPES
 
 
 class PagedAttention(nn.Module):
@@ -27,8 +28,15 @@ class PagedAttention(nn.Module):
         self.head_size = head_size
         self.scale = scale
         self.sliding_window = sliding_window
-        # Bound by the model runner once the pool is sized: [2, blocks, block, kv_heads, D].
+        # Allocated by the model runner once the pool is sized: [2, blocks, block, kv_heads, D].
         self.kv_cache: torch.Tensor | None = None
+
+    def allocate_cache(self, num_blocks: int, spec, device: torch.device) -> None:
+        shape = (2, num_blocks, spec.block_size, self.num_kv_heads, self.head_size)
+        self.kv_cache = torch.zeros(shape, dtype=TORCH_DTYPES[spec.dtype], device=device)
+
+    def poison_cache(self, block_ids: torch.Tensor) -> None:
+        self.kv_cache[:, block_ids] = float("nan")
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch

@@ -153,13 +153,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config["vocab_size"], config["hidden_size"], tp, dtype)
         self.tied = {"lm_head": "model.embed_tokens"} if config.get("tie_word_embeddings") else {}
 
-    def attention_layers(self) -> list[PagedAttention]:
+    def cache_layers(self) -> list[PagedAttention]:
+        """Layers that own cache pages (allocate_cache / poison_cache)."""
         return [layer.self_attn.attn for layer in self.model.layers]
 
     def kv_cache_specs(self, block_size: int, dtype: str) -> dict[int, FullAttentionSpec]:
         """Layer index -> what it caches (sliding-window layers get their own spec)."""
         specs = {}
-        for attn in self.attention_layers():
+        for attn in self.cache_layers():
             args = (block_size, attn.num_kv_heads, attn.head_size, dtype)
             specs[attn.layer_index] = (
                 SlidingWindowSpec(*args, sliding_window=attn.sliding_window)

@@ -1,0 +1,12 @@
+"""Dtype names used in configs and KV-cache specs -> torch dtypes."""
+
+from __future__ import annotations
+
+import torch
+
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
