@@ -55,10 +55,12 @@ def loadable_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def expected_entries(modules: dict[str, nn.Module]) -> set[tuple[str, str, int]]:
-    """(module path, parameter name, fused shard index) for every tensor a model needs."""
+    """(module path, parameter name, shard index) for every tensor a model needs. A module
+    loaded from several checkpoint tensors says how many with `num_shards` (or, for a
+    fused column-parallel linear, `output_sizes`)."""
     entries = set()
     for name, module in modules.items():
-        shards = len(getattr(module, "output_sizes", [0]))
+        shards = getattr(module, "num_shards", None) or len(getattr(module, "output_sizes", [0]))
         for param_name, _ in module.named_parameters(recurse=False):
             for shard in range(shards):
                 entries.add((name, param_name, shard))
@@ -83,7 +85,11 @@ def load_weights(
     tied: dict[str, str] | None = None,
 ) -> None:
     """stacked_params: (fused module suffix, checkpoint suffix, shard index).
-    tied: module -> module whose tensor it reuses when the checkpoint lacks its own."""
+    tied: module -> module whose tensor it reuses when the checkpoint lacks its own.
+    A model with its own naming (e.g. per-expert MoE tensors) defines
+    `map_weight_name(ckpt_name) -> (module path, param name, shard) | None`; None falls
+    back to the rules above."""
+    custom = getattr(model, "map_weight_name", None)
     modules = loadable_modules(model)
     expected = expected_entries(modules)
     tied = tied or {}
@@ -92,7 +98,7 @@ def load_weights(
     for ckpt_name, tensor in weights:
         if ckpt_name.startswith(ignored_prefixes) or ckpt_name.endswith("rotary_emb.inv_freq"):
             continue
-        entry = resolve_name(ckpt_name, stacked_params)
+        entry = (custom(ckpt_name) if custom else None) or resolve_name(ckpt_name, stacked_params)
         module = modules.get(entry[0])
         if module is None or entry not in expected:
             raise ValueError(f"unexpected weight {ckpt_name!r} in checkpoint")
