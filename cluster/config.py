@@ -95,7 +95,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         require_int("block_size", self.block_size, 1, 4096)
         if self.num_kv_blocks is not None:
-            require_int("num_kv_blocks", self.num_kv_blocks, 1)
+            require_int("num_kv_blocks", self.num_kv_blocks, 2)
         if self.kv_cache_memory_bytes is not None:
             require_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
         ok = isinstance(self.gpu_memory_utilization, int | float)

@@ -144,7 +144,7 @@ class Engine:
         pool = self.kv_cache.pool
         prefix = self.kv_cache.stats
         return {
-            "num_blocks": pool.num_blocks,
+            "num_blocks": pool.capacity,
             "num_free_blocks": pool.num_free_blocks,
             "kv_cache_usage": self.kv_cache.usage,
             "num_running": len(self.scheduler.running),

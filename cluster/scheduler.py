@@ -78,6 +78,14 @@ class Scheduler:
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
         if self.config.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
+        align = self.kv_cache.linear_block_size
+        if align:
+            # Align mode: end the chunk on the last linear-state block boundary inside it,
+            # so a state checkpoint exists there for later prefix hits.
+            start = request.num_computed_tokens
+            boundary = (start + num_new) // align * align
+            if boundary > start:
+                num_new = boundary - start
         return num_new
 
     def _preempt(self, victim: Request) -> None:
@@ -135,11 +143,14 @@ class Scheduler:
         return self._build_output(scheduled)
 
     def _build_output(self, scheduled: dict[str, int]) -> SchedulerOutput:
+        copies = self.kv_cache.drain_copies(scheduled)
         out = SchedulerOutput(
             num_scheduled_tokens=scheduled,
             total_num_scheduled_tokens=sum(scheduled.values()),
             finished_request_ids=self._forget,
             blocks_to_poison=self.kv_cache.pool.drain_poison_list(),
+            state_copies_before=copies.before,
+            state_copies_after=copies.after,
         )
         self._forget = []
         for request_id in scheduled:

@@ -41,6 +41,10 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     # Sanitizer: blocks to NaN-fill before this step runs.
     blocks_to_poison: list[int] = field(default_factory=list)
+    # Linear-state page copies (src, dst): before the forward (prefix hit -> live page)
+    # and after it (live page -> checkpoint). Applied after the poisoning.
+    state_copies_before: list[tuple[int, int]] = field(default_factory=list)
+    state_copies_after: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -93,6 +93,17 @@ class ModelRunner:
         for layer in self.model.cache_layers():
             layer.poison_cache(ids)
 
+    def copy_state_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies linear-state pages src -> dst in every linear-state layer."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
+        for layer in self.model.cache_layers():
+            spec = self.groups[self.layer_to_group[layer.layer_index]].spec
+            if isinstance(spec, LinearStateSpec):
+                layer.copy_cache(src, dst)
+
     # -- one step -------------------------------------------------------------------
     def build_batch(self, sched: SchedulerOutput):
         input_ids, positions, query_start, seq_lens, computed = [], [], [0], [], []
@@ -150,10 +161,12 @@ class ModelRunner:
         self.input_batch.apply(sched)
         if self.config.cache.sanitize:
             self.poison_blocks(sched.blocks_to_poison)
+        self.copy_state_pages(sched.state_copies_before)
         if sched.is_empty:
             return ModelRunnerOutput({})
         input_ids, batch, sample_rows = self.build_batch(sched)
         hidden = self.model(input_ids, batch.positions, batch)
+        self.copy_state_pages(sched.state_copies_after)
         if not sample_rows:
             return ModelRunnerOutput({})
         index = torch.tensor([i for _, i in sample_rows], device=self.device)

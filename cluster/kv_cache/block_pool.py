@@ -16,25 +16,39 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    # The null block (id 0) stands in block tables for blocks a request no longer needs
+    # (outside a sliding window, before a linear-state checkpoint); it is never handed out.
+    is_null: bool = False
 
     def __repr__(self) -> str:
         return f"KVBlock({self.block_id}, ref={self.ref_cnt})"
 
 
 class BlockPool:
+    """`num_blocks` pages; page 0 is the null block, so `capacity` = num_blocks - 1."""
+
     def __init__(self, num_blocks: int, enable_caching: bool = True, sanitize: bool = False):
-        if num_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
+        if num_blocks < 2:
+            raise ValueError(
+                f"num_kv_blocks must be >= 2 (one is the null block), got {num_blocks}"
+            )
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.sanitize = sanitize
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.null_block = KVBlock(0, ref_cnt=1, is_null=True)
+        self.blocks = [self.null_block] + [KVBlock(i) for i in range(1, num_blocks)]
         # Insertion order is eviction order: least recently freed first.
-        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._free: OrderedDict[int, KVBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks[1:]
+        )
         self._cached: dict[bytes, KVBlock] = {}
         # Blocks whose contents became garbage since the last drain (sanitizer NaN-fills).
         self._to_poison: list[int] = []
         self.num_evictions = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.num_blocks - 1
 
     @property
     def num_free_blocks(self) -> int:

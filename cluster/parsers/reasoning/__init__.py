@@ -1,0 +1,1 @@
+"""Streaming reasoning parsers: split generated text into reasoning and content."""

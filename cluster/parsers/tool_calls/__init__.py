@@ -1,0 +1,1 @@
+"""Streaming tool-call parsers, one module per output format."""

@@ -1,0 +1,258 @@
+"""Kimi Delta Attention (KDA) layer, as Kimi-Linear's linear-attention layers run it.
+
+Per token: q, k, v projections, each through a short depthwise causal conv with SiLU; a
+per-channel forget gate g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias); beta =
+sigmoid(b_proj(x)); the KDA recurrence (q, k L2-normalised in the kernel); then a gated RMSNorm
+per head, norm(o) * sigmoid(g_b(g_a(x))), and o_proj.
+
+State: a request owns one page of the linear-state group, holding the conv state of all three
+convolutions (channels q | k | v, the last K-1 inputs each) and the recurrent state
+[H, Dk, Dv]. Which rows read that page comes from `batch.rows` alone (invariant 1): decode
+rows (resume rows of one token) take the single-step kernels in place on the pool; prefill
+rows (fresh rows and multi-token resume rows) take the chunked kernels with
+`has_initial_state` from the classification, so a fresh row never reads its slot, which may
+hold another request's state or NaN (sanitizer). Prefill rows write their final states back.
+
+Tensor parallelism splits heads: q/k/v (fused), f_b, g_b and b_proj are column-parallel by
+head, dt_bias and A_log follow; f_a and g_a (hidden -> head_dim) are replicated; o_proj is
+row-parallel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvloom.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from kvloom.kernels.kda import chunk_kda, kda_log_decay, recurrent_kda
+from kvloom.workers.attention_metadata import ForwardBatch
+from kvloom.workers.dtypes import TORCH_DTYPES
+from kvloom.workers.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    check_shape,
+)
+from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each head's output times sigmoid(gate), all in float32 (float64 for
+    float64 input), as transformers' KimiLinearRMSNormGated."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), False)
+
+    def load_shard(self, param_name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        check_shape(param_name, loaded, tuple(self.weight.shape))
+        self.weight.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        h = x.to(acc)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight.to(acc) * h * torch.sigmoid(gate.to(acc))
+        return h.to(x.dtype)
+
+
+class FusedShortConv(nn.Module):
+    """The q, k and v depthwise conv weights as one [3 * D_local, K] weight (channels
+    q | k | v, this rank's heads of each), loaded from three [D, 1, K] checkpoint tensors."""
+
+    num_shards = 3
+
+    def __init__(self, channels: int, kernel_size: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.channels = channels
+        self.local = channels // tp.world_size
+        self.weight = nn.Parameter(torch.empty(3 * self.local, kernel_size, dtype=dtype), False)
+
+    def load_shard(self, param_name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        check_shape(param_name, loaded, (self.channels, 1, self.weight.shape[1]))
+        start, end = shard_range(self.channels, self.tp.rank, self.tp.world_size, "conv channels")
+        self.weight.data[shard * self.local : (shard + 1) * self.local].copy_(
+            loaded[start:end, 0]
+        )
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(
+        self,
+        layer_index: int,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        conv_kernel_size: int,
+        rms_norm_eps: float,
+        activation: str = "silu",
+        tp: TPGroup | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        tp = tp or LocalGroup()
+        if num_heads % tp.world_size:
+            raise ValueError(
+                f"linear_attn_config.num_heads ({num_heads}) must be divisible by "
+                f"tensor_parallel_size ({tp.world_size})"
+            )
+        if conv_kernel_size < 2:
+            raise ValueError(
+                f"linear_attn_config.short_conv_kernel_size must be at least 2, "
+                f"got {conv_kernel_size}"
+            )
+        self.layer_index = layer_index
+        self.tp = tp
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp.world_size
+        self.conv_kernel_size = conv_kernel_size
+        self.activation = activation
+        width = num_heads * head_dim
+        self.local_width = self.num_heads * head_dim
+        self.qkv_proj = ColumnParallelLinear(hidden_size, [width] * 3, tp=tp, dtype=dtype)
+        self.conv1d = FusedShortConv(width, conv_kernel_size, tp, dtype)
+        self.f_a_proj = ReplicatedLinear(hidden_size, head_dim, dtype=dtype)
+        self.f_b_proj = ColumnParallelLinear(head_dim, [width], tp=tp, dtype=dtype)
+        self.b_proj = ColumnParallelLinear(hidden_size, [num_heads], tp=tp, dtype=dtype)
+        self.g_a_proj = ReplicatedLinear(hidden_size, head_dim, dtype=dtype)
+        self.g_b_proj = ColumnParallelLinear(head_dim, [width], tp=tp, dtype=dtype)
+        self.o_norm = GatedRMSNorm(head_dim, rms_norm_eps, dtype)
+        self.o_proj = RowParallelLinear(width, hidden_size, tp=tp, dtype=dtype)
+        # Forget-gate parameters, loaded by this module (checkpoint: self_attn.A_log/dt_bias).
+        self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=dtype), False)
+        self.dt_bias = nn.Parameter(torch.empty(self.local_width, dtype=dtype), False)
+        self.num_heads_total = num_heads
+        self.conv_state: torch.Tensor | None = None  # [num_blocks, 3 * D_local, K - 1]
+        self.recurrent_state: torch.Tensor | None = None  # [num_blocks, H_local, Dk, Dv]
+
+    # -- weights ----------------------------------------------------------------------
+    def load_shard(self, param_name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        """A_log (checkpoint [1, 1, H, 1], one per head) and dt_bias ([H * Dh]): this rank's
+        heads."""
+        world, rank = self.tp.world_size, self.tp.rank
+        if param_name == "A_log":
+            if loaded.numel() != self.num_heads_total:
+                raise ValueError(
+                    f"A_log: expected {self.num_heads_total} values (one per head), "
+                    f"got shape {tuple(loaded.shape)}"
+                )
+            start, end = shard_range(self.num_heads_total, rank, world, "KDA heads")
+            self.A_log.data.copy_(loaded.reshape(-1)[start:end])
+        elif param_name == "dt_bias":
+            width = self.num_heads_total * self.head_dim
+            check_shape(param_name, loaded, (width,))
+            start, end = shard_range(width, rank, world, "KDA heads")
+            self.dt_bias.data.copy_(loaded[start:end])
+        else:
+            raise ValueError(f"unexpected KDA parameter {param_name!r}")
+
+    # -- cache ------------------------------------------------------------------------
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (3 * self.local_width, self.conv_kernel_size - 1)
+
+    @property
+    def recurrent_state_shape(self) -> tuple[int, int, int]:
+        return (self.num_heads, self.head_dim, self.head_dim)
+
+    def allocate_cache(self, num_blocks: int, spec, device: torch.device) -> None:
+        if (tuple(spec.conv_state_shape), tuple(spec.recurrent_state_shape)) != (
+            self.conv_state_shape,
+            self.recurrent_state_shape,
+        ):
+            raise ValueError(f"layer {self.layer_index}: LinearStateSpec does not match the layer")
+        self.conv_state = torch.zeros(
+            (num_blocks, *self.conv_state_shape), dtype=TORCH_DTYPES[spec.dtype], device=device
+        )
+        self.recurrent_state = torch.zeros(
+            (num_blocks, *self.recurrent_state_shape),
+            dtype=TORCH_DTYPES[spec.state_dtype],
+            device=device,
+        )
+
+    def poison_cache(self, block_ids: torch.Tensor) -> None:
+        self.conv_state[block_ids] = float("nan")
+        self.recurrent_state[block_ids] = float("nan")
+
+    def copy_cache(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copies whole state pages src[i] -> dst[i] (prefix-cache state checkpoints)."""
+        self.conv_state[dst] = self.conv_state[src]
+        self.recurrent_state[dst] = self.recurrent_state[src]
+
+    # -- forward ----------------------------------------------------------------------
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        heads = (num_tokens, self.num_heads, self.head_dim)
+        slots = batch.group_for(self.layer_index).state_indices
+        mixed = self.qkv_proj(hidden)
+        raw_gate = self.f_b_proj(self.f_a_proj(hidden)).view(heads)
+        g = kda_log_decay(raw_gate, self.A_log, self.dt_bias)
+        beta = torch.sigmoid(self.b_proj(hidden))
+
+        core = hidden.new_zeros(heads)
+        prefill, decode = batch.rows.prefill_rows, batch.rows.decode_rows
+        if prefill:
+            self._prefill(mixed, g, beta, batch, prefill, slots, core)
+        if decode:
+            self._decode(mixed, g, beta, batch, decode, slots, core)
+
+        gate = self.g_b_proj(self.g_a_proj(hidden)).view(heads)
+        out = self.o_norm(core, gate).reshape(num_tokens, -1)
+        return self.o_proj(out)
+
+    def _split_heads(self, mixed: torch.Tensor):
+        q, k, v = mixed.split([self.local_width] * 3, dim=-1)
+        shape = (mixed.shape[0], self.num_heads, self.head_dim)
+        return q.reshape(shape), k.reshape(shape), v.reshape(shape)
+
+    def _prefill(self, mixed, g, beta, batch, rows, slots, core) -> None:
+        """Chunked kernels over the prefill rows' tokens, from zeros for fresh rows."""
+        starts = batch.query_start_loc_list
+        spans = [(starts[r], starts[r + 1]) for r in rows]
+        device = mixed.device
+        tokens = torch.cat([torch.arange(a, b, device=device) for a, b in spans])
+        lens = torch.tensor([b - a for a, b in spans], dtype=torch.int64)
+        cu_seqlens = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(device)
+        has_state = batch.rows.has_initial_state_tensor(rows, device)
+        row_slots = slots[rows].long()
+
+        x, conv_state = causal_conv1d_varlen(
+            mixed[tokens],
+            self.conv1d.weight,
+            None,
+            cu_seqlens,
+            self.conv_state[row_slots],
+            has_state,
+            self.activation,
+        )
+        self.conv_state[row_slots] = conv_state
+        q, k, v = self._split_heads(x)
+        out, state = chunk_kda(
+            q,
+            k,
+            v,
+            g[tokens],
+            beta[tokens],
+            cu_seqlens,
+            self.recurrent_state[row_slots],
+            has_state,
+            use_qk_l2norm=True,
+        )
+        self.recurrent_state[row_slots] = state
+        core[tokens] = out.to(core.dtype)
+
+    def _decode(self, mixed, g, beta, batch, rows, slots, core) -> None:
+        """Single-step kernels, in place on the pools at the rows' own slots."""
+        starts = batch.query_start_loc_list
+        tokens = torch.tensor([starts[r] for r in rows], device=mixed.device)
+        row_slots = slots[rows]
+        x = causal_conv1d_update(
+            mixed[tokens], self.conv1d.weight, None, self.conv_state, row_slots, self.activation
+        )
+        q, k, v = self._split_heads(x)
+        out = recurrent_kda(
+            q, k, v, g[tokens], beta[tokens], self.recurrent_state, row_slots, use_qk_l2norm=True
+        )
+        core[tokens] = out.to(core.dtype)

@@ -1,0 +1,259 @@
+"""Mixture-of-experts layer: routers and the expert computation, tensor-parallel-ready.
+
+Routers turn router logits into (weights [T, k], expert ids [T, k]):
+  * `route_softmax_topk`: softmax over all experts, top-k, optional renormalisation
+    (Qwen3-MoE / Qwen3-Next).
+  * `route_grouped_sigmoid_topk`: sigmoid scores plus a correction bias choose the experts
+    within the best groups; the weights are the uncorrected scores (DeepSeek-V3 / Kimi-Linear).
+
+`FusedMoE` holds every expert's weights stacked: `w13` [E, 2 * I_local, H] (gate rows, then
+up rows) and `w2` [E, H, I_local]. Tensor parallelism splits the intermediate dim, so each
+rank computes a partial down projection and the results are all-reduced (or left for the
+caller to reduce with its shared expert when `reduce_results=False`).
+
+Checkpoints store one tensor per expert and projection (transformers writes them so even
+though its modules hold them fused). The two stacks are child modules that the weight loader
+fills shard by shard; `map_expert_weight` maps checkpoint names onto them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvloom.kernels.activation import silu_and_mul_ref
+from kvloom.workers.layers.linear import check_shape
+from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
+
+SUPPORTED_ACTIVATIONS = ("silu",)
+
+# Checkpoint projection name -> (FusedMoE child, part index within that child).
+# Qwen/DeepSeek spell them gate/up/down_proj; Mixtral-style checkpoints (Kimi-Linear) w1/w3/w2.
+EXPERT_PROJECTIONS = {
+    "gate_proj": ("gate_up", 0),
+    "up_proj": ("gate_up", 1),
+    "down_proj": ("down", 0),
+    "w1": ("gate_up", 0),
+    "w3": ("gate_up", 1),
+    "w2": ("down", 0),
+}
+_EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+def _routing_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _check_logits(router_logits: torch.Tensor, top_k: int) -> int:
+    if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2:
+        shape = getattr(router_logits, "shape", None)
+        raise ValueError(f"router_logits: expected a [tokens, experts] tensor, got {shape}")
+    num_experts = router_logits.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be an int in [1, {num_experts}], got {top_k!r}")
+    return num_experts
+
+
+def route_softmax_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts (float32, or float64 for float64 logits), the top-k
+    probabilities, renormalised to sum to 1 when `renormalize` (norm_topk_prob).
+    Weights come back in the logits' dtype, as transformers' Qwen3-Next router returns them."""
+    _check_logits(router_logits, top_k)
+    probs = torch.softmax(router_logits.to(_routing_dtype(router_logits)), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def route_grouped_sigmoid_topk(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    num_groups: int,
+    topk_groups: int,
+    renormalize: bool,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing. scores = sigmoid(logits); the choice uses scores + bias: each
+    group is rated by the sum of its two best biased scores, the best `topk_groups` groups
+    stay eligible, and the top-k biased scores among them pick the experts. The weights are
+    the *unbiased* scores of those experts, renormalised (+1e-20) when `renormalize`, then
+    times `routed_scaling_factor`. Computed and returned in float32 (float64 for float64
+    logits), as transformers' Kimi-Linear router does."""
+    num_experts = _check_logits(router_logits, top_k)
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
+        raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
+    if num_experts % num_groups:
+        raise ValueError(
+            f"num_groups ({num_groups}) must divide the number of experts ({num_experts})"
+        )
+    if isinstance(topk_groups, bool) or not isinstance(topk_groups, int):
+        raise ValueError(f"topk_groups must be an int, got {topk_groups!r}")
+    if not 1 <= topk_groups <= num_groups:
+        raise ValueError(f"topk_groups must be in [1, {num_groups}], got {topk_groups}")
+    per_group = num_experts // num_groups
+    if top_k > topk_groups * per_group:
+        raise ValueError(
+            f"top_k ({top_k}) exceeds the experts in the chosen groups "
+            f"({topk_groups} x {per_group})"
+        )
+    dtype = _routing_dtype(router_logits)
+    scores = router_logits.to(dtype).sigmoid()
+    choice = scores
+    if correction_bias is not None:
+        check_shape("correction_bias", correction_bias, (num_experts,))
+        choice = scores + correction_bias.to(dtype)
+    grouped = choice.view(-1, num_groups, per_group)
+    group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)
+    best_groups = group_scores.topk(topk_groups, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool)
+    group_mask.scatter_(1, best_groups, True)
+    eligible = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, num_experts)
+    ids = choice.masked_fill(~eligible, float("-inf")).topk(top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+class StackedExpertWeight(nn.Module):
+    """One weight per expert, stacked: `weight` [E, sum(local out parts), local in].
+
+    Checkpoint tensor (expert e, part p) is shard e * num_parts + p. `split` says which dim
+    tensor parallelism cuts: "output" cuts every output part (gate/up), "input" cuts the
+    input columns (down)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        output_parts: list[int],
+        input_size: int,
+        split: str,
+        tp: TPGroup,
+        dtype: torch.dtype,
+    ):
+        super().__init__()
+        if split not in ("output", "input"):
+            raise ValueError(f"split must be 'output' or 'input', got {split!r}")
+        self.num_experts = num_experts
+        self.output_parts = list(output_parts)
+        self.input_size = input_size
+        self.split = split
+        self.tp = tp
+        self.num_shards = num_experts * len(output_parts)
+        if split == "output":
+            ranges = [shard_range(s, tp.rank, tp.world_size, "expert size") for s in output_parts]
+            self.part_ranges = ranges
+            self.in_range = (0, input_size)
+        else:
+            self.part_ranges = [(0, s) for s in output_parts]
+            self.in_range = shard_range(input_size, tp.rank, tp.world_size, "expert size")
+        self.part_offsets = [0]
+        for start, end in self.part_ranges:
+            self.part_offsets.append(self.part_offsets[-1] + end - start)
+        local_in = self.in_range[1] - self.in_range[0]
+        shape = (num_experts, self.part_offsets[-1], local_in)
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype), False)
+
+    def load_shard(self, param_name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        if param_name != "weight":
+            raise ValueError(f"unexpected parameter {param_name!r} for stacked expert weights")
+        expert, part = divmod(shard, len(self.output_parts))
+        check_shape(param_name, loaded, (self.output_parts[part], self.input_size))
+        (row_start, row_end), (col_start, col_end) = self.part_ranges[part], self.in_range
+        offset = self.part_offsets[part]
+        self.weight.data[expert, offset : offset + row_end - row_start].copy_(
+            loaded[row_start:row_end, col_start:col_end]
+        )
+
+
+class FusedMoE(nn.Module):
+    """Routed experts: out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TPGroup | None = None,
+        dtype: torch.dtype = torch.float32,
+        hidden_act: str = "silu",
+        reduce_results: bool = True,
+    ):
+        super().__init__()
+        if hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act must be one of {SUPPORTED_ACTIVATIONS}, got {hidden_act!r}"
+            )
+        for name, value in (("num_experts", num_experts), ("top_k", top_k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if top_k > num_experts:
+            raise ValueError(f"top_k ({top_k}) exceeds num_experts ({num_experts})")
+        self.tp = tp or LocalGroup()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.reduce_results = reduce_results
+        parts = [intermediate_size, intermediate_size]
+        self.gate_up = StackedExpertWeight(
+            num_experts, parts, hidden_size, "output", self.tp, dtype
+        )
+        self.down = StackedExpertWeight(
+            num_experts, [hidden_size], intermediate_size, "input", self.tp, dtype
+        )
+
+    @property
+    def w13(self) -> torch.Tensor:
+        """[E, 2 * I_local, H]: gate rows then up rows of this rank's intermediate slice."""
+        return self.gate_up.weight
+
+    @property
+    def w2(self) -> torch.Tensor:
+        """[E, H, I_local]."""
+        return self.down.weight
+
+    def forward(
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden [T, H], topk_weights [T, k], topk_ids [T, k] -> [T, H] in hidden's dtype."""
+        check_shape("hidden", hidden, (hidden.shape[0], self.hidden_size))
+        check_shape("topk_ids", topk_ids, (hidden.shape[0], None))
+        check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
+        out = torch.zeros_like(hidden)
+        if topk_ids.numel():
+            lo, hi = int(topk_ids.min()), int(topk_ids.max())
+            if lo < 0 or hi >= self.num_experts:
+                raise ValueError(f"topk_ids: expert ids must be in [0, {self.num_experts})")
+        # Experts in ascending order, each over the tokens routed to it, as transformers
+        # loops, so fp32 sums accumulate in the same order.
+        for expert in torch.unique(topk_ids).tolist():
+            tokens, slot = torch.nonzero(topk_ids == expert, as_tuple=True)
+            x = hidden[tokens]
+            act = silu_and_mul_ref(F.linear(x, self.w13[expert]))
+            y = F.linear(act, self.w2[expert]) * topk_weights[tokens, slot, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        if self.reduce_results and self.tp.world_size > 1:
+            out = self.tp.all_reduce(out)
+        return out
+
+
+def map_expert_weight(ckpt_name: str) -> tuple[str, str, int] | None:
+    """`<prefix>.experts.<e>.<proj>.weight` -> (`<prefix>.experts.<child>`, "weight", shard)
+    for a FusedMoE at `<prefix>.experts`; None for any other name. Use it from a model's
+    `map_weight_name`."""
+    match = _EXPERT_NAME.match(ckpt_name)
+    if match is None or match["proj"] not in EXPERT_PROJECTIONS:
+        return None
+    child, part = EXPERT_PROJECTIONS[match["proj"]]
+    num_parts = 2 if child == "gate_up" else 1
+    shard = int(match["expert"]) * num_parts + part
+    return f"{match['prefix']}.{child}", "weight", shard
