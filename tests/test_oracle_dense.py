@@ -25,14 +25,13 @@ ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 def kvloom_prompt_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     """Logits at every prompt position from one prefill through kvloom's model runner."""
     runner = llm.engine.executor.worker.runner
-    bs = runner.block_size
-    num_blocks = -(-len(token_ids) // bs)
+    num_blocks = -(-len(token_ids) // runner.block_size)
+    # Disjoint blocks per KV-cache group (block 0 is the null block).
+    block_ids = tuple(
+        list(range(1 + g * num_blocks, 1 + (g + 1) * num_blocks)) for g in range(len(runner.groups))
+    )
     sched = SchedulerOutput(
-        new_requests=[
-            NewRequestData(
-                "probe", token_ids, SamplingParams(), (list(range(num_blocks)),), 0, 0, 0
-            )
-        ],
+        new_requests=[NewRequestData("probe", token_ids, SamplingParams(), block_ids, 0, 0, 0)],
         num_scheduled_tokens={"probe": len(token_ids)},
         total_num_scheduled_tokens=len(token_ids),
     )
