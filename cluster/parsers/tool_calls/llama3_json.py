@@ -61,20 +61,19 @@ class Llama3JsonToolParser(ToolCallParser):
     def _state_expect_object(self) -> bool:
         stripped = self._buf.lstrip(_WHITESPACE)
         if not stripped:
-            if self._eof:
-                return self._as_content() if self._held else False
+            if self._eof and self._num_calls == 0:
+                return self._as_content()
             return False
         if stripped[0] != "{":
-            return self._as_content() if self._held else self._set("content")
+            if self._num_calls == 0:
+                return self._as_content()
+            self._state = "content"
+            return True
         lead = self._consume(len(self._buf) - len(stripped))
-        if self._held:
+        if self._num_calls == 0:
             self._held.append(lead)
         self._reader = JsonCallObjectReader(_TOLERATED_KEYS)
         self._state = "object"
-        return True
-
-    def _set(self, state: str) -> bool:
-        self._state = state
         return True
 
     def _state_object(self) -> bool:

@@ -136,14 +136,16 @@ class MistralToolParser(ToolCallParser):
     # ----- before v11: [{"name": ..., "arguments": {...}}, ...]
 
     def _state_array(self) -> bool:
-        if not self._skip_whitespace():
+        stripped = self._buf.lstrip()
+        self._raw.append(self._consume(len(self._buf) - len(stripped)))
+        if not stripped:
             return False
         char = self._buf[0]
         if char == "{":
             self._reader = JsonCallObjectReader()
             self._state = "object"
         elif char == ",":
-            self._consume(1)
+            self._raw.append(self._consume(1))
         elif char == "]":
             self._consume(1)
             self._raw = []
@@ -161,6 +163,7 @@ class MistralToolParser(ToolCallParser):
         if reader.name is None:
             self._raw.append(reader.consumed)
             return self._give_back()
+        self._raw = []  # committed: this was a call
         self._close_call()
         self._state = "array" if reader.done else "content"
         return True

@@ -1,0 +1,1 @@
+"""Proto package root: kvloom/v1/*.proto and their generated stubs."""

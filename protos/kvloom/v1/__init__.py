@@ -1,0 +1,1 @@
+"""Generated stubs for the kvloom.v1 protos (see protos/generate.py)."""
