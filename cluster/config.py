@@ -89,6 +89,11 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    # How sliding-window layers are booked for caching: "window" frees blocks outside the
+    # window; "full" keeps them like full attention (the window is still enforced at
+    # compute) so their prefix hits match full attention's; "auto" picks "full" when every
+    # attention layer is sliding-window and prefix caching is on.
+    sliding_window_booking: str = "auto"
     # None: on when the environment sets KVLOOM_SANITIZE=1 (the test suite does).
     sanitize: bool | None = None
 
@@ -104,6 +109,13 @@ class CacheConfig:
             "gpu_memory_utilization",
             "a number in (0, 1]",
             self.gpu_memory_utilization,
+        )
+        bookings = ("auto", "window", "full")
+        require(
+            self.sliding_window_booking in bookings,
+            "sliding_window_booking",
+            f"one of {bookings}",
+            self.sliding_window_booking,
         )
         if self.sanitize is None:
             self.sanitize = os.environ.get("KVLOOM_SANITIZE", "") not in ("", "0")

@@ -182,8 +182,8 @@ class StepPublisher:
         self._endpoint = _BoundEndpoint(zmq.XPUB, transport, host, advertise_host, "step")
         sock = self._endpoint.socket
         sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # pass every subscription up, duplicates too
-        pass
-        pass
+        sock.setsockopt(zmq.XPUB_NODROP, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)
         self.address: str = self._endpoint.address
         self._joined: set[bytes] = set()
         self._seq = 0
@@ -220,8 +220,6 @@ class StepPublisher:
         if self._closed:
             raise ChannelClosed("StepPublisher is closed")
         payload = _encode(msg)
-        if not self.ready:
-            self.wait_ready(self.ready_timeout)
         self._endpoint.socket.send_multipart([_STEP_HEADER.pack(_DATA, self._seq), payload])
         self._seq += 1
 
@@ -255,7 +253,7 @@ class StepSubscriber:
         self._decoder = _make_decoder(msg_type)
         self._context = zmq.Context(io_threads=1)
         self._socket = self._context.socket(zmq.SUB)
-        pass
+        self._socket.setsockopt(zmq.RCVHWM, 0)
         self._socket.connect(address)
         # Order matters: the catch-all subscription is processed by the publisher before the
         # hello that tells it this subscriber is ready.

@@ -106,7 +106,7 @@ def tiny_model(tmp_path_factory, demo_tokenizer_dir):
     cache: dict = {}
 
     def make(arch: str = "llama", **overrides) -> Path:
-        key = (arch, tuple(sorted(overrides.items())))
+        key = (arch, repr(sorted(overrides.items())))
         if key not in cache:
             out = tmp_path_factory.mktemp(f"tiny-{arch}")
             cache[key] = build_hf_model(arch, out, demo_tokenizer_dir, **overrides)

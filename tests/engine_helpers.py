@@ -35,3 +35,40 @@ def run_to_completion(
 def assert_pool_full(engine: Engine) -> None:
     stats = engine.stats()
     assert stats["num_free_blocks"] == stats["num_blocks"], stats
+
+
+def multi_turn(
+    engine: Engine,
+    num_conversations: int = 3,
+    num_turns: int = 4,
+    max_tokens: int = 6,
+    seed: int = 0,
+) -> list[list[tuple[list[int], RequestOutput]]]:
+    """Runs interleaved conversations: turn k's prompt is turn k-1's prompt + its output +
+    new user text. Returns, per turn, (prompt, output) for each conversation."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = [
+        [5 + rng.randrange(400) for _ in range(rng.randint(9, 20))]
+        for _ in range(num_conversations)
+    ]
+    turns = []
+    for _ in range(num_turns):
+        outs = run_to_completion(engine, prompts, greedy(max_tokens))
+        turns.append(list(zip(prompts, outs)))
+        prompts = [
+            p + o.outputs[0].token_ids + [5 + rng.randrange(400) for _ in range(rng.randint(3, 9))]
+            for p, o in zip(prompts, outs)
+        ]
+    return turns
+
+
+def reusable_prefix(turns, turn: int, block_size: int) -> list[int]:
+    """Per conversation: tokens of turn `turn` whose KV the previous turn computed, in
+    whole blocks (the previous prompt + output, less the never-fed last token)."""
+    out = []
+    for prompt, result in turns[turn - 1]:
+        computed = len(prompt) + len(result.outputs[0].token_ids) - 1
+        out.append(computed // block_size * block_size)
+    return out

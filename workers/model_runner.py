@@ -6,8 +6,14 @@ from pathlib import Path
 
 import torch
 
-from kvloom.cluster.config import EngineConfig
-from kvloom.cluster.kv_cache.spec import KVCacheGroup, LinearStateSpec, group_layers
+from kvloom.cluster.config import CacheConfig, EngineConfig
+from kvloom.cluster.kv_cache.spec import (
+    FullAttentionSpec,
+    KVCacheGroup,
+    LinearStateSpec,
+    SlidingWindowSpec,
+    group_layers,
+)
 from kvloom.cluster.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
 from kvloom.workers.dtypes import TORCH_DTYPES
@@ -19,6 +25,23 @@ from kvloom.workers.sampler import RowSamplingState, sample
 from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
 
 DEFAULT_CPU_KV_BYTES = 64 * 2**20
+
+
+def book_sliding_windows(specs: dict, cache: CacheConfig) -> dict:
+    """Applies `sliding_window_booking`: sliding-window layers booked as full attention
+    keep every block (their window still applies at compute)."""
+    booking = cache.sliding_window_booking
+    if booking == "auto":
+        all_sliding = all(isinstance(s, SlidingWindowSpec) for s in specs.values())
+        booking = "full" if all_sliding and cache.enable_prefix_caching else "window"
+    if booking == "window":
+        return specs
+    return {
+        layer: FullAttentionSpec(s.block_size, s.num_kv_heads, s.head_size, s.dtype)
+        if isinstance(s, SlidingWindowSpec)
+        else s
+        for layer, s in specs.items()
+    }
 
 
 class ModelRunner:
@@ -46,7 +69,9 @@ class ModelRunner:
             model.tied,
         )
         self.model = model.eval()
-        specs = model.kv_cache_specs(self.block_size, self.dtype_name)
+        specs = book_sliding_windows(
+            model.kv_cache_specs(self.block_size, self.dtype_name), self.config.cache
+        )
         self.groups = group_layers(specs)
         self.layer_to_group = {
             layer: g for g, group in enumerate(self.groups) for layer in group.layer_names

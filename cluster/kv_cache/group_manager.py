@@ -45,8 +45,12 @@ class GroupManager:
         self.num_published: dict[str, int] = {}
 
     def block_hash(self, block_hashes: list[bytes], index: int) -> bytes | None:
+        """The cache key of this group's block `index`: the prefix hash tagged with the
+        group, since every group caches the same prefix in its own blocks."""
         position = (index + 1) * self.stride - 1
-        return block_hashes[position] if position < len(block_hashes) else None
+        if position >= len(block_hashes):
+            return None
+        return self.group_id.to_bytes(2, "little") + block_hashes[position]
 
     def num_hashed_blocks(self, block_hashes: list[bytes]) -> int:
         return len(block_hashes) // self.stride
