@@ -39,6 +39,9 @@ class Engine:
         self._counter = itertools.count()
         self.num_finished = 0
         self.num_aborted = 0
+        # Set when a worker failed: every request was ended with an error, and the engine
+        # refuses new ones (fail fast; the process supervisor restarts it).
+        self.failure: str | None = None
 
     # -- requests -------------------------------------------------------------------
     def _prompt_ids(self, prompt: PromptInput) -> tuple[list[int], str | None, str | None]:
@@ -75,6 +78,8 @@ class Engine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
     ) -> None:
+        if self.failure is not None:
+            raise RuntimeError(f"engine is down: {self.failure}")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -120,7 +125,10 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.is_empty and not sched.finished_request_ids and not sched.blocks_to_poison:
             return []
-        runner_out = self.executor.execute_model(sched)
+        try:
+            runner_out = self.executor.execute_model(sched)
+        except Exception as err:  # a worker died or raised: end everything, loudly
+            return self._fail_all(f"{type(err).__name__}: {err}")
         advanced, finished = self.scheduler.update_from_output(sched, runner_out)
         results = []
         for request in advanced:
@@ -138,6 +146,16 @@ class Engine:
             if request not in advanced:
                 self.num_finished += 1
                 results.append(self.outputs.make_output(request, finished=True))
+        return results
+
+    def _fail_all(self, reason: str) -> list[RequestOutput]:
+        self.failure = reason
+        results = []
+        for request_id in list(self.scheduler.requests):
+            request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+            request.stop_reason = reason
+            self.num_finished += 1
+            results.append(self.outputs.make_output(request, finished=True))
         return results
 
     def stats(self) -> dict[str, Any]:
@@ -161,4 +179,7 @@ class Engine:
         }
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        """Stops the workers (and frees a Ray placement group). Safe to call twice."""
+        if self.executor is not None:
+            self.executor.shutdown()
+            self.executor = None

@@ -43,10 +43,15 @@ class InProcessExecutor:
 
 
 def make_executor(config: EngineConfig, progress: bool = True) -> Executor:
+    """In-process for one rank (unless executor="ray"); Ray for a TP × DCP grid."""
     parallel = config.parallel
     if parallel.executor == "ray" or parallel.world_size > 1:
-        raise ValueError(
-            "tensor_parallel_size / decode_context_parallel_size > 1 need the Ray executor, "
-            "which is not available yet"
-        )
+        if parallel.executor == "inprocess":
+            raise ValueError(
+                "executor='inprocess' runs one rank; tensor_parallel_size × "
+                "decode_context_parallel_size > 1 needs executor='ray' or 'auto'"
+            )
+        from kvloom.cluster.ray_executor import RayExecutor
+
+        return RayExecutor(config, progress=progress)
     return InProcessExecutor(config, progress=progress)

@@ -61,6 +61,9 @@ def attention_over_context(
     if sliding_window is not None:
         visible &= k_positions[None, :] > q_positions[:, None] - sliding_window
     scores = scores.masked_fill(~visible, float("-inf"))
+    # Keys no query sees may be stale (NaN under the sanitizer, e.g. pages a sliding
+    # window freed); zero them, or a BLAS path that computes 0 * NaN leaks NaN.
+    v = v.masked_fill(~visible.any(dim=0)[:, None, None], 0.0)
     lse = torch.logsumexp(scores, dim=-1)  # [H, n]
     safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     probs = torch.exp(scores - safe_lse[..., None])
@@ -76,24 +79,34 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    kv_stride: int = 1,
+    kv_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, Hq, D]; returns (out [T, Hq, D] in q's dtype, lse [T, Hq] float32)."""
+    """q: [T, Hq, D]; returns (out [T, Hq, D] in q's dtype, lse [T, Hq] float32).
+
+    Decode context parallelism: a rank that holds only the positions
+    `kv_offset + i * kv_stride` stores position i-th of those at local index i (the block
+    table then indexes local tokens); it attends over its share and returns the lse so the
+    shares merge exactly. kv_stride = 1, kv_offset = 0 is the whole cache.
+    """
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for row, context_len in enumerate(lens):
         start, end = starts[row], starts[row + 1]
-        if end == start or context_len == 0:
+        num_local = max(0, -(-(context_len - kv_offset) // kv_stride))
+        if end == start or num_local == 0:
             continue
-        keys, values = gather_context(kv_cache, block_tables[row], context_len)
+        keys, values = gather_context(kv_cache, block_tables[row], num_local)
         first_q_pos = context_len - (end - start)
         q_pos = torch.arange(first_q_pos, context_len, device=q.device)
         # Keys no query can see are sliced away, not masked: with a sliding window their
         # blocks may already be freed (NaN under the sanitizer) and 0 * NaN is NaN.
         first_k_pos = 0 if sliding_window is None else max(0, first_q_pos - sliding_window + 1)
-        keys, values = keys[first_k_pos:], values[first_k_pos:]
-        k_pos = torch.arange(first_k_pos, context_len, device=q.device)
+        first_local = max(0, -(-(first_k_pos - kv_offset) // kv_stride))
+        keys, values = keys[first_local:], values[first_local:]
+        k_pos = kv_offset + kv_stride * torch.arange(first_local, num_local, device=q.device)
         o, row_lse = attention_over_context(
             q[start:end], keys, values, q_pos, k_pos, scale, sliding_window
         )

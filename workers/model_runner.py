@@ -18,6 +18,7 @@ from kvloom.cluster.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
 from kvloom.workers.dtypes import TORCH_DTYPES
 from kvloom.workers.input_batch import InputBatch
+from kvloom.workers.layers.attention import PagedAttention
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
 from kvloom.workers.models.registry import model_class
 from kvloom.workers.row_kinds import RowClasses, classify_rows
@@ -45,10 +46,16 @@ def book_sliding_windows(specs: dict, cache: CacheConfig) -> dict:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, device: torch.device, tp: TPGroup | None = None):
+    def __init__(
+        self, config: EngineConfig, device: torch.device, tp: TPGroup | None = None, dcp=None
+    ):
         self.config = config
         self.device = device
         self.tp = tp or LocalGroup()
+        # Decode context parallelism: attention KV is sharded over the DCP group by token.
+        self.dcp = dcp if dcp is not None and dcp.world_size > 1 else None
+        self.dcp_size = 1 if self.dcp is None else self.dcp.world_size
+        self.dcp_rank = 0 if self.dcp is None else self.dcp.rank_in_group
         self.dtype_name = config.model.torch_dtype_name
         self.dtype = TORCH_DTYPES[self.dtype_name]
         self.block_size = config.cache.block_size
@@ -69,17 +76,42 @@ class ModelRunner:
             model.tied,
         )
         self.model = model.eval()
+        # With DCP a scheduler block spans dcp_size ranks: block_size tokens on each.
         specs = book_sliding_windows(
-            model.kv_cache_specs(self.block_size, self.dtype_name), self.config.cache
+            model.kv_cache_specs(self.block_size * self.dcp_size, self.dtype_name),
+            self.config.cache,
         )
+        if self.dcp is not None:
+            self._attach_dcp(model, specs)
         self.groups = group_layers(specs)
         self.layer_to_group = {
             layer: g for g, group in enumerate(self.groups) for layer in group.layer_names
         }
 
+    def _attach_dcp(self, model, specs: dict) -> None:
+        """Full/sliding attention layers shard their KV over the DCP group; linear-state
+        layers keep their state replicated on every DCP rank."""
+        for layer in model.cache_layers():
+            spec = specs[layer.layer_index]
+            if isinstance(spec, LinearStateSpec):
+                continue
+            if not isinstance(layer, PagedAttention):
+                raise ValueError(
+                    "decode_context_parallel_size > 1 is not supported for "
+                    f"{type(layer).__name__} layers ({type(spec).__name__})"
+                )
+            layer.dcp = self.dcp
+
     # -- KV cache -------------------------------------------------------------------
     def bytes_per_block(self) -> int:
-        return sum(g.spec.page_size_bytes * len(g.layer_names) for g in self.groups)
+        """Bytes one pool block costs on this rank (attention pages are split over DCP)."""
+        total = 0
+        for g in self.groups:
+            page = g.spec.page_size_bytes
+            if not isinstance(g.spec, LinearStateSpec):
+                page //= self.dcp_size
+            total += page * len(g.layer_names)
+        return total
 
     def num_blocks_for_budget(self) -> int:
         cache = self.config.cache
@@ -148,8 +180,7 @@ class ModelRunner:
                 block_rows[g].append(ids)
                 if isinstance(self.groups[g].spec, LinearStateSpec):
                     continue  # state lives in one page per request, no per-token slots
-                bs = self.groups[g].spec.block_size
-                slots[g].extend(ids[p // bs] * bs + p % bs for p in range(start, end))
+                slots[g].extend(self._slots(ids, self.groups[g].spec.block_size, start, end))
             if end == len(state.token_ids):
                 sample_rows.append((request_id, query_start[-1] - 1))
         dev = self.device
@@ -180,6 +211,21 @@ class ModelRunner:
             layer_to_group=self.layer_to_group,
         )
         return tensor(input_ids), batch, sample_rows
+
+    def _slots(self, block_ids: list[int], block_size: int, start: int, end: int):
+        """Cache slots of positions [start, end). Under DCP a rank writes only positions
+        p % dcp_size == dcp_rank, at local index p // dcp_size (others get -1)."""
+        if self.dcp_size == 1:
+            return [
+                block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)
+            ]
+        local = block_size // self.dcp_size
+        return [
+            block_ids[p // block_size] * local + (p // self.dcp_size) % local
+            if p % self.dcp_size == self.dcp_rank
+            else -1
+            for p in range(start, end)
+        ]
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -8,7 +8,7 @@ import torch
 from kvloom.cluster.config import EngineConfig
 from kvloom.cluster.kv_cache.spec import KVCacheGroup
 from kvloom.cluster.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from kvloom.workers.layers.tp_group import TPGroup
+from kvloom.workers.layers.tp_group import CoordinatorTPGroup
 from kvloom.workers.model_runner import ModelRunner
 
 
@@ -21,10 +21,22 @@ def pick_device(requested: str) -> torch.device:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, tp: TPGroup | None = None, progress: bool = True):
+    """`parallel` is this rank's ParallelState (workers/distributed/process_group.py);
+    None means a single rank."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        parallel=None,
+        progress: bool = True,
+        device: torch.device | None = None,
+    ):
         self.config = config
-        self.device = pick_device(config.device)
-        self.runner = ModelRunner(config, self.device, tp)
+        self.device = device or pick_device(config.device)
+        self.parallel = parallel
+        tp = CoordinatorTPGroup(parallel.tp) if parallel is not None else None
+        dcp = parallel.dcp if parallel is not None else None
+        self.runner = ModelRunner(config, self.device, tp, dcp)
         self.runner.load_model(progress=progress)
 
     @property

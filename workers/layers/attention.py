@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from kvloom.kernels.kv_cache_write import write_kv_cache_ref
+from kvloom.kernels.merge_attention_states import merge_attention_states_ref
 from kvloom.kernels.paged_attention import paged_attention_ref
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.dtypes import TORCH_DTYPES
@@ -30,9 +31,20 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
         # Allocated by the model runner once the pool is sized: [2, blocks, block, kv_heads, D].
         self.kv_cache: torch.Tensor | None = None
+        # Decode context parallelism: set by the model runner to the DCP group. This rank
+        # then caches positions p with p % dcp_size == dcp_rank, and the partial outputs of
+        # all ranks merge exactly by their log-sum-exp.
+        self.dcp = None
+
+    supports_dcp = True
+
+    @property
+    def dcp_size(self) -> int:
+        return 1 if self.dcp is None else self.dcp.world_size
 
     def allocate_cache(self, num_blocks: int, spec, device: torch.device) -> None:
-        shape = (2, num_blocks, spec.block_size, self.num_kv_heads, self.head_size)
+        local_block_size = spec.block_size // self.dcp_size
+        shape = (2, num_blocks, local_block_size, self.num_kv_heads, self.head_size)
         self.kv_cache = torch.zeros(shape, dtype=TORCH_DTYPES[spec.dtype], device=device)
 
     def poison_cache(self, block_ids: torch.Tensor) -> None:
@@ -47,7 +59,8 @@ class PagedAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_size)
         v = v.view(-1, self.num_kv_heads, self.head_size)
         write_kv_cache_ref(k, v, self.kv_cache, meta.slot_mapping)
-        out, _ = paged_attention_ref(
+        dcp_rank = 0 if self.dcp is None else self.dcp.rank_in_group
+        out, lse = paged_attention_ref(
             q,
             self.kv_cache,
             meta.block_tables,
@@ -55,5 +68,11 @@ class PagedAttention(nn.Module):
             batch.seq_lens,
             self.scale,
             self.sliding_window,
+            kv_stride=self.dcp_size,
+            kv_offset=dcp_rank,
         )
+        if self.dcp_size > 1:
+            outs = self.dcp.all_gather(out.unsqueeze(0), dim=0)
+            lses = self.dcp.all_gather(lse.unsqueeze(0), dim=0)
+            out, _ = merge_attention_states_ref(outs, lses)
         return out.flatten(1)

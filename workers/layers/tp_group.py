@@ -39,3 +39,19 @@ def shard_range(total: int, rank: int, world_size: int, what: str) -> tuple[int,
         )
     size = total // world_size
     return rank * size, (rank + 1) * size
+
+
+class CoordinatorTPGroup:
+    """Adapts a torch.distributed `GroupCoordinator` to what layers expect: `rank` is the
+    rank inside the tensor-parallel group (it picks this rank's shard)."""
+
+    def __init__(self, coordinator):
+        self.coordinator = coordinator
+        self.rank = coordinator.rank_in_group
+        self.world_size = coordinator.world_size
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.coordinator.all_reduce(tensor)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return self.coordinator.all_gather(tensor, dim=dim)

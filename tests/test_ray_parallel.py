@@ -1,0 +1,84 @@
+"""The Ray executor on local Ray with CPU workers over gloo: TP, DCP and TP × DCP grids give
+the tokens of one rank (float64), and a dead worker fails requests fast."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvloom import Engine, SamplingParams
+from tests.engine_helpers import PROMPTS, assert_pool_full, greedy, multi_turn, run_to_completion
+
+GRIDS = [(2, 1), (1, 2), (2, 2)]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray = pytest.importorskip("ray")  # a hard dependency of kvloom: never skipped in CI
+    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def engine(path, **kw) -> Engine:
+    return Engine(model=str(path), dtype="float64", progress=False, block_size=4, **kw)
+
+
+@pytest.fixture(scope="module")
+def dense_path(tiny_model):
+    return tiny_model("qwen2")  # 4 heads / 2 KV heads, QKV bias: exercises the shard paths
+
+
+@pytest.fixture(scope="module")
+def single_rank_outputs(dense_path):
+    single = engine(dense_path)
+    outs = run_to_completion(single, PROMPTS, greedy(10))
+    turns = multi_turn(single)
+    return [o.outputs[0].token_ids for o in outs], turns
+
+
+@pytest.mark.parametrize("tp, dcp", GRIDS, ids=[f"tp{t}-dcp{d}" for t, d in GRIDS])
+def test_grid_matches_single_rank_with_prefix_caching(
+    local_ray, dense_path, single_rank_outputs, tp, dcp
+):
+    expected, expected_turns = single_rank_outputs
+    eng = engine(dense_path, tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+    try:
+        outs = run_to_completion(eng, PROMPTS, greedy(10))
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        turns = multi_turn(eng)  # prefix hits across turns on the sharded cache
+        assert [[o.outputs[0].token_ids for _, o in t] for t in turns] == [
+            [o.outputs[0].token_ids for _, o in t] for t in expected_turns
+        ]
+        assert eng.stats()["prefix_cache_hit_tokens"] > 0
+        assert_pool_full(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_killed_worker_fails_every_request_fast(local_ray, dense_path):
+    eng = engine(dense_path, tensor_parallel_size=2)
+    try:
+        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(PROMPTS):
+            eng.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        for _ in range(3):
+            eng.step()
+        local_ray.kill(eng.executor.actors[1])
+        start = time.monotonic()
+        finished = {}
+        while eng.has_unfinished_requests() and time.monotonic() - start < 10:
+            for out in eng.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        elapsed = time.monotonic() - start
+        assert elapsed < 10, f"requests still pending {elapsed:.1f} s after the kill"
+        assert sorted(finished) == sorted(str(i) for i in range(len(PROMPTS)))
+        assert {o.outputs[0].finish_reason for o in finished.values()} == {"error"}
+        assert "rank 1 died" in str(finished["0"].outputs[0].stop_reason)
+        assert_pool_full(eng)
+        with pytest.raises(RuntimeError, match="engine is down"):
+            eng.add_request("late", {"prompt_token_ids": [5, 6]}, params)
+    finally:
+        eng.shutdown()
