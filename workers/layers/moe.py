@@ -43,6 +43,14 @@ EXPERT_PROJECTIONS = {
 _EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 
 
+def _check_input(field: str, tensor: torch.Tensor, shape: tuple) -> None:
+    """Require `shape` (None matches any size) of a runtime input."""
+    got = tuple(getattr(tensor, "shape", ()))
+    if len(got) != len(shape) or any(w is not None and g != w for g, w in zip(got, shape)):
+        wanted = ", ".join("*" if s is None else str(s) for s in shape)
+        raise ValueError(f"{field}: expected shape [{wanted}], got {list(got)}")
+
+
 def _routing_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
@@ -107,7 +115,7 @@ def route_grouped_sigmoid_topk(
     scores = router_logits.to(dtype).sigmoid()
     choice = scores
     if correction_bias is not None:
-        check_shape("correction_bias", correction_bias, (num_experts,))
+        _check_input("correction_bias", correction_bias, (num_experts,))
         choice = scores + correction_bias.to(dtype)
     grouped = choice.view(-1, num_groups, per_group)
     group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)
@@ -225,9 +233,9 @@ class FusedMoE(nn.Module):
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """hidden [T, H], topk_weights [T, k], topk_ids [T, k] -> [T, H] in hidden's dtype."""
-        check_shape("hidden", hidden, (hidden.shape[0], self.hidden_size))
-        check_shape("topk_ids", topk_ids, (hidden.shape[0], None))
-        check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
+        _check_input("hidden", hidden, (None, self.hidden_size))
+        _check_input("topk_ids", topk_ids, (hidden.shape[0], None))
+        _check_input("topk_weights", topk_weights, tuple(topk_ids.shape))
         out = torch.zeros_like(hidden)
         if topk_ids.numel():
             lo, hi = int(topk_ids.min()), int(topk_ids.max())

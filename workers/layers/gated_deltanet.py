@@ -1,0 +1,261 @@
+"""Gated DeltaNet token mixer (Qwen3-Next linear-attention layers) over the state pool.
+
+One step of the layer, per token:
+  in_proj_qkvz / in_proj_ba  project the hidden state; both outputs are laid out per *key-head
+                             group*: [q (Dk), k (Dk), v (r*Dv), z (r*Dv)] and [b (r), a (r)]
+                             for each of the Hk key heads, r = Hv / Hk value heads per group
+                             (transformers' `fix_query_key_value_ordering`).
+  conv1d                     depthwise causal conv (width K, SiLU) over [all q | all k | all v]
+  g, beta                    g = -exp(A_log) * softplus(a + dt_bias),  beta = sigmoid(b)
+  gated delta rule           q, k L2-normalised in the kernel
+  norm                       RMSNorm per value head, times silu(z)
+  out_proj
+
+Each request's live state is one page of the shared pool: conv state [C, K-1] and recurrent
+state [Hv, Dk, Dv], at `state_indices`. Rows are served by the ONE classification
+(`batch.rows`, invariant 1): `prefill_rows` (fresh rows, and multi-token resume rows) go to
+the chunked kernels, which read a slot only where `has_initial_state`; `decode_rows` (resume
+rows of one token) go to the single-step kernels, in place on the pool. A fresh row never
+reads its slot, so a recycled or NaN-poisoned page cannot leak into a new request.
+
+Tensor parallelism splits key-head groups (and with them their value heads) over ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvloom.cluster.kv_cache.spec import LinearStateSpec
+from kvloom.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
+from kvloom.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from kvloom.workers.attention_metadata import ForwardBatch
+from kvloom.workers.dtypes import TORCH_DTYPES
+from kvloom.workers.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape
+from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class GatedRMSNorm(nn.Module):
+    """out = (w * rmsnorm(x)) * silu(gate): normalise first, then gate (transformers'
+    Qwen3NextRMSNormGated; its weight is plain w, not 1 + w)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), False)
+
+    def load_shard(self, param_name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        check_shape(param_name, loaded, tuple(self.weight.shape))
+        self.weight.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        acc = _compute_dtype(x.dtype)
+        h = x.to(acc)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(x.dtype)
+        return (h * F.silu(gate.to(acc))).to(x.dtype)
+
+
+class ShardedDepthwiseConv(nn.Module):
+    """Depthwise conv weight [C_local, K] over channels made of several parts (q, k, v),
+    each split over ranks. The checkpoint holds nn.Conv1d's [C, 1, K]."""
+
+    def __init__(self, parts: list[int], width: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.parts = list(parts)
+        self.width = width
+        self.ranges = [shard_range(p, tp.rank, tp.world_size, "conv channels") for p in parts]
+        local = sum(end - start for start, end in self.ranges)
+        self.weight = nn.Parameter(torch.empty(local, width, dtype=dtype), False)
+
+    def load_shard(self, param_name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        if param_name != "weight":
+            raise ValueError(f"unexpected parameter {param_name!r} (the conv has no bias)")
+        check_shape(param_name, loaded, (sum(self.parts), 1, self.width))
+        full, offset, pieces = loaded[:, 0], 0, []
+        for size, (start, end) in zip(self.parts, self.ranges):
+            pieces.append(full[offset + start : offset + end])
+            offset += size
+        self.weight.data.copy_(torch.cat(pieces))
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3-Next's linear-attention layer; also a cache layer (allocate/poison/copy)."""
+
+    def __init__(self, config: dict, layer_index: int, tp: TPGroup | None, dtype: torch.dtype):
+        super().__init__()
+        tp = tp or LocalGroup()
+        self.layer_index = layer_index
+        self.dtype = dtype
+        hidden = config["hidden_size"]
+        num_k, num_v = config["linear_num_key_heads"], config["linear_num_value_heads"]
+        if num_v % num_k:
+            raise ValueError(
+                f"linear_num_value_heads ({num_v}) must be a multiple of "
+                f"linear_num_key_heads ({num_k})"
+            )
+        if num_k % tp.world_size:
+            raise ValueError(
+                f"linear_num_key_heads ({num_k}) must be divisible by "
+                f"tensor_parallel_size ({tp.world_size})"
+            )
+        self.head_k_dim = config["linear_key_head_dim"]
+        self.head_v_dim = config["linear_value_head_dim"]
+        self.group_v_heads = num_v // num_k  # value heads per key head
+        self.num_k_heads = num_k // tp.world_size  # this rank's
+        self.num_v_heads = num_v // tp.world_size
+        self.conv_width = config.get("linear_conv_kernel_dim", 4)
+        self.activation = config.get("hidden_act", "silu")
+        if self.activation not in ("silu", "swish"):
+            raise ValueError(f"hidden_act must be silu for Gated DeltaNet, got {self.activation!r}")
+        key_dim, value_dim = num_k * self.head_k_dim, num_v * self.head_v_dim
+        group_width = 2 * self.head_k_dim + 2 * self.group_v_heads * self.head_v_dim
+        # One fused output part: key-head groups are contiguous, so a rank's slice of the
+        # rows is exactly its groups.
+        self.in_proj_qkvz = ColumnParallelLinear(hidden, [num_k * group_width], tp=tp, dtype=dtype)
+        self.in_proj_ba = ColumnParallelLinear(
+            hidden, [num_k * 2 * self.group_v_heads], tp=tp, dtype=dtype
+        )
+        self.conv1d = ShardedDepthwiseConv(
+            [key_dim, key_dim, value_dim], self.conv_width, tp, dtype
+        )
+        self.conv_channels = self.conv1d.weight.shape[0]
+        self.v_range = shard_range(num_v, tp.rank, tp.world_size, "linear_num_value_heads")
+        self.num_v_heads_total = num_v
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=dtype), False)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, dtype=dtype), False)
+        self.norm = GatedRMSNorm(self.head_v_dim, config.get("rms_norm_eps", 1e-6), dtype)
+        self.out_proj = RowParallelLinear(value_dim, hidden, tp=tp, dtype=dtype)
+        # The state pool, allocated once the block pool is sized.
+        self.conv_state: torch.Tensor | None = None
+        self.recurrent_state: torch.Tensor | None = None
+
+    # -- weights and cache ----------------------------------------------------------
+    def load_shard(self, param_name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        """A_log and dt_bias: one value per value head, this rank's heads."""
+        if param_name not in ("A_log", "dt_bias"):
+            raise ValueError(f"unexpected parameter {param_name!r}")
+        check_shape(param_name, loaded, (self.num_v_heads_total,))
+        start, end = self.v_range
+        getattr(self, param_name).data.copy_(loaded[start:end])
+
+    def state_spec(self, block_size: int, dtype_name: str) -> LinearStateSpec:
+        return LinearStateSpec(
+            block_size,
+            conv_state_shape=(self.conv_channels, self.conv_width - 1),
+            recurrent_state_shape=(self.num_v_heads, self.head_k_dim, self.head_v_dim),
+            dtype=dtype_name,
+            state_dtype="float64" if dtype_name == "float64" else "float32",
+        )
+
+    def allocate_cache(self, num_blocks: int, spec: LinearStateSpec, device) -> None:
+        self.conv_state = torch.zeros(
+            (num_blocks, *spec.conv_state_shape), dtype=TORCH_DTYPES[spec.dtype], device=device
+        )
+        self.recurrent_state = torch.zeros(
+            (num_blocks, *spec.recurrent_state_shape),
+            dtype=TORCH_DTYPES[spec.state_dtype],
+            device=device,
+        )
+
+    def poison_cache(self, block_ids: torch.Tensor) -> None:
+        self.conv_state[block_ids] = float("nan")
+        self.recurrent_state[block_ids] = float("nan")
+
+    def copy_cache(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """State checkpoints (prefix caching): page src[i] -> page dst[i]."""
+        self.conv_state[dst] = self.conv_state[src]
+        self.recurrent_state[dst] = self.recurrent_state[src]
+
+    # -- forward --------------------------------------------------------------------
+    def _split_projections(self, hidden: torch.Tensor):
+        """-> mixed_qkv [T, C] (conv input, channels [q | k | v]), z [T, Hv, Dv],
+        b and a [T, Hv]."""
+        tokens = hidden.shape[0]
+        dk, dv, r = self.head_k_dim, self.head_v_dim, self.group_v_heads
+        qkvz = self.in_proj_qkvz(hidden).view(tokens, self.num_k_heads, -1)
+        q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
+        ba = self.in_proj_ba(hidden).view(tokens, self.num_k_heads, 2 * r)
+        b, a = ba.split([r, r], dim=-1)
+        mixed = torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)], -1)
+        z = z.reshape(tokens, self.num_v_heads, dv)
+        return mixed, z, b.reshape(tokens, self.num_v_heads), a.reshape(tokens, self.num_v_heads)
+
+    def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        acc = _compute_dtype(a.dtype)
+        g = -self.A_log.to(acc).exp() * F.softplus(a.to(acc) + self.dt_bias.to(acc))
+        return g, b.sigmoid()
+
+    def _split_heads(self, mixed: torch.Tensor):
+        key_dim = self.num_k_heads * self.head_k_dim
+        q, k, v = mixed.split([key_dim, key_dim, self.num_v_heads * self.head_v_dim], dim=-1)
+        tokens = mixed.shape[0]
+        return (
+            q.reshape(tokens, self.num_k_heads, self.head_k_dim),
+            k.reshape(tokens, self.num_k_heads, self.head_k_dim),
+            v.reshape(tokens, self.num_v_heads, self.head_v_dim),
+        )
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """hidden [T, H] -> [T, H]; reads and writes each row's state page."""
+        mixed, z, b, a = self._split_projections(hidden)
+        g, beta = self._gates(a, b)
+        core = hidden.new_zeros(hidden.shape[0], self.num_v_heads, self.head_v_dim)
+        slots = batch.group_for(self.layer_index).state_indices
+        bounds = batch.query_start_loc_list
+        rows = batch.rows
+        weight = self.conv1d.weight
+        prefill = rows.prefill_rows
+        if prefill:
+            token_lists = [range(bounds[i], bounds[i + 1]) for i in prefill]
+            index = torch.tensor([t for ts in token_lists for t in ts], device=hidden.device)
+            cu = torch.tensor([0] + [len(ts) for ts in token_lists], device=hidden.device)
+            cu = cu.cumsum(0)
+            pages = self._pages(slots, prefill)
+            has_state = rows.has_initial_state_tensor(prefill, hidden.device)
+            x, conv_final = causal_conv1d_varlen(
+                mixed[index], weight, None, cu, self.conv_state[pages], has_state, self.activation
+            )
+            self.conv_state[pages] = conv_final
+            q, k, v = self._split_heads(x)
+            out, final = chunk_gated_delta_rule(
+                q,
+                k,
+                v,
+                g[index],
+                beta[index],
+                cu,
+                self.recurrent_state[pages],
+                has_state,
+                use_qk_l2norm=True,
+            )
+            self.recurrent_state[pages] = final
+            core[index] = out
+        decode = rows.decode_rows
+        if decode:
+            index = torch.tensor([bounds[i] for i in decode], device=hidden.device)
+            pages = self._pages(slots, decode)
+            x = causal_conv1d_update(
+                mixed[index], weight, None, self.conv_state, pages, self.activation
+            )
+            q, k, v = self._split_heads(x)
+            core[index] = recurrent_gated_delta_rule(
+                q, k, v, g[index], beta[index], self.recurrent_state, pages, use_qk_l2norm=True
+            )
+        normed = self.norm(core, z)
+        return self.out_proj(normed.flatten(1))
+
+    @staticmethod
+    def _pages(slots: torch.Tensor | None, rows: list[int]) -> torch.Tensor:
+        """The state page of each given row; every served row must own one."""
+        if slots is None:
+            raise ValueError("state_indices: missing for a linear-state layer's group")
+        pages = slots[rows].to(torch.int64)
+        if bool((pages < 0).any()):
+            raise ValueError(f"state_indices: a scheduled row has no state page ({pages.tolist()})")
+        return pages

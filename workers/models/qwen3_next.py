@@ -1,0 +1,258 @@
+"""Qwen3-Next: a hybrid decoder of Gated DeltaNet and gated full-attention layers, with
+sparse MoE (softmax top-k + a sigmoid-gated shared expert) or dense MLPs.
+
+Follows transformers' `modeling_qwen3_next`: every RMSNorm of the decoder is zero-centred
+((1 + w) scaling), except the gated norm inside Gated DeltaNet; full attention projects a
+query and an output gate per head (q_proj's rows interleave them head by head), normalises
+q/k per head and rotates only the first `partial_rotary_factor` of each head.
+Multi-token-prediction weights (`mtp.*`) are not used.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvloom.cluster.kv_cache.spec import FullAttentionSpec, LinearStateSpec
+from kvloom.workers.attention_metadata import ForwardBatch
+from kvloom.workers.layers.attention import PagedAttention
+from kvloom.workers.layers.gated_deltanet import GatedDeltaNet
+from kvloom.workers.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from kvloom.workers.layers.mlp import GatedMLP
+from kvloom.workers.layers.moe import FusedMoE, map_expert_weight, route_softmax_topk
+from kvloom.workers.layers.norm import RMSNorm
+from kvloom.workers.layers.rotary import RotaryEmbedding, rope_parameters
+from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
+from kvloom.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+
+STACKED_PARAMS = [
+    ("qkv_proj", "q_proj", 0),
+    ("qkv_proj", "k_proj", 1),
+    ("qkv_proj", "v_proj", 2),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+]
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def zero_centred_norm(size: int, config: dict, dtype: torch.dtype) -> RMSNorm:
+    return RMSNorm(size, config.get("rms_norm_eps", 1e-6), dtype, weight_offset=1.0)
+
+
+def layer_types(config: dict) -> list[str]:
+    """Per-layer token mixer; transformers' default is full attention every
+    `full_attention_interval` (4) layers."""
+    n = config["num_hidden_layers"]
+    types = config.get("layer_types")
+    if types is None:
+        interval = config.get("full_attention_interval", 4)
+        types = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)
+        ]
+    if len(types) != n:
+        raise ValueError(f"layer_types has {len(types)} entries for {n} num_hidden_layers")
+    for t in types:
+        if t not in LAYER_TYPES:
+            raise ValueError(f"layer_types: {t!r} is not one of {LAYER_TYPES}")
+    return list(types)
+
+
+def is_sparse_layer(config: dict, index: int) -> bool:
+    """transformers' rule: MoE unless listed in mlp_only_layers, off the sparse step, or
+    the model has no experts."""
+    return (
+        index not in (config.get("mlp_only_layers") or [])
+        and config.get("num_experts", 0) > 0
+        and (index + 1) % config.get("decoder_sparse_step", 1) == 0
+    )
+
+
+class Qwen3NextAttention(nn.Module):
+    """Full attention with a per-head sigmoid output gate and partial rotary."""
+
+    def __init__(self, config: dict, index: int, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        hidden = config["hidden_size"]
+        num_heads = config["num_attention_heads"]
+        num_kv_heads = config.get("num_key_value_heads") or num_heads
+        self.head_dim = config.get("head_dim") or hidden // num_heads
+        if num_heads % tp.world_size:
+            raise ValueError(
+                f"num_attention_heads ({num_heads}) must be divisible by "
+                f"tensor_parallel_size ({tp.world_size})"
+            )
+        bias = bool(config.get("attention_bias", False))
+        # q_proj's rows are [q_h | gate_h] per head: as 2 * num_heads "heads" of head_dim,
+        # each rank's contiguous slice holds whole (query, gate) pairs.
+        self.qkv_proj = QKVParallelLinear(
+            hidden, self.head_dim, 2 * num_heads, num_kv_heads, bias=bias, tp=tp, dtype=dtype
+        )
+        self.num_heads = num_heads // tp.world_size
+        self.o_proj = RowParallelLinear(
+            num_heads * self.head_dim, hidden, bias=bias, tp=tp, dtype=dtype
+        )
+        self.q_norm = zero_centred_norm(self.head_dim, config, dtype)
+        self.k_norm = zero_centred_norm(self.head_dim, config, dtype)
+        rope = rope_parameters(config)
+        factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        self.rotary = RotaryEmbedding(
+            self.head_dim,
+            int(self.head_dim * factor),
+            config.get("max_position_embeddings", 4096),
+            rope,
+        )
+        self.attn = PagedAttention(
+            index, self.num_heads, self.qkv_proj.num_kv_heads, self.head_dim, self.head_dim**-0.5
+        )
+
+    def forward(self, positions, hidden, batch: ForwardBatch):
+        tokens = hidden.shape[0]
+        q_gate, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q_gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim)
+        q, gate = q_gate.split(self.head_dim, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(tokens, -1, self.head_dim))
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q.flatten(1), k.flatten(1), v, batch)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)))
+
+
+class Qwen3NextSparseMoe(nn.Module):
+    """Routed experts plus a shared expert scaled by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, config: dict, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        hidden, num_experts = config["hidden_size"], config["num_experts"]
+        self.tp = tp
+        self.top_k = config["num_experts_per_tok"]
+        self.renormalize = bool(config.get("norm_topk_prob", True))
+        act = config.get("hidden_act", "silu")
+        self.gate = ReplicatedLinear(hidden, num_experts, dtype=dtype)
+        self.experts = FusedMoE(
+            num_experts,
+            self.top_k,
+            hidden,
+            config["moe_intermediate_size"],
+            tp=tp,
+            dtype=dtype,
+            hidden_act=act,
+            reduce_results=False,
+        )
+        self.shared_expert = GatedMLP(
+            hidden,
+            config["shared_expert_intermediate_size"],
+            act,
+            tp=tp,
+            dtype=dtype,
+            reduce_results=False,
+        )
+        self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Both branches end in a row-parallel projection; their partial sums are reduced
+        # once (the shared gate is a per-token scalar, so it commutes with the sum).
+        shared = self.shared_expert(x)
+        weights, ids = route_softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        routed = self.experts(x, weights, ids)
+        out = routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    def __init__(self, config: dict, index: int, kind: str, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.kind = kind
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config, index, tp, dtype)
+        else:
+            self.self_attn = Qwen3NextAttention(config, index, tp, dtype)
+        if is_sparse_layer(config, index):
+            self.mlp = Qwen3NextSparseMoe(config, tp, dtype)
+        else:
+            self.mlp = GatedMLP(
+                config["hidden_size"],
+                config["intermediate_size"],
+                config.get("hidden_act", "silu"),
+                tp=tp,
+                dtype=dtype,
+            )
+        self.input_layernorm = zero_centred_norm(config["hidden_size"], config, dtype)
+        self.post_attention_layernorm = zero_centred_norm(config["hidden_size"], config, dtype)
+
+    @property
+    def cache_layer(self):
+        return self.linear_attn if self.kind == "linear_attention" else self.self_attn.attn
+
+    def forward(self, positions, hidden, residual, batch: ForwardBatch):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        if self.kind == "linear_attention":
+            hidden = self.linear_attn(hidden, batch)
+        else:
+            hidden = self.self_attn(positions, hidden, batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3NextModel(nn.Module):
+    def __init__(self, config: dict, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config["vocab_size"], config["hidden_size"], tp, dtype
+        )
+        self.layers = nn.ModuleList(
+            Qwen3NextDecoderLayer(config, i, kind, tp, dtype)
+            for i, kind in enumerate(layer_types(config))
+        )
+        self.norm = zero_centred_norm(config["hidden_size"], config, dtype)
+
+    def forward(self, input_ids, positions, batch: ForwardBatch):
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    stacked_params = STACKED_PARAMS
+    ignored_weight_prefixes: tuple[str, ...] = ("mtp.",)
+
+    def __init__(self, config: dict, dtype: torch.dtype, tp: TPGroup | None = None):
+        super().__init__()
+        tp = tp or LocalGroup()
+        self.config = config
+        self.model = Qwen3NextModel(config, tp, dtype)
+        self.lm_head = ParallelLMHead(config["vocab_size"], config["hidden_size"], tp, dtype)
+        self.tied = {"lm_head": "model.embed_tokens"} if config.get("tie_word_embeddings") else {}
+
+    @staticmethod
+    def map_weight_name(ckpt_name: str) -> tuple[str, str, int] | None:
+        """Per-expert checkpoint tensors go into the stacked FusedMoE weights."""
+        return map_expert_weight(ckpt_name)
+
+    def cache_layers(self) -> list[nn.Module]:
+        """Attention layers (KV pages) and Gated DeltaNet layers (state pages)."""
+        return [layer.cache_layer for layer in self.model.layers]
+
+    def kv_cache_specs(
+        self, block_size: int, dtype_name: str
+    ) -> dict[int, FullAttentionSpec | LinearStateSpec]:
+        specs = {}
+        for layer in self.cache_layers():
+            if isinstance(layer, GatedDeltaNet):
+                specs[layer.layer_index] = layer.state_spec(block_size, dtype_name)
+            else:
+                specs[layer.layer_index] = FullAttentionSpec(
+                    block_size, layer.num_kv_heads, layer.head_size, dtype_name
+                )
+        return specs
+
+    def forward(self, input_ids, positions, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
