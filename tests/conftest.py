@@ -113,3 +113,18 @@ def tiny_model(tmp_path_factory, demo_tokenizer_dir):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def hybrid_model(tmp_path_factory):
+    """hybrid_model(arch) -> a tiny demo checkpoint of a hybrid architecture (cached)."""
+    from kvloom.cluster.demo_model import write_demo_model
+
+    cache: dict = {}
+
+    def make(arch: str = "qwen3_next") -> Path:
+        if arch not in cache:
+            cache[arch] = write_demo_model(tmp_path_factory.mktemp(f"hybrid-{arch}"), arch=arch)
+        return cache[arch]
+
+    return make

@@ -34,10 +34,16 @@ def engine_for(path, caching: bool, **kw) -> Engine:
     )
 
 
-@pytest.mark.parametrize("kind", list(MODELS))
-def test_multi_turn_same_outputs_and_high_hit_rate(tiny_model, kind):
-    arch, overrides = MODELS[kind]
-    path = tiny_model(arch, **overrides)
+HYBRIDS = ["qwen3_next"]
+
+
+@pytest.mark.parametrize("kind", list(MODELS) + HYBRIDS)
+def test_multi_turn_same_outputs_and_high_hit_rate(tiny_model, hybrid_model, kind):
+    if kind in HYBRIDS:
+        path = hybrid_model(kind)
+    else:
+        arch, overrides = MODELS[kind]
+        path = tiny_model(arch, **overrides)
     cached_engine = engine_for(path, True)
     cached = multi_turn(cached_engine)
     plain = multi_turn(engine_for(path, False))

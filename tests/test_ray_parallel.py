@@ -30,20 +30,19 @@ def dense_path(tiny_model):
     return tiny_model("qwen2")  # 4 heads / 2 KV heads, QKV bias: exercises the shard paths
 
 
-@pytest.fixture(scope="module")
-def single_rank_outputs(dense_path):
-    single = engine(dense_path)
+@pytest.fixture(scope="module", params=["dense", "qwen3_next"])
+def model_and_reference(request, dense_path, hybrid_model):
+    path = dense_path if request.param == "dense" else hybrid_model(request.param)
+    single = engine(path)
     outs = run_to_completion(single, PROMPTS, greedy(10))
     turns = multi_turn(single)
-    return [o.outputs[0].token_ids for o in outs], turns
+    return path, [o.outputs[0].token_ids for o in outs], turns
 
 
 @pytest.mark.parametrize("tp, dcp", GRIDS, ids=[f"tp{t}-dcp{d}" for t, d in GRIDS])
-def test_grid_matches_single_rank_with_prefix_caching(
-    local_ray, dense_path, single_rank_outputs, tp, dcp
-):
-    expected, expected_turns = single_rank_outputs
-    eng = engine(dense_path, tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+def test_grid_matches_single_rank_with_prefix_caching(local_ray, model_and_reference, tp, dcp):
+    path, expected, expected_turns = model_and_reference
+    eng = engine(path, tensor_parallel_size=tp, decode_context_parallel_size=dcp)
     try:
         outs = run_to_completion(eng, PROMPTS, greedy(10))
         assert [o.outputs[0].token_ids for o in outs] == expected
