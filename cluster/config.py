@@ -56,7 +56,12 @@ class ModelConfig:
             "a non-empty list",
             None,
         )
-        derived = int(text_config.get("max_position_embeddings") or 4096)
+        # Kimi-Linear's config names its context limit model_max_length.
+        derived = int(
+            text_config.get("max_position_embeddings")
+            or text_config.get("model_max_length")
+            or 4096
+        )
         if self.max_model_len is None:
             self.max_model_len = derived
         require_int("max_model_len", self.max_model_len, 2)

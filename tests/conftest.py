@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("KVLOOM_SANITIZE", "1")
+# Tiny models on 2 shared cores: more threads only add contention (measured 4x slower).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 VOCAB = 512

@@ -73,9 +73,7 @@ class FusedShortConv(nn.Module):
     def load_shard(self, param_name: str, loaded: torch.Tensor, shard: int = 0) -> None:
         check_shape(param_name, loaded, (self.channels, 1, self.weight.shape[1]))
         start, end = shard_range(self.channels, self.tp.rank, self.tp.world_size, "conv channels")
-        self.weight.data[shard * self.local : (shard + 1) * self.local].copy_(
-            loaded[start:end, 0]
-        )
+        self.weight.data[shard * self.local : (shard + 1) * self.local].copy_(loaded[start:end, 0])
 
 
 class KimiDeltaAttention(nn.Module):

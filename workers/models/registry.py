@@ -10,6 +10,8 @@ MODELS = {
     "MistralForCausalLM": "llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "llama:Qwen3ForCausalLM",
+    "Qwen3NextForCausalLM": "qwen3_next:Qwen3NextForCausalLM",
+    "KimiLinearForCausalLM": "kimi_linear:KimiLinearForCausalLM",
 }
 
 

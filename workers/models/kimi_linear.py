@@ -1,0 +1,351 @@
+"""Kimi-Linear (`KimiLinearForCausalLM`): KDA linear attention + NoPE MLA + DeepSeek-V3 MoE.
+
+Layers are KDA (`workers/layers/kda_layer.py`, one state page per request) or MLA
+(`workers/layers/mla.py`, a paged latent cache), three KDA layers per MLA layer in the released
+models. The MLP is dense for the first `first_k_dense_replace` layers and a sigmoid-routed MoE
+with shared experts after; every sublayer is pre-norm with a residual.
+
+config.json uses the checkpoint's own field names (`num_experts_per_token`,
+`num_shared_experts`, `num_expert_group`, `moe_renormalize`, `model_max_length`, and a
+`linear_attn_config` with 1-based `kda_layers` / `full_attn_layers`); transformers' names are
+read too. Layer kinds follow transformers' precedence: `layer_types`, then
+`linear_attn_config`, then its default (MLA at every 4th layer after the first).
+
+Checkpoint names are the released ones (what transformers' save_pretrained writes back):
+`self_attn.{q,k,v}_proj` and `{q,k,v}_conv1d` of KDA layers fuse into `qkv_proj` / `conv1d`;
+`block_sparse_moe.*` is our `mlp.*` (dense and MoE alike); experts are
+`experts.<e>.w1/w2/w3` (gate / down / up).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvloom.cluster.kv_cache.spec import LinearStateSpec, MLASpec
+from kvloom.workers.attention_metadata import ForwardBatch
+from kvloom.workers.layers.kda_layer import KimiDeltaAttention
+from kvloom.workers.layers.linear import check_shape
+from kvloom.workers.layers.mla import MultiHeadLatentAttention
+from kvloom.workers.layers.mlp import GatedMLP
+from kvloom.workers.layers.moe import FusedMoE, map_expert_weight, route_grouped_sigmoid_topk
+from kvloom.workers.layers.norm import RMSNorm
+from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
+from kvloom.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from kvloom.workers.weight_loader import resolve_name
+
+STACKED_PARAMS = [
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+]
+# KDA checkpoint tensors fused into one module: name -> (module, shard).
+KDA_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "q_conv1d": ("conv1d", 0),
+    "k_conv1d": ("conv1d", 1),
+    "v_conv1d": ("conv1d", 2),
+}
+_KDA_FUSED_NAME = re.compile(
+    r"^(?P<layer>model\.layers\.(?P<index>\d+)\.self_attn)\.(?P<proj>[qkv]_(?:proj|conv1d))"
+    r"\.weight$"
+)
+_MISSING = object()
+
+
+def read(config: dict, *names: str, default=_MISSING):
+    """The first of `names` present (and not null) in config.json, else `default`."""
+    for name in names:
+        if config.get(name) is not None:
+            return config[name]
+    if default is _MISSING:
+        raise ValueError(f"config.json: missing field {names[0]!r}")
+    return default
+
+
+def layer_types(config: dict) -> list[str]:
+    """ "linear_attention" (KDA) or "full_attention" (MLA) per layer."""
+    n = config["num_hidden_layers"]
+    kinds = ("linear_attention", "full_attention")
+    if config.get("layer_types") is not None:
+        types = list(config["layer_types"])
+        if len(types) != n or any(t not in kinds for t in types):
+            raise ValueError(
+                f"config.json: layer_types must list {n} entries from {kinds}, got {types}"
+            )
+        return types
+    linear = config.get("linear_attn_config") or {}
+    if "kda_layers" in linear and "full_attn_layers" in linear:
+        types: list[str | None] = [None] * n
+        for field, kind in (("full_attn_layers", kinds[1]), ("kda_layers", kinds[0])):
+            for number in linear[field]:
+                if not isinstance(number, int) or not 1 <= number <= n:
+                    raise ValueError(
+                        f"config.json: linear_attn_config.{field} holds 1-based layer numbers "
+                        f"in [1, {n}], got {number!r}"
+                    )
+                types[number - 1] = kind
+        if None in types:
+            raise ValueError(
+                "config.json: linear_attn_config.kda_layers and full_attn_layers leave layer(s) "
+                f"{[i + 1 for i, t in enumerate(types) if t is None]} unassigned"
+            )
+        return types
+    return [kinds[1] if i and i % 4 == 0 else kinds[0] for i in range(n)]
+
+
+def mlp_is_sparse(config: dict) -> list[bool]:
+    """Per layer: MoE (True) or dense MLP."""
+    n = config["num_hidden_layers"]
+    if config.get("mlp_layer_types") is not None:
+        types = list(config["mlp_layer_types"])
+        if len(types) != n or any(t not in ("dense", "sparse") for t in types):
+            raise ValueError(
+                f"config.json: mlp_layer_types must list {n} entries of 'dense'/'sparse', "
+                f"got {types}"
+            )
+        return [t == "sparse" for t in types]
+    if not read(config, "num_experts", "num_local_experts", "n_routed_experts", default=0):
+        return [False] * n
+    first_dense = read(config, "first_k_dense_replace", default=1)
+    freq = read(config, "moe_layer_freq", default=1)
+    return [i >= first_dense and i % freq == 0 for i in range(n)]
+
+
+def attention_settings(config: dict) -> dict:
+    """KDA shape: `linear_attn_config` (checkpoint) over transformers' top-level fields."""
+    linear = config.get("linear_attn_config") or {}
+    return {
+        "num_heads": linear.get("num_heads") or read(config, "linear_num_heads", default=32),
+        "head_dim": linear.get("head_dim") or read(config, "linear_head_dim", default=128),
+        "conv_kernel_size": linear.get("short_conv_kernel_size")
+        or read(config, "linear_conv_kernel_dim", default=4),
+    }
+
+
+class KimiRouter(nn.Module):
+    """DeepSeek-V3 router (checkpoint: `gate.weight`, `gate.e_score_correction_bias`); logits
+    and routing in float32 (float64 for float64 models), as transformers computes them."""
+
+    def __init__(self, config: dict, hidden_size: int, num_experts: int, dtype: torch.dtype):
+        super().__init__()
+        self.acc = torch.float64 if dtype == torch.float64 else torch.float32
+        self.top_k = read(config, "num_experts_per_token", "num_experts_per_tok")
+        self.num_groups = read(config, "num_expert_group", "n_group", default=1)
+        self.topk_groups = read(config, "topk_group", default=1)
+        self.renormalize = bool(read(config, "moe_renormalize", "norm_topk_prob", default=True))
+        self.scaling = float(read(config, "routed_scaling_factor", default=2.446))
+        activation = config.get("moe_router_activation_func", "sigmoid")
+        if activation != "sigmoid":
+            raise ValueError(
+                f"config.json: moe_router_activation_func {activation!r} is not supported "
+                "(Kimi-Linear routes with 'sigmoid')"
+            )
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=self.acc), False)
+
+    def load_shard(self, param_name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        param = getattr(self, param_name)
+        check_shape(param_name, loaded, tuple(param.shape))
+        param.data.copy_(loaded)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(hidden.to(self.acc), self.weight.to(self.acc))
+        return route_grouped_sigmoid_topk(
+            logits,
+            self.e_score_correction_bias,
+            self.top_k,
+            self.num_groups,
+            self.topk_groups,
+            self.renormalize,
+            self.scaling,
+        )
+
+
+class KimiMoE(nn.Module):
+    """Routed experts plus shared experts, reduced across ranks once."""
+
+    def __init__(self, config: dict, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        hidden = config["hidden_size"]
+        num_experts = read(config, "num_experts", "num_local_experts", "n_routed_experts")
+        intermediate = config["moe_intermediate_size"]
+        self.gate = KimiRouter(config, hidden, num_experts, dtype)
+        self.experts = FusedMoE(
+            num_experts,
+            self.gate.top_k,
+            hidden,
+            intermediate,
+            tp=tp,
+            dtype=dtype,
+            hidden_act=config.get("hidden_act", "silu"),
+            reduce_results=False,
+        )
+        num_shared = read(config, "num_shared_experts", "n_shared_experts", default=1)
+        self.shared_experts = (
+            GatedMLP(
+                hidden,
+                intermediate * num_shared,
+                config.get("hidden_act", "silu"),
+                tp=tp,
+                dtype=dtype,
+                reduce_results=False,
+            )
+            if num_shared
+            else None
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(hidden)
+        out = self.experts(hidden, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden)
+        return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
+
+
+class KimiDecoderLayer(nn.Module):
+    def __init__(
+        self, config: dict, index: int, kind: str, sparse: bool, tp: TPGroup, dtype: torch.dtype
+    ):
+        super().__init__()
+        hidden = config["hidden_size"]
+        eps = read(config, "rms_norm_eps", default=1e-5)
+        if kind == "linear_attention":
+            kda = attention_settings(config)
+            self.self_attn = KimiDeltaAttention(
+                index,
+                hidden,
+                kda["num_heads"],
+                kda["head_dim"],
+                kda["conv_kernel_size"],
+                eps,
+                activation=config.get("hidden_act", "silu"),
+                tp=tp,
+                dtype=dtype,
+            )
+        else:
+            self.self_attn = MultiHeadLatentAttention(
+                index,
+                hidden,
+                config["num_attention_heads"],
+                config["qk_nope_head_dim"],
+                config["qk_rope_head_dim"],
+                config["v_head_dim"],
+                config["kv_lora_rank"],
+                config.get("q_lora_rank"),
+                bias=bool(config.get("attention_bias", False)),
+                tp=tp,
+                dtype=dtype,
+            )
+        self.mlp = (
+            KimiMoE(config, tp, dtype)
+            if sparse
+            else GatedMLP(
+                hidden,
+                config["intermediate_size"],
+                config.get("hidden_act", "silu"),
+                tp=tp,
+                dtype=dtype,
+            )
+        )
+        self.input_layernorm = RMSNorm(hidden, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
+
+    def forward(self, hidden, residual, batch: ForwardBatch):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class KimiLinearModel(nn.Module):
+    def __init__(self, config: dict, tp: TPGroup, dtype: torch.dtype):
+        super().__init__()
+        hidden = config["hidden_size"]
+        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], hidden, tp, dtype)
+        kinds, sparse = layer_types(config), mlp_is_sparse(config)
+        self.layers = nn.ModuleList(
+            KimiDecoderLayer(config, i, kinds[i], sparse[i], tp, dtype)
+            for i in range(config["num_hidden_layers"])
+        )
+        self.norm = RMSNorm(hidden, read(config, "rms_norm_eps", default=1e-5), dtype)
+
+    def forward(self, input_ids, batch: ForwardBatch):
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class KimiLinearForCausalLM(nn.Module):
+    stacked_params = STACKED_PARAMS
+    ignored_weight_prefixes: tuple[str, ...] = ()
+
+    def __init__(self, config: dict, dtype: torch.dtype, tp: TPGroup | None = None):
+        super().__init__()
+        if config.get("mla_use_nope") is False:
+            raise ValueError(
+                "config.json: mla_use_nope=false (rotary MLA) is not supported for "
+                "KimiLinearForCausalLM; Kimi-Linear's MLA is NoPE"
+            )
+        tp = tp or LocalGroup()
+        self.config = config
+        self.model = KimiLinearModel(config, tp, dtype)
+        self.lm_head = ParallelLMHead(config["vocab_size"], config["hidden_size"], tp, dtype)
+        self.tied = {"lm_head": "model.embed_tokens"} if config.get("tie_word_embeddings") else {}
+
+    def map_weight_name(self, ckpt_name: str) -> tuple[str, str, int]:
+        """Released checkpoint names -> (module path, parameter, shard)."""
+        name = ckpt_name.replace(".block_sparse_moe.", ".mlp.")
+        name = name.replace(".self_attn.forget_gate.", ".self_attn.")  # transformers' own names
+        expert = map_expert_weight(name)
+        if expert is not None:
+            return expert
+        match = _KDA_FUSED_NAME.match(name)
+        layers = self.model.layers
+        if (
+            match
+            and int(match["index"]) < len(layers)
+            and isinstance(layers[int(match["index"])].self_attn, KimiDeltaAttention)
+        ):
+            module, shard = KDA_FUSED[match["proj"]]
+            return f"{match['layer']}.{module}", "weight", shard
+        return resolve_name(name, STACKED_PARAMS)
+
+    def cache_layers(self) -> list[nn.Module]:
+        """KDA layers (state pages) and MLA layers (latent cache pages)."""
+        return [layer.self_attn for layer in self.model.layers]
+
+    def kv_cache_specs(self, block_size: int, dtype: str) -> dict[int, LinearStateSpec | MLASpec]:
+        specs = {}
+        for attn in self.cache_layers():
+            if isinstance(attn, KimiDeltaAttention):
+                specs[attn.layer_index] = LinearStateSpec(
+                    block_size,
+                    attn.conv_state_shape,
+                    attn.recurrent_state_shape,
+                    dtype,
+                    "float64" if dtype == "float64" else "float32",
+                )
+            else:
+                specs[attn.layer_index] = MLASpec(
+                    block_size, attn.kv_lora_rank, attn.qk_rope_head_dim, dtype
+                )
+        return specs
+
+    def forward(self, input_ids, positions, batch: ForwardBatch) -> torch.Tensor:
+        # NoPE throughout: positions only shape the batch metadata (causal masks).
+        return self.model(input_ids, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
