@@ -82,13 +82,18 @@ class RayExecutor:
             ).remote(config, rank, self.use_gpu)
             for rank in range(world)
         ]
-        init_address = ray.get(self.actors[0].node_address.remote())
-        self._call_all("setup", init_address)
+        self.publisher = self.results = None
+        self.loop_refs: list = []
+        try:
+            init_address = ray.get(self.actors[0].node_address.remote())
+            self._call_all("setup", init_address)
+        except Exception:
+            self.shutdown()
+            raise
         self.kv_cache_groups = ray.get(self.actors[0].kv_cache_groups.remote())
         host = ray.util.get_node_ip_address()
         self.publisher = StepPublisher(world, host=host)
         self.results = ResultChannel(msg_type=ModelRunnerOutput, host=host)
-        self.loop_refs: list = []
         self.failure: str | None = None
 
     def _call_all(self, method: str, *args):
@@ -96,8 +101,12 @@ class RayExecutor:
 
         try:
             return ray.get([getattr(a, method).remote(*args) for a in self.actors])
+        except ray.exceptions.RayTaskError as err:
+            if isinstance(err.cause, ValueError):  # bad configuration: say it as such
+                raise ValueError(str(err.cause)) from None
+            raise WorkerFailure(f"worker call {method} failed: {_first_line(err)}") from err
         except ray.exceptions.RayError as err:
-            raise WorkerFailure(f"worker call {method} failed: {err}") from err
+            raise WorkerFailure(f"worker call {method} failed: {_first_line(err)}") from err
 
     def determine_num_blocks(self) -> int:
         return min(self._call_all("determine_num_blocks"))
@@ -145,7 +154,8 @@ class RayExecutor:
         from ray.util.placement_group import remove_placement_group
 
         try:
-            self.publisher.close()
+            if self.publisher is not None:
+                self.publisher.close()
             deadline = time.monotonic() + 10
             if self.loop_refs:
                 ray.wait(
@@ -153,7 +163,8 @@ class RayExecutor:
                     num_returns=len(self.loop_refs),
                     timeout=max(0.0, deadline - time.monotonic()),
                 )
-            self.results.close()
+            if self.results is not None:
+                self.results.close()
         finally:
             for actor in self.actors:
                 ray.kill(actor)

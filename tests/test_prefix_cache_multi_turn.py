@@ -34,7 +34,7 @@ def engine_for(path, caching: bool, **kw) -> Engine:
     )
 
 
-HYBRIDS = ["qwen3_next"]
+HYBRIDS = ["qwen3_next", "kimi_linear"]
 
 
 @pytest.mark.parametrize("kind", list(MODELS) + HYBRIDS)

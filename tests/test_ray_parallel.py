@@ -81,3 +81,36 @@ def test_killed_worker_fails_every_request_fast(local_ray, dense_path):
             eng.add_request("late", {"prompt_token_ids": [5, 6]}, params)
     finally:
         eng.shutdown()
+
+
+def test_scheduler_actor_serves_through_async_calls(local_ray, dense_path):
+    """The scheduler runs in its own actor; the front door's proxy only adds, aborts and
+    polls outputs over Ray calls."""
+    from kvloom.cluster.scheduler_actor import RemoteEngine
+
+    expected = run_to_completion(engine(dense_path), PROMPTS, greedy(6))
+    remote = RemoteEngine(
+        dict(
+            model=str(dense_path),
+            dtype="float64",
+            progress=False,
+            block_size=4,
+            tensor_parallel_size=2,
+        )
+    )
+    try:
+        outs = run_to_completion(remote, PROMPTS, greedy(6))
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+        with pytest.raises(ValueError, match="empty"):
+            remote.add_request("bad", {"prompt_token_ids": []}, greedy(2))
+        remote.add_request("gone", {"prompt_token_ids": PROMPTS[7]}, greedy(50))
+        remote.abort_request("gone")
+        stats = remote.stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"]
+    finally:
+        remote.shutdown()
+
+
+def test_dcp_with_mla_layers_fails_loudly(local_ray, hybrid_model):
+    with pytest.raises(ValueError, match="decode_context_parallel_size"):
+        engine(hybrid_model("kimi_linear"), decode_context_parallel_size=2)
