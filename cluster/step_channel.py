@@ -98,6 +98,28 @@ def _make_decoder(msg_type: Any):
     return None if msg_type is None else msgspec.msgpack.Decoder(msg_type)
 
 
+# Contexts of endpoints not yet closed. Held strongly so the garbage collector never
+# terminates one: zmq_ctx_term on a context whose socket sits in the same garbage cycle
+# blocks forever. An endpoint leaked without close() leaks its context instead of hanging.
+_LIVE_CONTEXTS: set[zmq.Context] = set()
+
+
+def _open_socket(socket_type: int, linger_s: float) -> tuple[zmq.Context, zmq.Socket]:
+    # One context per endpoint, so close() can terminate it, which waits (up to the linger)
+    # until queued messages are handed to the OS: a process that sends and exits loses none.
+    context = zmq.Context(io_threads=1)
+    _LIVE_CONTEXTS.add(context)
+    sock = context.socket(socket_type)
+    sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
+    return context, sock
+
+
+def _close_socket(context: zmq.Context, sock: zmq.Socket, linger_s: float) -> None:
+    sock.close(linger=int(linger_s * 1000))
+    context.term()
+    _LIVE_CONTEXTS.discard(context)
+
+
 def _check_timeout(timeout: float | None) -> None:
     if timeout is not None and (not isinstance(timeout, int | float) or timeout < 0):
         raise ValueError(f"timeout must be None or a number >= 0, got {timeout!r}")
@@ -118,6 +140,7 @@ class _BoundEndpoint:
         host: str,
         advertise_host: str | None,
         name: str,
+        linger_s: float,
     ) -> None:
         if transport not in _TRANSPORTS:
             raise ValueError(f"transport must be one of {_TRANSPORTS}, got {transport!r}")
@@ -127,11 +150,10 @@ class _BoundEndpoint:
                 "connecting processes need a reachable address"
             )
         self._ipc_dir: str | None = None
-        self.context = zmq.Context(io_threads=1)
-        self.socket = self.context.socket(socket_type)
+        self._context, self.socket = _open_socket(socket_type, linger_s)
         try:
             if transport == "tcp":
-                # Port 0 lets the OS pick a free port atomically with the bind (no race).
+                # Port `*`: the OS picks a free port as part of the bind, so no other process races us.
                 bind_host = "*" if host in _WILDCARD_HOSTS else host
                 self.socket.bind(f"tcp://{bind_host}:*")
                 endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -146,8 +168,7 @@ class _BoundEndpoint:
             raise
 
     def close(self, linger_s: float) -> None:
-        self.socket.close(linger=int(linger_s * 1000))
-        self.context.term()
+        _close_socket(self._context, self.socket, linger_s)
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
             self._ipc_dir = None
@@ -158,7 +179,8 @@ class StepPublisher:
 
     Create it, hand `address` to the workers (each makes a `StepSubscriber`), then
     `publish`. The first `publish` waits until all subscribers have joined (or call
-    `wait_ready` yourself), up to `ready_timeout` seconds.
+    `wait_ready` yourself), up to `ready_timeout` seconds. The set of subscribers is fixed:
+    workers that restart get a new publisher (their sequence numbers start again at 0).
     """
 
     def __init__(
@@ -179,7 +201,9 @@ class StepPublisher:
         self.num_subscribers = num_subscribers
         self.ready_timeout = ready_timeout
         self._close_linger_s = close_linger_s
-        self._endpoint = _BoundEndpoint(zmq.XPUB, transport, host, advertise_host, "step")
+        self._endpoint = _BoundEndpoint(
+            zmq.XPUB, transport, host, advertise_host, "step", close_linger_s
+        )
         sock = self._endpoint.socket
         sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # pass every subscription up, duplicates too
         sock.setsockopt(zmq.XPUB_NODROP, 1)
@@ -220,6 +244,8 @@ class StepPublisher:
         if self._closed:
             raise ChannelClosed("StepPublisher is closed")
         payload = _encode(msg)
+        if not self.ready:
+            self.wait_ready(self.ready_timeout)
         self._endpoint.socket.send_multipart([_STEP_HEADER.pack(_DATA, self._seq), payload])
         self._seq += 1
 
@@ -251,10 +277,14 @@ class StepSubscriber:
             raise ValueError(f"address must be a tcp:// or ipc:// address, got {address!r}")
         self.address = address
         self._decoder = _make_decoder(msg_type)
-        self._context = zmq.Context(io_threads=1)
-        self._socket = self._context.socket(zmq.SUB)
+        # Linger 0: a subscriber only ever sends subscriptions.
+        self._context, self._socket = _open_socket(zmq.SUB, linger_s=0)
         self._socket.setsockopt(zmq.RCVHWM, 0)
-        self._socket.connect(address)
+        try:
+            self._socket.connect(address)
+        except zmq.ZMQError as exc:
+            _close_socket(self._context, self._socket, linger_s=0)
+            raise ValueError(f"address {address!r} cannot be connected to: {exc}") from None
         # Order matters: the catch-all subscription is processed by the publisher before the
         # hello that tells it this subscriber is ready.
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
@@ -289,8 +319,7 @@ class StepSubscriber:
         if self._closed:
             return
         self._closed = True
-        self._socket.close(linger=0)
-        self._context.term()
+        _close_socket(self._context, self._socket, linger_s=0)
 
     def __enter__(self) -> StepSubscriber:
         return self
@@ -311,7 +340,7 @@ class ResultChannel:
         host: str = "127.0.0.1",
         advertise_host: str | None = None,
     ) -> None:
-        self._endpoint = _BoundEndpoint(zmq.PULL, transport, host, advertise_host, "result")
+        self._endpoint = _BoundEndpoint(zmq.PULL, transport, host, advertise_host, "result", 0)
         self._endpoint.socket.setsockopt(zmq.RCVHWM, 0)
         self.address: str = self._endpoint.address
         self._decoder = _make_decoder(msg_type)
@@ -365,10 +394,13 @@ class ResultSender:
         self.address = address
         self.rank = rank
         self._close_linger_s = close_linger_s
-        self._context = zmq.Context(io_threads=1)
-        self._socket = self._context.socket(zmq.PUSH)
+        self._context, self._socket = _open_socket(zmq.PUSH, close_linger_s)
         self._socket.setsockopt(zmq.SNDHWM, 0)
-        self._socket.connect(address)
+        try:
+            self._socket.connect(address)
+        except zmq.ZMQError as exc:
+            _close_socket(self._context, self._socket, linger_s=0)
+            raise ValueError(f"address {address!r} cannot be connected to: {exc}") from None
         self._seq = 0
         self._closed = False
 
@@ -385,8 +417,7 @@ class ResultSender:
         if self._closed:
             return
         self._closed = True
-        self._socket.close(linger=int(self._close_linger_s * 1000))
-        self._context.term()
+        _close_socket(self._context, self._socket, self._close_linger_s)
 
     def __enter__(self) -> ResultSender:
         return self
