@@ -161,6 +161,56 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.decode_context_parallel_size
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: a proposer drafts tokens that the target verifies in one step.
+
+    Given as `speculative_config={"method": "ngram", "num_speculative_tokens": 3}`.
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int = 0
+    draft_model: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            self.num_speculative_tokens = 0
+            return
+        require(
+            self.method in SPEC_METHODS,
+            "speculative_config.method",
+            f"one of {SPEC_METHODS}",
+            self.method,
+        )
+        require_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens, 1, 16)
+        require_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min, 1)
+        require_int(
+            "speculative_config.prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min
+        )
+        if self.method == "draft_model":
+            require(
+                isinstance(self.draft_model, str) and Path(self.draft_model).is_dir(),
+                "speculative_config.draft_model",
+                "a checkpoint directory",
+                self.draft_model,
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots a request needs beyond its computed tokens for one speculative step.
+        The one source for this number (invariant 6): allocation and sizing both use it."""
+        return self.num_speculative_tokens
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig
@@ -168,12 +218,23 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: str = "auto"
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Builds the config from the flat keyword arguments of `LLM(...)` / `Engine(...)`."""
         kwargs = dict(kwargs)
         device = kwargs.pop("device", "auto")
+        spec = kwargs.pop("speculative_config", None) or {}
+        if isinstance(spec, SpeculativeConfig):
+            speculative = spec
+        elif isinstance(spec, dict):
+            unknown = set(spec) - {f.name for f in fields(SpeculativeConfig)}
+            if unknown:
+                raise ValueError(f"speculative_config: unknown key(s) {', '.join(sorted(unknown))}")
+            speculative = SpeculativeConfig(**spec)
+        else:
+            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
         parts: dict[str, dict[str, Any]] = {}
         for name, klass in (
             ("model", ModelConfig),
@@ -196,4 +257,5 @@ class EngineConfig:
             scheduler=SchedulerConfig(**parts["scheduler"]),
             parallel=ParallelConfig(**parts["parallel"]),
             device=device,
+            speculative=speculative,
         )

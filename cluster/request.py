@@ -39,6 +39,13 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0
+    # Speculative decoding: drafts to verify in the next step (never part of the tokens
+    # until accepted), and whether the linear state must return to its pre-draft backup.
+    spec_token_ids: list[int] = field(default_factory=list)
+    restore_state: bool = False
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

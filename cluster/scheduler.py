@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections import deque
 
-from kvloom.cluster.config import SchedulerConfig
+from kvloom.cluster.config import SchedulerConfig, SpeculativeConfig
 from kvloom.cluster.kv_cache.coordinator import KVCacheCoordinator
 from kvloom.cluster.request import Request, RequestStatus
 from kvloom.cluster.scheduler_output import (
@@ -24,9 +24,19 @@ from kvloom.cluster.scheduler_output import (
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheCoordinator, seed: int = 0):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheCoordinator,
+        seed: int = 0,
+        speculative: SpeculativeConfig | None = None,
+        proposer=None,
+    ):
         self.config = config
         self.kv_cache = kv_cache
+        self.speculative = speculative or SpeculativeConfig()
+        # Control-plane proposer (n-gram) or None (drafts come back from the workers).
+        self.proposer = proposer
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -38,6 +48,9 @@ class Scheduler:
         self._forget: list[str] = []
         self.num_preemptions = 0
         self.num_steps = 0
+        self.spec_drafted = 0
+        self.spec_accepted = 0
+        self.spec_steps = 0
 
     # -- requests in and out --------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -88,7 +101,17 @@ class Scheduler:
                 num_new = boundary - start
         return num_new
 
+    def _drafts_for(self, request: Request, budget_left: int) -> list[int]:
+        """Drafts ride along only with a decode (one real token) and while budget lasts."""
+        if not request.spec_token_ids or request.restore_state:
+            return []
+        if request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        return request.spec_token_ids[: max(0, budget_left)]
+
     def _preempt(self, victim: Request) -> None:
+        victim.spec_token_ids = []
+        victim.restore_state = False
         self.kv_cache.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -104,21 +127,32 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         preempted = False
 
+        drafts: dict[str, list[int]] = {}
+        lookahead = self.speculative.num_lookahead_slots
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = self._chunk_size(request, budget)
-            while not self.kv_cache.allocate_slots(request, num_new):
+            spec = self._drafts_for(request, budget - num_new)
+            while not self.kv_cache.allocate_slots(
+                request, num_new, num_draft_tokens=len(spec), num_lookahead_tokens=lookahead
+            ):
                 victim = self.running.pop()
                 if victim.request_id in scheduled:
                     budget += scheduled.pop(victim.request_id)
+                    drafts.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             else:
-                scheduled[request.request_id] = num_new
-                budget -= num_new
+                if request.restore_state:
+                    self.kv_cache.restore_state(request)
+                    request.restore_state = False
+                if spec:
+                    drafts[request.request_id] = spec
+                scheduled[request.request_id] = num_new + len(spec)
+                budget -= num_new + len(spec)
                 index += 1
 
         while self.waiting and budget > 0 and not preempted:
@@ -128,7 +162,9 @@ class Scheduler:
             hit = self.kv_cache.find_cache_hit(request)
             request.num_computed_tokens = hit.num_tokens
             num_new = self._chunk_size(request, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, hit.blocks):
+            if not self.kv_cache.allocate_slots(
+                request, num_new, hit.blocks, num_lookahead_tokens=lookahead
+            ):
                 request.num_computed_tokens = 0
                 break
             if request.num_cached_tokens < 0:
@@ -140,9 +176,11 @@ class Scheduler:
             scheduled[request.request_id] = num_new
             budget -= num_new
 
-        return self._build_output(scheduled)
+        return self._build_output(scheduled, drafts)
 
-    def _build_output(self, scheduled: dict[str, int]) -> SchedulerOutput:
+    def _build_output(
+        self, scheduled: dict[str, int], drafts: dict[str, list[int]]
+    ) -> SchedulerOutput:
         copies = self.kv_cache.drain_copies(scheduled)
         out = SchedulerOutput(
             num_scheduled_tokens=scheduled,
@@ -151,6 +189,7 @@ class Scheduler:
             blocks_to_poison=self.kv_cache.pool.drain_poison_list(),
             state_copies_before=copies.before,
             state_copies_after=copies.after,
+            scheduled_spec_token_ids=drafts,
         )
         self._forget = []
         for request_id in scheduled:
@@ -193,9 +232,21 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += num_tokens
-            self.kv_cache.publish_computed_blocks(request)
             new_tokens = runner_out.sampled_token_ids.get(request_id, [])
+            spec = sched_out.scheduled_spec_token_ids.get(request_id, [])
+            computed_before = request.num_computed_tokens
+            # Verified drafts count as computed; rejected ones are recomputed over later.
+            num_rejected = len(spec) + 1 - len(new_tokens) if spec else 0
+            request.num_computed_tokens += num_tokens - num_rejected
+            if spec:
+                self._record_spec(request, len(spec), len(new_tokens) - 1)
+                if num_rejected and self.kv_cache.has_linear_groups:
+                    # The linear state advanced over rejected drafts: restore the backup
+                    # next step and recompute the accepted tokens from it.
+                    request.num_computed_tokens = computed_before
+                    request.restore_state = True
+            request.spec_token_ids = []
+            self.kv_cache.publish_computed_blocks(request)
             for token_id in new_tokens:
                 request.append_output_token(token_id)
                 status = self._check_stop(request, token_id)
@@ -209,7 +260,35 @@ class Scheduler:
                 del self.requests[request_id]
                 self._release(request)
                 finished.append(request)
+        self._propose(runner_out)
         return advanced, finished
+
+    # -- speculative decoding -------------------------------------------------------
+    def _record_spec(self, request: Request, drafted: int, accepted: int) -> None:
+        request.num_drafted_tokens += drafted
+        request.num_accepted_tokens += accepted
+        request.num_spec_steps += 1
+        self.spec_drafted += drafted
+        self.spec_accepted += accepted
+        self.spec_steps += 1
+
+    def _propose(self, runner_out: ModelRunnerOutput) -> None:
+        """Drafts for each running request in decode, within its length limits."""
+        k = self.speculative.num_speculative_tokens
+        if not k:
+            return
+        for request in self.running:
+            if request.num_tokens - request.num_computed_tokens != 1 or request.restore_state:
+                continue
+            if self.proposer is not None:
+                spec = self.proposer.propose(request.all_token_ids, k)
+            else:
+                spec = runner_out.spec_token_ids.get(request.request_id, [])
+            params = request.sampling_params
+            room = self.config.max_model_len - request.num_tokens - 1
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - request.num_output_tokens - 1)
+            request.spec_token_ids = list(spec[: max(0, room)])
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -45,6 +45,9 @@ class SchedulerOutput:
     # and after it (live page -> checkpoint). Applied after the poisoning.
     state_copies_before: list[tuple[int, int]] = field(default_factory=list)
     state_copies_after: list[tuple[int, int]] = field(default_factory=list)
+    # request id -> draft tokens verified after its real tokens this step (counted in
+    # num_scheduled_tokens).
+    scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -56,6 +59,8 @@ class ModelRunnerOutput:
     """request id -> sampled token ids (empty for a partial prefill chunk)."""
 
     sampled_token_ids: dict[str, list[int]]
+    # request id -> drafts proposed on the worker for the next step (draft-model proposer)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # request id -> per sampled token: (sampled logprob, sampled rank, [(id, logprob), ...])
     logprobs: dict[str, list[tuple[float, int, list[tuple[int, float]]]]] = field(
         default_factory=dict

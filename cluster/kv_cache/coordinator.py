@@ -142,25 +142,37 @@ class KVCacheCoordinator:
             self.stats.per_group_hit_tokens[i] += length
 
     # -- allocation -----------------------------------------------------------------
+    @property
+    def has_linear_groups(self) -> bool:
+        return any(isinstance(m, LinearStateManager) for m in self.managers)
+
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
         hit_blocks: list[list[KVBlock]] | None = None,
+        num_draft_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> bool:
         """Reserves blocks for the request's computed tokens (prefix-cache hits included,
-        whose blocks come in `hit_blocks`) plus its new ones, and a checkpoint page for
-        each linear-state group when this step ends on its boundary. Returns False, taking
-        nothing, if the pool cannot hold them."""
+        whose blocks come in `hit_blocks`), its `num_new_tokens` real tokens, the draft
+        tokens verified with them and lookahead slots for a drafter. Linear-state groups
+        also get a checkpoint page when a draft-free step ends on their block boundary, and
+        a backup of the live state before a step with drafts (restored if any draft is
+        rejected). Returns False, taking nothing, if the pool cannot hold it all."""
         hit_blocks = hit_blocks or [[] for _ in self.managers]
         computed = request.num_computed_tokens
-        total = computed + num_new_tokens
+        real_end = computed + num_new_tokens
+        total = real_end + num_draft_tokens + num_lookahead_tokens
         rid = request.request_id
         needed = 0
         for manager, hit in zip(self.managers, hit_blocks):
             needed += manager.num_new_blocks_needed(rid, total, len(hit))
-            if isinstance(manager, LinearStateManager) and manager.checkpoint_needed(total):
-                needed += 1
+            if isinstance(manager, LinearStateManager):
+                if num_draft_tokens == 0 and manager.checkpoint_needed(real_end):
+                    needed += 1
+                if num_draft_tokens and not manager.has_backup(rid):
+                    needed += 1
         # Hit blocks sitting in the free queue stop being free once touched.
         needed += len({b.block_id for h in hit_blocks for b in h if b.ref_cnt == 0})
         if needed > self.pool.num_free_blocks:
@@ -174,10 +186,22 @@ class KVCacheCoordinator:
                 copies = self.copies.setdefault(rid, StateCopies())
                 if blocks:
                     copies.before.append((blocks[-1].block_id, live))
-                if manager.checkpoint_needed(total):
-                    page = manager.take_checkpoint_page(rid, total)
+                if num_draft_tokens:
+                    copies.before.append((live, manager.backup_page(rid).block_id))
+                elif manager.checkpoint_needed(real_end):
+                    page = manager.take_checkpoint_page(rid, real_end)
                     copies.after.append((live, page.block_id))
         return True
+
+    def restore_state(self, request: Request) -> None:
+        """Before the next step: the live state goes back to its pre-draft backup."""
+        for manager in self.managers:
+            if isinstance(manager, LinearStateManager) and manager.has_backup(request.request_id):
+                live = manager.live_page(request.request_id).block_id
+                backup = manager.backup_page(request.request_id).block_id
+                self.copies.setdefault(request.request_id, StateCopies()).before.append(
+                    (backup, live)
+                )
 
     def drain_copies(self, request_ids) -> StateCopies:
         """The state copies of this step's scheduled requests, in schedule order."""

@@ -179,6 +179,8 @@ class LinearStateManager(GroupManager):
         self.pending_checkpoints: dict[str, tuple[KVBlock, int]] = {}
         # request id -> checkpoint page a hit copies from, held until the copy has run
         self.pending_hit_source: dict[str, KVBlock] = {}
+        # request id -> page holding the live state as it was before a step with drafts
+        self.backups: dict[str, KVBlock] = {}
 
     def find_longest_hit(self, block_hashes: list[bytes], max_tokens: int) -> list[KVBlock]:
         """[checkpoint page] for the longest boundary <= max_tokens that has one."""
@@ -210,6 +212,14 @@ class LinearStateManager(GroupManager):
         if not self.req_blocks.get(request_id):
             self.req_blocks[request_id] = self.pool.get_new_blocks(1)
 
+    def has_backup(self, request_id: str) -> bool:
+        return request_id in self.backups
+
+    def backup_page(self, request_id: str) -> KVBlock:
+        if request_id not in self.backups:
+            self.backups[request_id] = self.pool.get_new_blocks(1)[0]
+        return self.backups[request_id]
+
     def checkpoint_needed(self, num_tokens_after_step: int) -> bool:
         return self.pool.enable_caching and num_tokens_after_step % self.block_size == 0
 
@@ -233,6 +243,9 @@ class LinearStateManager(GroupManager):
             self.pool.free_blocks([source])
 
     def free(self, request_id: str) -> None:
+        backup = self.backups.pop(request_id, None)
+        if backup is not None:
+            self.pool.free_blocks([backup])
         pending = self.pending_checkpoints.pop(request_id, None)
         if pending is not None:
             self.pool.free_blocks([pending[0]])  # never written: not published
