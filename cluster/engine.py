@@ -19,6 +19,17 @@ from kvloom.cluster.tokenizer import Tokenizer
 PromptInput = str | list[int] | dict[str, Any]
 
 
+def make_proposer(spec):
+    """Control-plane proposers run in the scheduler; model drafters run on the workers."""
+    if spec.method == "ngram":
+        from kvloom.cluster.spec_decode.ngram_proposer import NgramProposer
+
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "draft_model":
+        raise ValueError("speculative_config.method 'draft_model' is not available yet")
+    return None
+
+
 class Engine:
     def __init__(self, progress: bool = True, **kwargs: Any):
         self.config = EngineConfig.from_kwargs(**kwargs)
@@ -33,7 +44,14 @@ class Engine:
             enable_caching=cache.enable_prefix_caching,
             sanitize=cache.sanitize,
         )
-        self.scheduler = Scheduler(self.config.scheduler, self.kv_cache, self.config.model.seed)
+        spec = self.config.speculative
+        self.scheduler = Scheduler(
+            self.config.scheduler,
+            self.kv_cache,
+            self.config.model.seed,
+            speculative=spec,
+            proposer=make_proposer(spec),
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         self.vocab_size = int(self.config.model.text_config["vocab_size"])
         self._counter = itertools.count()
@@ -176,6 +194,13 @@ class Engine:
             "prefix_cache_hit_rate": prefix.hit_tokens / max(prefix.queried_tokens, 1),
             "prefix_cache_hit_tokens_per_group": list(prefix.per_group_hit_tokens),
             "num_evictions": pool.num_evictions,
+            "spec_drafted_tokens": self.scheduler.spec_drafted,
+            "spec_accepted_tokens": self.scheduler.spec_accepted,
+            "spec_acceptance_rate": self.scheduler.spec_accepted
+            / max(self.scheduler.spec_drafted, 1),
+            # tokens emitted per verification step (accepted drafts + the target's token)
+            "spec_mean_accepted_length": 1
+            + self.scheduler.spec_accepted / max(self.scheduler.spec_steps, 1),
         }
 
     def shutdown(self) -> None:

@@ -81,4 +81,16 @@ class OutputProcessor:
             outputs=[completion],
             finished=finished,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            metrics=spec_metrics(request),
         )
+
+
+def spec_metrics(request: Request) -> dict:
+    if not request.num_spec_steps:
+        return {}
+    return {
+        "spec_drafted_tokens": request.num_drafted_tokens,
+        "spec_accepted_tokens": request.num_accepted_tokens,
+        "spec_acceptance_rate": request.num_accepted_tokens / max(request.num_drafted_tokens, 1),
+        "spec_mean_accepted_length": 1 + request.num_accepted_tokens / request.num_spec_steps,
+    }

@@ -22,7 +22,8 @@ from kvloom.workers.layers.attention import PagedAttention
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
 from kvloom.workers.models.registry import model_class
 from kvloom.workers.row_kinds import RowClasses, classify_rows
-from kvloom.workers.sampler import RowSamplingState, sample
+from kvloom.workers.sampler import RowSamplingState, logprob_infos, sample
+from kvloom.workers.spec_decode.rejection_sampler import rejection_sample
 from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
 
 DEFAULT_CPU_KV_BYTES = 64 * 2**20
@@ -166,12 +167,16 @@ class ModelRunner:
         input_ids, positions, query_start, seq_lens, computed = [], [], [0], [], []
         slots = [[] for _ in self.groups]
         block_rows = [[] for _ in self.groups]
-        sample_rows: list[tuple[str, int]] = []  # (request id, token index of last query)
+        # (request id, token index of its last real query, drafts after it)
+        sample_rows: list[tuple[str, int, list[int]]] = []
         for request_id, num_new in sched.num_scheduled_tokens.items():
             state = self.input_batch.requests[request_id]
+            spec = sched.scheduled_spec_token_ids.get(request_id, [])
             start = state.num_computed_tokens
             end = start + num_new
-            input_ids.extend(state.token_ids[start:end])
+            real_end = end - len(spec)
+            input_ids.extend(state.token_ids[start:real_end])
+            input_ids.extend(spec)
             positions.extend(range(start, end))
             computed.append(start)
             seq_lens.append(end)
@@ -181,8 +186,8 @@ class ModelRunner:
                 if isinstance(self.groups[g].spec, LinearStateSpec):
                     continue  # state lives in one page per request, no per-token slots
                 slots[g].extend(self._slots(ids, self.groups[g].spec.block_size, start, end))
-            if end == len(state.token_ids):
-                sample_rows.append((request_id, query_start[-1] - 1))
+            if real_end == len(state.token_ids):
+                sample_rows.append((request_id, query_start[-1] - 1 - len(spec), spec))
         dev = self.device
 
         def tensor(values, dtype=torch.long):
@@ -240,26 +245,54 @@ class ModelRunner:
         self.copy_state_pages(sched.state_copies_after)
         if not sample_rows:
             return ModelRunnerOutput({})
-        index = torch.tensor([i for _, i in sample_rows], device=self.device)
-        logits = self.model.compute_logits(hidden[index])
-        rows = []
-        for request_id, _ in sample_rows:
-            state = self.input_batch.requests[request_id]
-            rows.append(
-                RowSamplingState(
-                    state.sampling_params,
-                    state.sampling_seed,
-                    state.token_ids[: state.num_prompt_tokens],
-                    state.output_token_ids,
-                )
-            )
-        max_logprobs = max(
-            [r.params.logprobs for r in rows if r.params.logprobs is not None], default=-1
+        return self.sample_tokens(hidden, sample_rows)
+
+    def _sampling_state(self, request_id: str) -> RowSamplingState:
+        state = self.input_batch.requests[request_id]
+        return RowSamplingState(
+            state.sampling_params,
+            state.sampling_seed,
+            state.token_ids[: state.num_prompt_tokens],
+            state.output_token_ids,
         )
-        tokens, infos = sample(logits, rows, max_logprobs)
+
+    def sample_tokens(self, hidden: torch.Tensor, sample_rows) -> ModelRunnerOutput:
+        """One token for plain rows; verified drafts + one token for rows with drafts."""
+        plain = [(rid, i) for rid, i, spec in sample_rows if not spec]
+        drafted = [(rid, i, spec) for rid, i, spec in sample_rows if spec]
         out = ModelRunnerOutput({})
-        for (request_id, _), token, info in zip(sample_rows, tokens, infos):
-            out.sampled_token_ids[request_id] = [token]
-            if info is not None:
-                out.logprobs[request_id] = [info]
+        if plain:
+            logits = self.model.compute_logits(hidden[torch.tensor([i for _, i in plain])])
+            rows = [self._sampling_state(rid) for rid, _ in plain]
+            max_logprobs = max(
+                [r.params.logprobs for r in rows if r.params.logprobs is not None], default=-1
+            )
+            tokens, infos = sample(logits, rows, max_logprobs)
+            for (rid, _), token, info in zip(plain, tokens, infos):
+                out.sampled_token_ids[rid] = [token]
+                if info is not None:
+                    out.logprobs[rid] = [info]
+        if drafted:
+            self._verify_drafts(hidden, drafted, out)
         return out
+
+    def _verify_drafts(self, hidden, drafted, out: ModelRunnerOutput) -> None:
+        k = max(len(spec) for _, _, spec in drafted)
+        lanes = torch.arange(k + 1, device=hidden.device)
+        # Row r's lanes are the logits at its last real token and at each draft; lanes past
+        # its own draft count repeat its last index (padding the sampler never reads).
+        index = torch.stack([i + torch.clamp(lanes, max=len(spec)) for _, i, spec in drafted]).to(
+            hidden.device
+        )
+        logits = self.model.compute_logits(hidden[index.flatten()]).view(len(drafted), k + 1, -1)
+        draft_ids = torch.tensor(
+            [spec + [0] * (k - len(spec)) for _, _, spec in drafted], device=hidden.device
+        )
+        rows = [self._sampling_state(rid) for rid, _, _ in drafted]
+        result = rejection_sample(logits, draft_ids, [len(s) for _, _, s in drafted], rows)
+        for (rid, _, _), tokens, row_logits in zip(drafted, result.tolist(), logits):
+            out.sampled_token_ids[rid] = tokens
+            if self._sampling_state(rid).params.logprobs is not None:
+                out.logprobs[rid] = logprob_infos(
+                    row_logits[: len(tokens)], tokens, self._sampling_state(rid).params.logprobs
+                )

@@ -95,12 +95,22 @@ def sample(
         if n is None or raw_logprobs is None:
             infos.append(None)
             continue
-        lp = raw_logprobs[i]
-        chosen = float(lp[tokens[i]])
-        rank = int((lp > lp[tokens[i]]).sum()) + 1
-        top = []
-        if n > 0:
-            values, ids = torch.topk(lp, min(n, lp.shape[0]))
-            top = [(int(t), float(v)) for t, v in zip(ids, values)]
-        infos.append((chosen, rank, top))
+        infos.append(logprob_info(raw_logprobs[i], tokens[i], n))
     return tokens, infos
+
+
+def logprob_info(logprobs: torch.Tensor, token: int, top_n: int):
+    """(sampled token's logprob, its rank (1 = most likely), [(id, logprob)] of the top N)."""
+    chosen = float(logprobs[token])
+    rank = int((logprobs > logprobs[token]).sum()) + 1
+    top = []
+    if top_n > 0:
+        values, ids = torch.topk(logprobs, min(top_n, logprobs.shape[0]))
+        top = [(int(t), float(v)) for t, v in zip(ids, values)]
+    return chosen, rank, top
+
+
+def logprob_infos(logits: torch.Tensor, tokens: list[int], top_n: int) -> list:
+    """Logprob info for tokens emitted at consecutive positions with these raw logits."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return [logprob_info(lp, t, top_n) for lp, t in zip(logprobs, tokens)]
