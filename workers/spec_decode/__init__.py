@@ -1,0 +1,1 @@
+"""Speculative decoding, data plane: verifying drafted tokens against the target."""
