@@ -1,49 +1,76 @@
 """`kvloom quickstart`: the README's main job on the embedded default.
 
-Writes a tiny demo model (if not there yet) and generates from it with the engine API,
-batching the prompts continuously.
+Writes a tiny demo model (if not there yet), starts the gRPC server on 127.0.0.1 (a free
+port) in this process, streams a chat to it through the real gRPC client, and shuts down.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 DEFAULT_DIR = Path.home() / ".cache" / "kvloom" / "demo-model"
-PROMPTS = ["The quick brown fox", "Once upon a time", "def fibonacci(n):"]
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Once upon a time, what did the quick brown fox do?"},
+]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("quickstart", help="run kvloom end to end on a demo model")
+    parser = subparsers.add_parser(
+        "quickstart",
+        help="run kvloom end to end on a demo model: server, client, chat",
+        description=(
+            "Write a tiny random-weight demo model (if missing), serve it over gRPC on "
+            "127.0.0.1, stream a chat to it with kvloom.Client, and shut down. The model's "
+            "weights are random, so its reply is gibberish; everything around it is real."
+        ),
+    )
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_DIR)
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=32)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvloom import Engine, SamplingParams
+    from kvloom.client import Client
     from kvloom.cluster.demo_model import write_demo_model
+    from kvloom.cluster.frontend import BackgroundServer, ServerOptions, engine_factory
+    from kvloom.cluster.frontend.client_cli import print_summary, stream_events
 
-    if not (args.model_dir / "config.json").is_file():
-        print(f"writing a demo model to {args.model_dir}")
-        write_demo_model(args.model_dir)
-    engine = Engine(model=str(args.model_dir), progress=True)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=0)
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, params)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            text = out.outputs[0].text
-            if out.finished:
-                print(
-                    f"[{out.request_id}] {PROMPTS[int(out.request_id)]!r} -> {text!r} "
-                    f"({len(out.outputs[0].token_ids)} tokens, {out.outputs[0].finish_reason})"
-                )
-    stats = engine.stats()
-    print(
-        f"done: {stats['num_finished']} requests, {stats['num_steps']} steps, "
-        f"free blocks {stats['num_free_blocks']}/{stats['num_blocks']}"
+    started = time.monotonic()
+    model_dir = args.model_dir
+    if not (model_dir / "config.json").is_file():
+        print(f"writing a demo model to {model_dir}", flush=True)
+        write_demo_model(model_dir)
+    options = ServerOptions(
+        model=str(model_dir),
+        host="127.0.0.1",
+        port=0,  # a free port
+        tool_call_parser="hermes",  # the demo model's chat template is ChatML with Hermes tools
+        reasoning_parser="think",
     )
-    sys.stdout.flush()
+    factory = engine_factory(model=str(model_dir), progress=False)
+    with BackgroundServer(factory, options) as server:
+        print(
+            f"server ready at {server.address} ({time.monotonic() - started:.1f} s): "
+            f"kvloom.v1.Generation, health, reflection",
+            flush=True,
+        )
+        with Client(server.address, timeout=60) as client:
+            print(f"health: {client.health()}", flush=True)
+            for message in MESSAGES:
+                print(f"{message['role']}: {message['content']}", flush=True)
+            print("assistant: ", end="", flush=True)
+            events = client.chat(MESSAGES, max_tokens=args.max_tokens, temperature=0.8, seed=0)
+            result = stream_events(events, out=sys.stdout, reasoning_out=sys.stdout)
+            print_summary(result, out=sys.stdout)
+        stats = server.stats()
+        print(
+            f"shutting down: {stats['num_finished']} requests done, "
+            f"{stats['num_free_blocks']}/{stats['num_blocks']} KV blocks free",
+            flush=True,
+        )
+    print(f"done in {time.monotonic() - started:.1f} s", flush=True)
     return 0

@@ -1,0 +1,145 @@
+"""`kvloom serve --model DIR`: the gRPC server (kvloom.v1.Generation, health, reflection).
+
+SIGTERM or Ctrl-C drains (readiness NOT_SERVING, in-flight requests finish for up to
+--drain-timeout seconds); a second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model over gRPC",
+        description="Serve a Hugging Face checkpoint directory over gRPC (kvloom.v1.Generation).",
+    )
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    engine.add_argument("--tp", type=int, default=1, help="tensor parallel size (default 1)")
+    engine.add_argument("--dcp", type=int, default=1, help="decode context parallel size")
+    engine.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, ...")
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--max-num-seqs", type=int, default=64)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV pool size")
+    engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="0.0.0.0")
+    server.add_argument("--port", type=int, default=50051)
+    server.add_argument("--tls-cert", help="PEM certificate chain (with --tls-key)")
+    server.add_argument("--tls-key", help="PEM private key (with --tls-cert)")
+    server.add_argument("--auth-token-file", help="require `authorization: Bearer <token>`")
+    server.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics")
+    server.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        help="hermes, qwen3_coder, kimi_k2, llama3_json, mistral, deepseek_v3; "
+        "auto: by model type; none: off",
+    )
+    server.add_argument(
+        "--reasoning-parser", default="auto", help="think, kimi; auto: by model type; none: off"
+    )
+    server.add_argument(
+        "--max-queue",
+        type=int,
+        default=1024,
+        help="requests that may wait beyond --max-num-seqs; more get RESOURCE_EXHAUSTED",
+    )
+    server.add_argument("--max-message-mb", type=int, default=64, help="gRPC message size limit")
+    server.add_argument("--keepalive-time", type=float, default=60.0, help="seconds")
+    server.add_argument("--keepalive-timeout", type=float, default=20.0, help="seconds")
+    server.add_argument("--drain-timeout", type=float, default=30.0, help="seconds")
+    server.add_argument("--no-warmup", action="store_true", help="report ready without warm-up")
+    server.add_argument("--log-level", default="INFO")
+    parser.set_defaults(func=run)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kwargs: dict[str, Any] = dict(
+        model=args.model,
+        tensor_parallel_size=args.tp,
+        decode_context_parallel_size=args.dcp,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        seed=args.seed,
+        device=args.device,
+    )
+    if args.max_model_len is not None:
+        kwargs["max_model_len"] = args.max_model_len
+    if args.num_kv_blocks is not None:
+        kwargs["num_kv_blocks"] = args.num_kv_blocks
+    return kwargs
+
+
+def server_options(args: argparse.Namespace):
+    from kvloom.cluster.frontend.options import ServerOptions, read_token_file
+
+    return ServerOptions(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        auth_token=read_token_file(args.auth_token_file) if args.auth_token_file else None,
+        max_message_bytes=args.max_message_mb * 1024 * 1024,
+        keepalive_time_s=args.keepalive_time,
+        keepalive_timeout_s=args.keepalive_timeout,
+        max_waiting=args.max_queue,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        drain_timeout_s=args.drain_timeout,
+        metrics_port=args.metrics_port,
+        warmup=not args.no_warmup,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvloom.cluster.config import EngineConfig
+    from kvloom.cluster.frontend import engine_factory, serve_until_signal
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        kwargs = engine_kwargs(args)
+        EngineConfig.from_kwargs(**kwargs)  # bad settings fail here, before binding a port
+        options = server_options(args)
+    except ValueError as exc:
+        print(f"kvloom serve: error: {exc}", file=sys.stderr)
+        return 2
+
+    def on_ready(server) -> None:
+        scheme = "grpcs" if options.tls_cert else "grpc"
+        print(
+            f"kvloom: serving {options.model} at {scheme}://{options.host}:{server.port}",
+            flush=True,
+        )
+        if server.metrics_port is not None:
+            print(
+                f"kvloom: metrics at http://{options.host}:{server.metrics_port}/metrics",
+                flush=True,
+            )
+
+    try:
+        asyncio.run(serve_until_signal(engine_factory(**kwargs), options, on_ready=on_ready))
+    except ValueError as exc:
+        print(f"kvloom serve: error: {exc}", file=sys.stderr)
+        return 2
+    print("kvloom: stopped", flush=True)
+    return 0

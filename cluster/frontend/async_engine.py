@@ -1,0 +1,392 @@
+"""An asyncio face for the synchronous engine: one thread owns the Engine and steps it.
+
+The Engine is not thread-safe, so exactly one thread (started here) touches it. The event
+loop talks to that thread through an inbox of commands (add, abort, stats, stop); the thread
+drains the inbox, steps while there is work, and hands each step's RequestOutputs back to
+the loop in one `call_soon_threadsafe` call. With no work it blocks on the inbox, so an idle
+server burns no CPU.
+
+The interface is deliberately small (`start`, `add`, `abort`, `stats`, `shutdown`, `config`)
+so the in-process engine can later be swapped for a scheduler actor on Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, Protocol
+
+from kvloom.cluster.frontend.errors import EngineDead, QueueFull, RequestIdInUse
+from kvloom.cluster.outputs import CompletionOutput, RequestOutput
+from kvloom.cluster.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineLike(Protocol):
+    config: Any
+
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None: ...
+    def abort_request(self, request_id: str | list[str]) -> None: ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def stats(self) -> dict[str, Any]: ...
+    def shutdown(self) -> None: ...
+
+
+class RequestRejected(ValueError):
+    """The engine refused a request (its message names the field)."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine raised while stepping; every request in flight ends with this."""
+
+
+_STOP = ("stop",)
+
+
+class RequestStream:
+    """The outputs of one request: an async iterator that ends after the finished output,
+    or raises the request's error. Outputs are cumulative, so when the
+    consumer falls behind, a backlog collapses to its newest output (nothing is lost) unless
+    `coalesce` is off."""
+
+    def __init__(self, request_id: str, coalesce: bool = True) -> None:
+        self.request_id = request_id
+        self.coalesce = coalesce
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._ready = asyncio.Event()
+        self._done = False
+
+    def _push(self, item: RequestOutput | BaseException) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        while (
+            self.coalesce
+            and isinstance(item, RequestOutput)
+            and not item.finished
+            and self._items
+            and isinstance(self._items[0], RequestOutput)
+        ):
+            item = self._items.popleft()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finished
+        return item
+
+
+def _abort_output(
+    engine: EngineLike, request_id: str, last: RequestOutput | None, prompt_ids: list[int]
+) -> RequestOutput:
+    """The final output of an aborted request, with every held-back character flushed
+    (invariant 8). Must run before `engine.abort_request`, which drops the text state."""
+    text = _flushed_text(engine, request_id)
+    if last is None:
+        completion = CompletionOutput(index=0, text=text or "", token_ids=[])
+        last = RequestOutput(request_id, None, list(prompt_ids), [completion], finished=False)
+    completion = last.outputs[0]
+    completion = replace(
+        completion,
+        text=completion.text if text is None else text,
+        finish_reason="abort",
+        stop_reason=None,
+    )
+    return replace(last, outputs=[completion], finished=True)
+
+
+def _flushed_text(engine: EngineLike, request_id: str) -> str | None:
+    """The request's text with the detokenizer's UTF-8 hold-back flushed (and cut at a stop
+    string, should the flushed tail complete one). The Engine has no API for this yet, so
+    this reads its output processor's per-request state; None where that is not there."""
+    states = getattr(getattr(engine, "outputs", None), "states", None)
+    state = states.get(request_id) if isinstance(states, dict) else None
+    if state is None:
+        return None
+    if state.stop_string is None:
+        state.detokenizer.flush()
+        state.text = state.detokenizer.text
+        match = state.stops.check(state.text)
+        if match is not None:
+            state.text, state.stop_string = match
+    return state.text
+
+
+class AsyncEngine:
+    """Owns an engine (made by `engine_factory` inside the engine thread).
+
+    `max_waiting` bounds the requests admitted beyond those that can run at once
+    (`max_num_seqs`); past it, `add` raises QueueFull. `on_fatal` is called on the event
+    loop if the engine fails while stepping (the server then reports NOT_SERVING).
+    `coalesce` (on by default) lets a stream that falls behind skip to its newest output;
+    off, every step's output is delivered (tests use this to replay exact splits).
+    """
+
+    def __init__(
+        self,
+        engine_factory: Callable[[], EngineLike],
+        *,
+        max_waiting: int = 1024,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
+            raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
+        self._factory = engine_factory
+        self._max_waiting = max_waiting
+        self._on_fatal = on_fatal
+        self.coalesce = True
+        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
+        self._stopping = False
+        self.config: Any = None
+        self.max_in_flight = 0
+
+    # ----- lifecycle (event loop side)
+
+    async def start(self) -> None:
+        """Builds the engine in its thread and starts stepping; raises what building raised."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine.start() called twice")
+        self._loop = asyncio.get_running_loop()
+        started: asyncio.Future = self._loop.create_future()
+        self._thread = threading.Thread(
+            target=self._run, args=(started,), name="kvloom-engine", daemon=True
+        )
+        self._thread.start()
+        self.config = await started
+        self.max_in_flight = self.config.scheduler.max_num_seqs + self._max_waiting
+
+    @property
+    def running(self) -> bool:
+        return self.config is not None and self._error is None and not self._stopping
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def add(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Queues a request; returns its stream of cumulative RequestOutputs."""
+        self._check_running()
+        if request_id in self._streams:
+            raise RequestIdInUse(f"request_id: {request_id!r} is already in use")
+        if len(self._streams) >= self.max_in_flight:
+            raise QueueFull(
+                f"the server is at capacity ({len(self._streams)} requests in flight, "
+                f"{self._max_waiting} may wait); retry later"
+            )
+        stream = RequestStream(request_id, coalesce=self.coalesce)
+        self._streams[request_id] = stream
+        self._inbox.put(("add", request_id, prompt, params, cache_salt))
+        return stream
+
+    def abort(self, request_ids: Sequence[str]) -> list[str]:
+        """Aborts requests; unknown or finished ids are ignored. Returns the ids that were
+        in flight. Their streams end with a finished output whose finish_reason is "abort"."""
+        live = [rid for rid in dict.fromkeys(request_ids) if rid in self._streams]
+        if live and self._thread is not None and self._error is None:
+            self._inbox.put(("abort", live))
+        return live
+
+    def abort_all(self) -> list[str]:
+        """Aborts every request in flight (a drain that ran out of time)."""
+        return self.abort(list(self._streams))
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine's stats (taken between steps), plus the front door's counts."""
+        self._check_running()
+        assert self._loop is not None
+        answer: asyncio.Future = self._loop.create_future()
+        self._inbox.put(("stats", answer))
+        stats = dict(await answer)
+        stats["num_in_flight"] = len(self._streams)
+        stats["max_in_flight"] = self.max_in_flight
+        return stats
+
+    async def shutdown(self) -> None:
+        """Stops the thread: requests still in flight end with EngineDead; idempotent."""
+        if self._thread is None or self._stopping:
+            return
+        self._stopping = True
+        self._inbox.put(_STOP)
+        await asyncio.to_thread(self._thread.join)
+
+    def _check_running(self) -> None:
+        if self._error is not None:
+            raise EngineDead(f"the engine has failed: {self._error}")
+        if self._stopping:
+            raise EngineDead("the engine is shutting down")
+        if self.config is None:
+            raise EngineDead("the engine is not started")
+
+    # ----- delivery (event loop side)
+
+    def _deliver(self, batch: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        for request_id, item in batch:
+            stream = self._streams.get(request_id)
+            if stream is None:
+                continue
+            stream._push(item)
+            if isinstance(item, BaseException) or item.finished:
+                del self._streams[request_id]
+
+    def _fatal(self, error: BaseException) -> None:
+        self._error = error
+        if self._on_fatal is not None:
+            self._on_fatal(error)
+
+    def _send(self, callback: Callable, *args: Any) -> None:
+        assert self._loop is not None
+        # A closed loop means nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(callback, *args)
+
+    # ----- the engine thread
+
+    def _run(self, started: asyncio.Future) -> None:
+        try:
+            engine = self._factory()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting start()
+            self._send(_set_exception, started, exc)
+            return
+        self._send(_set_result, started, engine.config)
+        # request id -> (last output, prompt ids) for requests the engine holds
+        live: dict[str, tuple[RequestOutput | None, list[int]]] = {}
+        try:
+            self._serve(engine, live)
+        finally:
+            reason = self._error or EngineDead("the engine has shut down")
+            leftover = []
+            while True:
+                try:
+                    leftover.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            self._refuse(leftover)
+            if live:
+                self._send(self._deliver, [(rid, reason) for rid in live])
+            try:
+                engine.shutdown()
+            except Exception:
+                logger.exception("engine shutdown failed")
+
+    def _serve(self, engine: EngineLike, live: dict) -> None:
+        while True:
+            commands = [self._inbox.get()] if not engine.has_unfinished_requests() else []
+            while True:
+                try:
+                    commands.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            batch: list[tuple[str, RequestOutput | BaseException]] = []
+            for i, command in enumerate(commands):
+                if command is _STOP:
+                    if batch:
+                        self._send(self._deliver, batch)
+                    self._refuse(commands[i + 1 :])
+                    return
+                self._apply(engine, command, live, batch)
+            if engine.has_unfinished_requests():
+                try:
+                    outputs = engine.step()
+                except Exception as exc:
+                    logger.exception("engine step failed; the engine is stopped")
+                    failure = EngineFailed(f"the engine failed while stepping: {exc!r}")
+                    self._send(self._fatal, failure)
+                    self._error = failure
+                    batch += [(rid, failure) for rid in live]
+                    live.clear()
+                    self._send(self._deliver, batch)
+                    return
+                for out in outputs:
+                    if out.request_id not in live:
+                        continue
+                    if out.finished:
+                        del live[out.request_id]
+                    else:
+                        live[out.request_id] = (out, live[out.request_id][1])
+                    batch.append((out.request_id, out))
+            if batch:
+                self._send(self._deliver, batch)
+
+    def _refuse(self, commands: list[tuple]) -> None:
+        """Answers commands that arrive after the engine stopped: nobody may wait forever."""
+        reason = self._error or EngineDead("the engine has stopped")
+        for command in commands:
+            if command[0] == "stats":
+                self._send(_set_exception, command[1], EngineDead(str(reason)))
+            elif command[0] == "add":
+                self._send(self._deliver, [(command[1], reason)])
+
+    def _apply(self, engine: EngineLike, command: tuple, live: dict, batch: list) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request_id, prompt, params, cache_salt = command
+            try:
+                if cache_salt:
+                    prompt = {**_as_prompt_dict(prompt), "cache_salt": cache_salt}
+                engine.add_request(request_id, prompt, params)
+            except ValueError as exc:
+                batch.append((request_id, RequestRejected(str(exc))))
+                return
+            except Exception as exc:
+                logger.exception("engine.add_request(%r) failed", request_id)
+                batch.append((request_id, exc))
+                return
+            prompt_ids = prompt.get("prompt_token_ids", []) if isinstance(prompt, dict) else []
+            live[request_id] = (None, list(prompt_ids))
+        elif kind == "abort":
+            for request_id in command[1]:
+                if request_id not in live:
+                    continue  # finished meanwhile: its final output is on its way
+                last, prompt_ids = live.pop(request_id)
+                final = _abort_output(engine, request_id, last, prompt_ids)
+                engine.abort_request(request_id)
+                batch.append((request_id, final))
+        elif kind == "stats":
+            self._send(_set_result, command[1], engine.stats())
+        else:
+            raise AssertionError(f"unknown engine command {kind!r}")
+
+
+def _as_prompt_dict(prompt: Any) -> dict[str, Any]:
+    if isinstance(prompt, dict):
+        return dict(prompt)
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    return {"prompt_token_ids": list(prompt)}
+
+
+def _set_result(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -1,0 +1,160 @@
+"""A ChatRequest's messages, tools and template options: checked, then shaped as chat
+templates expect them (OpenAI's message and tool dicts)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvloom.cluster.frontend.errors import InvalidArgument
+from kvloom.protos.kvloom.v1 import generation_pb2 as pb
+
+# OpenAI's function-name rule, plus "." and ":" (Kimi writes functions.NAME:IDX).
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
+_ROLES_WITH_CONTENT = ("system", "user", "tool", "developer")
+Mode = pb.ToolChoice.Mode
+
+
+@dataclass
+class ChatInputs:
+    messages: list[dict[str, Any]]
+    # The tools offered to the model (after tool_choice); None when none are.
+    tools: list[dict[str, Any]] | None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+def _json_object(field_name: str, text: str, empty: Any) -> Any:
+    if not text.strip():
+        return empty
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise InvalidArgument(field_name, f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidArgument(field_name, f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _message(i: int, msg: pb.ChatMessage) -> dict[str, Any]:
+    where = f"messages[{i}]"
+    role = msg.role
+    if not role:
+        raise InvalidArgument(f"{where}.role", "must not be empty")
+    if len(role) > 64 or not role.isprintable():
+        raise InvalidArgument(f"{where}.role", f"not a role name: {role[:64]!r}")
+    out: dict[str, Any] = {"role": role}
+    if msg.HasField("content"):
+        out["content"] = msg.content
+    elif role in _ROLES_WITH_CONTENT:
+        raise InvalidArgument(f"{where}.content", f"a {role} message needs content")
+    if msg.tool_calls:
+        if role != "assistant":
+            raise InvalidArgument(f"{where}.tool_calls", "only assistant messages make tool calls")
+        calls = []
+        for j, call in enumerate(msg.tool_calls):
+            at = f"{where}.tool_calls[{j}]"
+            if not _TOOL_NAME.match(call.name):
+                raise InvalidArgument(f"{at}.name", f"not a function name: {call.name[:80]!r}")
+            _json_object(f"{at}.arguments", call.arguments, {})
+            calls.append(
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments or "{}"},
+                }
+            )
+        out["tool_calls"] = calls
+    elif role == "assistant" and not msg.HasField("content"):
+        raise InvalidArgument(
+            f"{where}.content", "an assistant message needs content or tool_calls"
+        )
+    if msg.tool_call_id:
+        if role != "tool":
+            raise InvalidArgument(f"{where}.tool_call_id", "only tool messages answer a call")
+        out["tool_call_id"] = msg.tool_call_id
+    if msg.name:
+        out["name"] = msg.name
+    if msg.HasField("reasoning_content"):
+        if role != "assistant":
+            raise InvalidArgument(f"{where}.reasoning_content", "only assistant messages reason")
+        out["reasoning_content"] = msg.reasoning_content
+    return out
+
+
+def _tool(i: int, tool: pb.Tool, seen: set[str]) -> dict[str, Any]:
+    if not _TOOL_NAME.match(tool.name):
+        raise InvalidArgument(
+            f"tools[{i}].name",
+            f"must be 1-64 letters, digits, '_', '-', '.' or ':', got {tool.name[:80]!r}",
+        )
+    if tool.name in seen:
+        raise InvalidArgument(f"tools[{i}].name", f"{tool.name!r} is offered twice")
+    seen.add(tool.name)
+    parameters = _json_object(
+        f"tools[{i}].parameters", tool.parameters, {"type": "object", "properties": {}}
+    )
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description:
+        function["description"] = tool.description
+    function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+def _offered_tools(request: pb.ChatRequest) -> list[dict[str, Any]] | None:
+    seen: set[str] = set()
+    tools = [_tool(i, tool, seen) for i, tool in enumerate(request.tools)]
+    choice = request.tool_choice
+    if choice.mode not in Mode.values():
+        raise InvalidArgument("tool_choice.mode", f"unknown mode {choice.mode}")
+    if choice.function_name and choice.mode != pb.ToolChoice.TOOL_CHOICE_NAMED:
+        raise InvalidArgument("tool_choice.function_name", "only with TOOL_CHOICE_NAMED")
+    if choice.mode == pb.ToolChoice.TOOL_CHOICE_NONE:
+        return None
+    forcing = (pb.ToolChoice.TOOL_CHOICE_REQUIRED, pb.ToolChoice.TOOL_CHOICE_NAMED)
+    if choice.mode in forcing and not tools:
+        raise InvalidArgument("tool_choice.mode", f"{Mode.Name(choice.mode)} needs tools")
+    if choice.mode == pb.ToolChoice.TOOL_CHOICE_NAMED:
+        named = [t for t in tools if t["function"]["name"] == choice.function_name]
+        if not named:
+            raise InvalidArgument(
+                "tool_choice.function_name",
+                f"{choice.function_name!r} is not one of the tools",
+            )
+        return named
+    return tools or None
+
+
+def chat_inputs(request: pb.ChatRequest) -> ChatInputs:
+    if not request.messages:
+        raise InvalidArgument("messages", "must not be empty")
+    messages = [_message(i, msg) for i, msg in enumerate(request.messages)]
+    tools = _offered_tools(request)
+    kwargs = _json_object("chat_template_kwargs", request.chat_template_kwargs, {})
+    for key in kwargs:
+        if key in _RESERVED_TEMPLATE_VARIABLES:
+            raise InvalidArgument(f"chat_template_kwargs.{key}", "is set by the server")
+    add_generation_prompt = (
+        request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+    )
+    if request.continue_final_message:
+        if request.HasField("add_generation_prompt") and request.add_generation_prompt:
+            raise InvalidArgument(
+                "continue_final_message", "cannot be combined with add_generation_prompt"
+            )
+        if messages[-1]["role"] != "assistant":
+            raise InvalidArgument(
+                "continue_final_message", "the final message must be an assistant message"
+            )
+        add_generation_prompt = False
+    return ChatInputs(
+        messages=messages,
+        tools=tools,
+        template_kwargs=kwargs,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=request.continue_final_message,
+    )

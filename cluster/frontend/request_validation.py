@@ -1,0 +1,161 @@
+"""Checks request fields and turns them into engine inputs; every error names its field.
+
+proto3 cannot tell an unset scalar from zero, so the fields whose zero is not their default
+are `optional` and read with HasField; an unset one takes the default its comment states.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from kvloom.cluster.frontend.errors import InvalidArgument
+from kvloom.cluster.sampling_params import SamplingParams
+from kvloom.protos.kvloom.v1 import generation_pb2 as pb
+
+MAX_ID_LENGTH = 256  # request ids and cache salts
+MAX_LOGPROBS = 1024  # the engine's own limit
+MAX_SEED = 2**63 - 1
+
+
+def _float32(value: float) -> float:
+    """proto floats are float32: 0.7 arrives as 0.699999988. Seven significant digits give
+    back the value the client wrote, so a request samples as the same offline one does."""
+    return float(f"{value:.7g}")
+
+
+def _finite(field: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise InvalidArgument(field, f"must be a finite number, got {value}")
+    return _float32(value)
+
+
+def check_identifier(field: str, value: str) -> None:
+    if len(value) > MAX_ID_LENGTH:
+        raise InvalidArgument(field, f"at most {MAX_ID_LENGTH} characters, got {len(value)}")
+    if not value.isprintable():
+        raise InvalidArgument(field, "must not contain control characters")
+
+
+def check_request_id(value: str) -> None:
+    """Empty means the server assigns one."""
+    check_identifier("request_id", value)
+    if value and value.strip() != value:
+        raise InvalidArgument("request_id", "must not start or end with whitespace")
+
+
+def check_token_ids(field: str, ids: list[int] | tuple[int, ...], vocab_size: int) -> None:
+    for i, token_id in enumerate(ids):
+        if token_id >= vocab_size:
+            raise InvalidArgument(
+                field,
+                f"token id {token_id} at position {i} is outside the vocabulary [0, {vocab_size})",
+            )
+
+
+def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
+    if num_tokens >= max_model_len:
+        raise InvalidArgument(
+            "prompt",
+            f"{num_tokens} tokens, at or over max_model_len ({max_model_len}); it must leave "
+            "room for at least one generated token",
+        )
+
+
+def sampling_params(
+    msg: pb.SamplingParams, vocab_size: int, *, skip_special_tokens: bool | None = None
+) -> SamplingParams:
+    """The request's SamplingParams; max_tokens stays None when unset (see `fill_max_tokens`).
+    `skip_special_tokens` is the default to use when the request leaves it unset."""
+    f = "sampling."
+    kwargs: dict = {"max_tokens": None}
+    if msg.HasField("max_tokens"):
+        if msg.max_tokens < 1:
+            raise InvalidArgument(f + "max_tokens", f"must be >= 1, got {msg.max_tokens}")
+        kwargs["max_tokens"] = msg.max_tokens
+    if msg.min_tokens and kwargs["max_tokens"] is not None and msg.min_tokens > msg.max_tokens:
+        raise InvalidArgument(
+            f + "min_tokens", f"must be <= max_tokens ({msg.max_tokens}), got {msg.min_tokens}"
+        )
+    kwargs["min_tokens"] = msg.min_tokens
+    if msg.HasField("temperature"):
+        value = _finite(f + "temperature", msg.temperature)
+        if value < 0:
+            raise InvalidArgument(f + "temperature", f"must be >= 0, got {value}")
+        kwargs["temperature"] = value
+    if msg.HasField("top_p"):
+        value = _finite(f + "top_p", msg.top_p)
+        if not 0 < value <= 1:
+            raise InvalidArgument(f + "top_p", f"must be in (0, 1], got {value}")
+        kwargs["top_p"] = value
+    if msg.HasField("top_k"):
+        if msg.top_k != -1 and msg.top_k < 1:
+            raise InvalidArgument(f + "top_k", f"must be -1 (disabled) or >= 1, got {msg.top_k}")
+        kwargs["top_k"] = msg.top_k
+    min_p = _finite(f + "min_p", msg.min_p)
+    if not 0 <= min_p <= 1:
+        raise InvalidArgument(f + "min_p", f"must be in [0, 1], got {min_p}")
+    kwargs["min_p"] = min_p
+    if msg.HasField("seed"):
+        if msg.seed > MAX_SEED:
+            raise InvalidArgument(f + "seed", f"must be <= {MAX_SEED}, got {msg.seed}")
+        kwargs["seed"] = msg.seed
+    for i, stop in enumerate(msg.stop):
+        if not stop:
+            raise InvalidArgument(f"{f}stop[{i}]", "must not be empty")
+    kwargs["stop"] = list(msg.stop)
+    check_token_ids(f + "stop_token_ids", msg.stop_token_ids, vocab_size)
+    kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    kwargs["ignore_eos"] = msg.ignore_eos
+    if msg.HasField("logprobs"):
+        limit = min(MAX_LOGPROBS, vocab_size)
+        if msg.logprobs > limit:
+            raise InvalidArgument(f + "logprobs", f"must be <= {limit}, got {msg.logprobs}")
+        kwargs["logprobs"] = msg.logprobs
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _finite(f + name, getattr(msg, name))
+        if not -2 <= value <= 2:
+            raise InvalidArgument(f + name, f"must be in [-2, 2], got {value}")
+        kwargs[name] = value
+    if msg.HasField("repetition_penalty"):
+        value = _finite(f + "repetition_penalty", msg.repetition_penalty)
+        if value <= 0:
+            raise InvalidArgument(f + "repetition_penalty", f"must be > 0, got {value}")
+        kwargs["repetition_penalty"] = value
+    kwargs["include_stop_str_in_output"] = msg.include_stop_str_in_output
+    if msg.HasField("skip_special_tokens"):
+        kwargs["skip_special_tokens"] = msg.skip_special_tokens
+    elif skip_special_tokens is not None:
+        kwargs["skip_special_tokens"] = skip_special_tokens
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:  # a check above should have caught it first
+        raise InvalidArgument(f + str(exc).split(" ", 1)[0], str(exc)) from None
+
+
+def fill_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int) -> SamplingParams:
+    """Unset max_tokens: as many as fit in the context after the prompt."""
+    if params.max_tokens is not None:
+        return params
+    return replace(params, max_tokens=max(max_model_len - prompt_len, 1))
+
+
+def prompt_of(request: pb.GenerateRequest, vocab_size: int) -> str | list[int]:
+    """The text or token ids of a GenerateRequest (not yet tokenized or length-checked)."""
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidArgument("prompt", "set text or token_ids")
+    if kind == "text":
+        if not request.text:
+            raise InvalidArgument("text", "must not be empty")
+        return request.text
+    ids = list(request.token_ids.ids)
+    if not ids:
+        raise InvalidArgument("token_ids", "must not be empty")
+    check_token_ids("token_ids", ids, vocab_size)
+    return ids
+
+
+def check_cache_salt(value: str) -> str | None:
+    check_identifier("cache_salt", value)
+    return value or None
