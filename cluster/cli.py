@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -25,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # gRPC's C core logs fork notices at INFO when Ray forks beside a live channel.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from kvloom.cluster.detokenizer import IncrementalDetokenizer
 from kvloom.cluster.outputs import CompletionOutput, Logprob, RequestOutput
-from kvloom.cluster.request import Request
+from kvloom.cluster.request import Request, RequestStatus
 from kvloom.cluster.stop_strings import StopStringMatcher
 from kvloom.cluster.tokenizer import Tokenizer
 
@@ -52,6 +52,8 @@ class OutputProcessor:
                 state.cumulative_logprob += chosen
         if state.stop_string is not None:
             return state.stop_string
+        if _ended_by_stop_token(request) and new_tokens:
+            new_tokens = new_tokens[:-1]  # the EOS / stop token is not part of the text
         state.detokenizer.push(new_tokens)
         if request.status.finished:
             state.detokenizer.flush()
@@ -94,3 +96,11 @@ def spec_metrics(request: Request) -> dict:
         "spec_acceptance_rate": request.num_accepted_tokens / max(request.num_drafted_tokens, 1),
         "spec_mean_accepted_length": 1 + request.num_accepted_tokens / request.num_spec_steps,
     }
+
+
+def _ended_by_stop_token(request: Request) -> bool:
+    if request.status != RequestStatus.FINISHED_STOPPED or not request.output_token_ids:
+        return False
+    last = request.output_token_ids[-1]
+    params = request.sampling_params
+    return (not params.ignore_eos and last in params.eos_token_ids) or last in params.stop_token_ids

@@ -40,6 +40,8 @@ def connect_ray(num_cpus_for_local: int) -> None:
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS")
+    # gRPC's C core logs at INFO when Ray forks under a live channel; keep it quiet.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
@@ -79,7 +81,7 @@ class RayExecutor:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=rank
                 ),
-            ).remote(config, rank, self.use_gpu)
+            ).remote(config, rank, self.use_gpu, progress and rank == 0)
             for rank in range(world)
         ]
         self.publisher = self.results = None

@@ -1,9 +1,18 @@
 """kvloom: a serving engine for large language models, hybrid models included."""
 
-from kvloom.cluster.engine import Engine
-from kvloom.cluster.outputs import CompletionOutput, Logprob, RequestOutput
-from kvloom.cluster.sampling_params import SamplingParams
-from kvloom.llm import LLM
+from pathlib import Path as _Path
+
+# Run from a source checkout on sys.path (Ray's `--working-dir .`, `python -m` in the
+# repo), this folder is found as `kvloom` but its subpackages live beside it: map them the
+# way the installed distribution does (pyproject's package-dir).
+_checkout = _Path(__file__).resolve().parent.parent
+if (_checkout / "cluster" / "engine.py").is_file() and str(_checkout) not in __path__:
+    __path__.append(str(_checkout))
+
+from kvloom.cluster.engine import Engine  # noqa: E402
+from kvloom.cluster.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
+from kvloom.cluster.sampling_params import SamplingParams  # noqa: E402
+from kvloom.llm import LLM  # noqa: E402
 
 __all__ = [
     "LLM",

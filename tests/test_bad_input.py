@@ -177,3 +177,20 @@ def test_bad_engine_config_names_the_field(tiny_model, kwargs, field):
 def test_model_dir_must_exist(tmp_path):
     with pytest.raises(ValueError, match="model"):
         Engine(model=str(tmp_path / "nope"), progress=False)
+
+
+def test_stop_token_text_is_not_in_the_output(tiny_model):
+    """A request ended by a stop token id keeps the id in token_ids, not its text."""
+    llm = LLM(str(tiny_model("llama")), progress=False)
+    free = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    first = free.outputs[0].token_ids[0]
+    tok = llm.get_tokenizer()
+    stopped = llm.generate(
+        [[5, 6, 7]],
+        SamplingParams(
+            max_tokens=8, temperature=0.0, stop_token_ids=[first], skip_special_tokens=False
+        ),
+    )[0].outputs[0]
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    assert stopped.stop_reason == first
+    assert stopped.text == "" and tok.decode([first], skip_special_tokens=False) != ""

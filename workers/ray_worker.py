@@ -27,8 +27,9 @@ def free_port() -> int:
 
 
 class WorkerActor:
-    def __init__(self, config: EngineConfig, rank: int, use_gpu: bool):
+    def __init__(self, config: EngineConfig, rank: int, use_gpu: bool, progress: bool = False):
         self.config = config
+        self.progress = progress
         self.rank = rank
         self.use_gpu = use_gpu
         self.layout = RankLayout(
@@ -48,7 +49,7 @@ class WorkerActor:
     def setup(self, init_address: str) -> None:
         device = torch.device("cuda", 0) if self.use_gpu else torch.device("cpu")
         parallel = init_parallel_state(self.layout, self.rank, init_address, device)
-        self.worker = Worker(self.config, parallel, progress=self.rank == 0, device=device)
+        self.worker = Worker(self.config, parallel, progress=self.progress, device=device)
 
     def kv_cache_groups(self):
         return self.worker.kv_cache_groups

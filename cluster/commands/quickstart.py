@@ -1,7 +1,9 @@
 """`kvloom quickstart`: the README's main job on the embedded default.
 
-Writes a tiny demo model (if not there yet), starts the gRPC server on 127.0.0.1 (a free
-port) in this process, streams a chat to it through the real gRPC client, and shuts down.
+Writes a tiny demo model (if not there yet), starts an embedded local Ray with the
+scheduler actor and a worker actor, serves them over gRPC on 127.0.0.1 (a free port),
+streams a chat through the real gRPC client, and shuts down. `--no-ray` keeps the engine
+in this process.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_DIR)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--no-ray", action="store_true", help="run the engine in this process")
     parser.set_defaults(func=run)
 
 
@@ -51,11 +54,13 @@ def run(args: argparse.Namespace) -> int:
         tool_call_parser="hermes",  # the demo model's chat template is ChatML with Hermes tools
         reasoning_parser="think",
     )
-    factory = engine_factory(model=str(model_dir), progress=False)
+    executor = "inprocess" if args.no_ray else "ray"
+    factory = engine_factory(model=str(model_dir), progress=False, executor=executor)
     with BackgroundServer(factory, options) as server:
+        where = "in this process" if args.no_ray else "scheduler and worker as local Ray actors"
         print(
-            f"server ready at {server.address} ({time.monotonic() - started:.1f} s): "
-            f"kvloom.v1.Generation, health, reflection",
+            f"server ready at {server.address} ({time.monotonic() - started:.1f} s, engine "
+            f"{where}): kvloom.v1.Generation, health, reflection",
             flush=True,
         )
         with Client(server.address, timeout=60) as client:

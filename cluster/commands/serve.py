@@ -32,6 +32,13 @@ def register(subparsers) -> None:
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    engine.add_argument(
+        "--executor",
+        default="ray",
+        choices=("ray", "inprocess"),
+        help="ray (default): the scheduler and workers run as Ray actors (RAY_ADDRESS's "
+        "cluster, or an embedded local Ray); inprocess: one rank in this process",
+    )
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0")
@@ -77,6 +84,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         device=args.device,
+        executor=args.executor,
     )
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len

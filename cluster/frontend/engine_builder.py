@@ -1,26 +1,31 @@
 """The one place the serving engine is built from `kvloom serve`'s engine arguments.
 
-TP = DCP = 1 runs the model in this process. A larger grid needs the Ray executor; the
-Engine picks it from the same arguments once `kvloom.cluster.ray_executor` exists.
+executor="inprocess" (one rank) runs the engine in this process. Otherwise (Ray, or a
+TP × DCP grid) the scheduler runs in its own Ray actor, which starts the worker actors,
+and the front door drives it through `RemoteEngine`.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from typing import Any
 
 from kvloom.cluster.engine import Engine
 
 
-def build_engine(progress: bool = True, **engine_kwargs: Any) -> Engine:
+def build_engine(progress: bool = True, **engine_kwargs: Any):
     tp = engine_kwargs.get("tensor_parallel_size", 1)
     dcp = engine_kwargs.get("decode_context_parallel_size", 1)
-    if tp * dcp > 1 and importlib.util.find_spec("kvloom.cluster.ray_executor") is None:
-        raise ValueError(
-            f"tensor_parallel_size={tp} × decode_context_parallel_size={dcp} needs the Ray "
-            "executor, which this build does not have yet; use --tp 1 --dcp 1"
-        )
+    executor = engine_kwargs.get("executor", "auto")
+    if executor == "ray" or tp * dcp > 1:
+        if executor == "inprocess":
+            raise ValueError(
+                f"executor='inprocess' runs one rank; tensor_parallel_size={tp} × "
+                f"decode_context_parallel_size={dcp} needs executor='ray'"
+            )
+        from kvloom.cluster.scheduler_actor import RemoteEngine
+
+        return RemoteEngine(dict(engine_kwargs, progress=progress))
     return Engine(progress=progress, **engine_kwargs)
 
 
