@@ -81,7 +81,7 @@ def rejection_sample(
     nd = torch.tensor(num_drafts, dtype=torch.long, device=device)
     lanes = torch.arange(num_lanes, device=device)
     real = lanes[None, :] <= nd[:, None]  # [R, K+1]: draft lanes and the bonus lane
-    is_draft = real[:, :k] & (lanes[None, :k] < nd[:, None])  # [R, K]
+    is_draft = lanes[None, :k] < nd[:, None]  # [R, K]
 
     drafts = torch.where(is_draft, draft_token_ids.to(device=device, dtype=torch.long), 0)
     in_vocab = (drafts >= 0) & (drafts < vocab)
@@ -115,7 +115,7 @@ def rejection_sample(
     draft_lanes = torch.cat([drafts, drafts.new_zeros(num_rows, 1)], dim=1)
     token_ids = torch.where(lanes[None, :] < num_accepted[:, None], draft_lanes, PADDING_TOKEN_ID)
     token_ids.scatter_(1, num_accepted[:, None], emit.gather(1, num_accepted[:, None]))
-    invalid = (poisoned & real).any(-1)
+    invalid = poisoned.any(-1)  # poisoned lanes are real lanes
     return RejectionSampleOutput(token_ids, num_accepted, invalid)
 
 
@@ -188,7 +188,7 @@ def _apply_penalties_per_lane(logits, rows, drafts, in_vocab, num_drafts) -> Non
 
 def _sanitize(logits: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns NaN-free logits and the poisoned-lane mask [R, K+1] (real lanes only).
-    Padding lanes become all-zero logits: finite, and never decisive."""
+    Padding lanes are sanitised too (so no NaN reaches any op) but never decide anything."""
     nan = logits.isnan()
     pos_inf = logits == float("inf")
     has_pos_inf = pos_inf.any(-1, keepdim=True)
@@ -197,10 +197,9 @@ def _sanitize(logits: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, t
     clean = torch.where(has_pos_inf, torch.where(pos_inf, 0.0, float("-inf")), clean)
     empty = (clean == float("-inf")).all(-1, keepdim=True)
     # Nothing selectable: token 0 by convention (a one-hot), so every path below agrees.
-    token0 = torch.full_like(clean[0, 0], float("-inf"))
+    token0 = torch.full(clean.shape[-1:], float("-inf"), device=clean.device)
     token0[0] = 0.0
     clean = torch.where(empty, token0, clean)
-    pass
     poisoned = (nan.any(-1) | has_pos_inf[..., 0] | empty[..., 0]) & real
     return clean, poisoned
 

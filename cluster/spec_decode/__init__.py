@@ -1,0 +1,1 @@
+"""Speculative decoding, control plane: draft proposers and acceptance statistics."""
