@@ -69,3 +69,11 @@ def test_every_row_fresh_one_token():
 def test_lengths_must_agree():
     with pytest.raises(ValueError):
         classify_rows([0, 1], [1])
+
+
+def test_uniform_decode_shape_with_a_prompt_chunk_is_not_a_decode_step():
+    # Speculative decodes of 1 + 2 drafts beside a fresh 3-token prompt chunk.
+    rows = classes([12, 30, 0], [3, 3, 3])
+    assert not rows.uniform_decode(3)
+    assert classes([12, 30], [3, 3]).uniform_decode(3)
+    assert not classes([12, 30], [3, 2]).uniform_decode(3)

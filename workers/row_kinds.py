@@ -68,6 +68,15 @@ class RowClasses:
         real = [i for i, k in enumerate(self.kinds) if k != RowKind.PADDING]
         return bool(real) and len(self.decode_rows) == len(real)
 
+    def uniform_decode(self, query_len: int) -> bool:
+        """True iff every non-padding row resumes its own state with exactly `query_len`
+        tokens (1 + drafts): the only steps a uniform-decode CUDA graph may replay
+        (invariant 3). A fresh prompt chunk of that length never qualifies."""
+        real = [
+            (k, n) for k, n in zip(self.kinds, self.num_scheduled_tokens) if k != RowKind.PADDING
+        ]
+        return bool(real) and all(k == RowKind.RESUME and n == query_len for k, n in real)
+
     def has_initial_state_tensor(self, rows: list[int], device) -> torch.Tensor:
         flags = self.has_initial_state
         return torch.tensor([flags[i] for i in rows], dtype=torch.bool, device=device)

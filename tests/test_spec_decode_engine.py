@@ -1,0 +1,105 @@
+"""Speculative decoding through the engine: lossless against plain decoding (greedy and
+seeded sampling), with prefix caching, chunked prefill and preemption in the mix, on dense
+and hybrid models (hybrids restore their linear state when a draft is rejected)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvloom import Engine, SamplingParams
+from kvloom.workers.model_runner import ModelRunner
+from kvloom.workers.row_kinds import RowKind
+from tests.engine_helpers import assert_pool_full, greedy, run_to_completion
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+
+def repetitive_prompts(n: int = 6) -> list[list[int]]:
+    rng = random.Random(0)
+    return [([5 + rng.randrange(40) for _ in range(6)] * 5)[: 20 + i] for i in range(n)]
+
+
+@pytest.fixture(scope="module", params=["dense", "qwen3_next", "kimi_linear"])
+def model_path(request, tiny_model, hybrid_model):
+    return tiny_model("qwen3") if request.param == "dense" else hybrid_model(request.param)
+
+
+def engine(path, **kw) -> Engine:
+    return Engine(model=str(path), dtype="float64", progress=False, block_size=4, **kw)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [dict(), dict(max_num_batched_tokens=7), dict(num_kv_blocks=30, max_num_batched_tokens=16)],
+    ids=["plain", "chunked", "preempted"],
+)
+def test_ngram_greedy_is_lossless(model_path, setting):
+    prompts = repetitive_prompts()
+    expected = run_to_completion(engine(model_path), prompts, greedy(40))
+    spec = engine(model_path, speculative_config=NGRAM, **setting)
+    outs = run_to_completion(spec, prompts, greedy(40))
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    stats = spec.stats()
+    assert stats["spec_drafted_tokens"] > 0
+    if "num_kv_blocks" in setting:
+        assert stats["num_preemptions"] > 0
+    assert_pool_full(spec)
+
+
+def test_ngram_seeded_sampling_is_lossless(model_path):
+    prompts = repetitive_prompts(4)
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.7, top_k=20, seed=11 + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    expected = run_to_completion(engine(model_path), prompts, params)
+    outs = run_to_completion(engine(model_path, speculative_config=NGRAM), prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_acceptance_and_rejection_both_happen_and_stats_add_up(hybrid_model):
+    """On the Qwen3-Next demo model the n-gram drafts are partly accepted: both the
+    accept path and the restore-and-recompute path run."""
+    spec = engine(hybrid_model("qwen3_next"), speculative_config=NGRAM)
+    outs = run_to_completion(spec, repetitive_prompts(), greedy(40))
+    stats = spec.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"]
+    per_request = [o.metrics for o in outs if o.metrics]
+    assert sum(m["spec_drafted_tokens"] for m in per_request) == stats["spec_drafted_tokens"]
+    assert sum(m["spec_accepted_tokens"] for m in per_request) == stats["spec_accepted_tokens"]
+    assert stats["spec_mean_accepted_length"] > 1
+
+
+def test_prompt_chunk_shaped_like_speculative_decodes_is_not_a_decode(tiny_model, monkeypatch):
+    """A fresh prompt chunk of 1 + k tokens scheduled beside speculative decodes of 1 + k
+    tokens is classified fresh, and the step is not a uniform decode."""
+    seen = []
+    original = ModelRunner.build_batch
+
+    def recording(self, sched):
+        input_ids, batch, rows = original(self, sched)
+        seen.append((dict(sched.num_scheduled_tokens), batch.rows))
+        return input_ids, batch, rows
+
+    monkeypatch.setattr(ModelRunner, "build_batch", recording)
+    spec = engine(
+        tiny_model("qwen3"),
+        speculative_config={"method": "ngram", "num_speculative_tokens": 1},
+        max_num_batched_tokens=64,
+    )
+    prompts = repetitive_prompts(2)
+    for i, prompt in enumerate(prompts):
+        spec.add_request(f"r{i}", {"prompt_token_ids": prompt}, greedy(30))
+    while not any(len(set(s.values())) == 1 and max(s.values()) == 2 for s, _ in seen):
+        spec.step()  # until the decodes carry one draft each
+    spec.add_request("fresh", {"prompt_token_ids": [7, 9]}, greedy(3))
+    spec.step()
+    scheduled, rows = seen[-1]
+    assert scheduled.get("fresh") == 2
+    fresh_row = list(scheduled).index("fresh")
+    assert rows.kinds[fresh_row] == RowKind.FRESH
+    others = [(rows.kinds[i], n) for i, n in enumerate(scheduled.values()) if i != fresh_row]
+    assert (RowKind.RESUME, 2) in others  # a decode with its draft, same shape
+    assert not rows.uniform_decode(2)
