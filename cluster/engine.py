@@ -25,9 +25,7 @@ def make_proposer(spec):
         from kvloom.cluster.spec_decode.ngram_proposer import NgramProposer
 
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    if spec.method == "draft_model":
-        raise ValueError("speculative_config.method 'draft_model' is not available yet")
-    return None
+    return None  # draft_model: the workers' draft model proposes
 
 
 class Engine:

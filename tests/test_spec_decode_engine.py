@@ -103,3 +103,65 @@ def test_prompt_chunk_shaped_like_speculative_decodes_is_not_a_decode(tiny_model
     while spec.has_unfinished_requests():
         spec.step()
     assert_pool_full(spec)
+
+
+def draft_config(path, k: int = 3) -> dict:
+    return {"method": "draft_model", "draft_model": str(path), "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [dict(), dict(num_kv_blocks=60, max_num_batched_tokens=16)],
+    ids=["plain", "chunked-preempted"],
+)
+def test_target_as_its_own_draft_accepts_everything_losslessly(tiny_model, setting):
+    path = tiny_model("qwen2")
+    prompts = repetitive_prompts()
+    expected = run_to_completion(engine(path), prompts, greedy(30))
+    spec = engine(path, speculative_config=draft_config(path), **setting)
+    outs = run_to_completion(spec, prompts, greedy(30))
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    stats = spec.stats()
+    assert stats["spec_drafted_tokens"] > 0
+    assert stats["spec_accepted_tokens"] == stats["spec_drafted_tokens"]
+    assert stats["spec_mean_accepted_length"] > 3  # k = 3: up to 4 tokens a step
+    assert_pool_full(spec)
+
+
+@pytest.mark.parametrize("target", ["dense", "qwen3_next"])
+def test_unrelated_draft_model_is_rejected_losslessly(tiny_model, hybrid_model, target):
+    target_path = tiny_model("qwen2") if target == "dense" else hybrid_model("qwen3_next")
+    draft_path = tiny_model("qwen3")  # a different random model, same tokenizer
+    prompts = repetitive_prompts()
+    expected = run_to_completion(engine(target_path), prompts, greedy(30))
+    spec = engine(
+        target_path,
+        speculative_config=draft_config(draft_path),
+        num_kv_blocks=60,
+        max_num_batched_tokens=16,
+    )
+    outs = run_to_completion(spec, prompts, greedy(30))
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    stats = spec.stats()
+    assert stats["spec_drafted_tokens"] > stats["spec_accepted_tokens"]
+    assert stats["num_preemptions"] > 0
+    assert_pool_full(spec)
+
+
+def test_linear_attention_draft_model_is_refused(tiny_model, hybrid_model):
+    with pytest.raises(ValueError, match="linear-attention draft"):
+        engine(tiny_model("qwen2"), speculative_config=draft_config(hybrid_model("qwen3_next")))
+
+
+def test_bad_speculative_config_names_the_field(tiny_model):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        engine(
+            tiny_model("qwen2"), speculative_config={"method": "ngram", "num_speculative_tokens": 0}
+        )
+    with pytest.raises(ValueError, match="speculative_config.method"):
+        engine(tiny_model("qwen2"), speculative_config={"method": "eagle9"})
+    with pytest.raises(ValueError, match="draft_model"):
+        engine(
+            tiny_model("qwen2"),
+            speculative_config={"method": "draft_model", "num_speculative_tokens": 2},
+        )

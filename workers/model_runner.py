@@ -23,6 +23,7 @@ from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
 from kvloom.workers.models.registry import model_class
 from kvloom.workers.row_kinds import RowClasses, classify_rows
 from kvloom.workers.sampler import RowSamplingState, logprob_infos, sample
+from kvloom.workers.spec_decode.draft_model import DRAFT_LAYER_OFFSET, DraftModel
 from kvloom.workers.spec_decode.rejection_sampler import rejection_sample
 from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
 
@@ -64,6 +65,7 @@ class ModelRunner:
         self.model = None
         self.groups: list[KVCacheGroup] = []
         self.layer_to_group: dict[int, int] = {}
+        self.draft: DraftModel | None = None
 
     def load_model(self, progress: bool = True) -> None:
         klass = model_class(self.config.model.architecture)
@@ -78,16 +80,41 @@ class ModelRunner:
         )
         self.model = model.eval()
         # With DCP a scheduler block spans dcp_size ranks: block_size tokens on each.
-        specs = book_sliding_windows(
-            model.kv_cache_specs(self.block_size * self.dcp_size, self.dtype_name),
-            self.config.cache,
-        )
+        specs = model.kv_cache_specs(self.block_size * self.dcp_size, self.dtype_name)
+        if self.config.speculative.method == "draft_model":
+            if self.dcp is not None:
+                raise ValueError(
+                    "speculative_config.draft_model does not support "
+                    "decode_context_parallel_size > 1 yet"
+                )
+            self.draft = DraftModel(
+                self.config.speculative.draft_model,
+                self.dtype,
+                self.tp,
+                self.device,
+                int(self.config.model.text_config["vocab_size"]),
+                progress=progress,
+            )
+            specs.update(self.draft.kv_cache_specs(self.block_size, self.dtype_name))
+        specs = book_sliding_windows(specs, self.config.cache)
         if self.dcp is not None:
             self._attach_dcp(model, specs)
         self.groups = group_layers(specs)
         self.layer_to_group = {
             layer: g for g, group in enumerate(self.groups) for layer in group.layer_names
         }
+        if self.draft is not None:
+            self.draft.bind_groups(self.layer_to_group)
+
+    def cache_layers(self) -> list[tuple[object, int]]:
+        """(layer, its key in layer_to_group) for every cache-owning layer, draft included."""
+        out = [(layer, layer.layer_index) for layer in self.model.cache_layers()]
+        if self.draft is not None:
+            out += [
+                (layer, DRAFT_LAYER_OFFSET + layer.layer_index)
+                for layer in self.draft.model.cache_layers()
+            ]
+        return out
 
     def _attach_dcp(self, model, specs: dict) -> None:
         """Full/sliding attention layers shard their KV over the DCP group; linear-state
@@ -139,16 +166,17 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Every cache-owning layer allocates its pages (KV blocks or state slots), indexed
         by block ids of the one shared pool."""
-        for layer in self.model.cache_layers():
-            spec = self.groups[self.layer_to_group[layer.layer_index]].spec
-            layer.allocate_cache(num_blocks, spec, self.device)
+        for layer, key in self.cache_layers():
+            layer.allocate_cache(
+                num_blocks, self.groups[self.layer_to_group[key]].spec, self.device
+            )
 
     def poison_blocks(self, block_ids: list[int]) -> None:
         """Sanitizer: freed blocks and state slots read as NaN, so a stale read shows up."""
         if not block_ids:
             return
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for layer in self.model.cache_layers():
+        for layer, _ in self.cache_layers():
             layer.poison_cache(ids)
 
     def copy_state_pages(self, pairs: list[tuple[int, int]]) -> None:
@@ -157,9 +185,8 @@ class ModelRunner:
             return
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
-        for layer in self.model.cache_layers():
-            spec = self.groups[self.layer_to_group[layer.layer_index]].spec
-            if isinstance(spec, LinearStateSpec):
+        for layer, key in self.cache_layers():
+            if isinstance(self.groups[self.layer_to_group[key]].spec, LinearStateSpec):
                 layer.copy_cache(src, dst)
 
     # -- one step -------------------------------------------------------------------
@@ -244,8 +271,27 @@ class ModelRunner:
         hidden = self.model(input_ids, batch.positions, batch)
         self.copy_state_pages(sched.state_copies_after)
         if not sample_rows:
+            if self.draft is not None:
+                self.draft.catch_up(input_ids, batch)
             return ModelRunnerOutput({})
-        return self.sample_tokens(hidden, sample_rows)
+        out = self.sample_tokens(hidden, sample_rows)
+        if self.draft is not None:
+            self.draft.catch_up(input_ids, batch)
+            self._propose_drafts(out)
+        return out
+
+    def _propose_drafts(self, out: ModelRunnerOutput) -> None:
+        """Draft-model proposals from each sampled request's newest token."""
+        starts, ids = [], []
+        for rid, emitted in out.sampled_token_ids.items():
+            state = self.input_batch.requests[rid]
+            # state.token_ids ends at this step's last real token; accepted drafts follow.
+            position = len(state.token_ids) + len(emitted) - 1
+            starts.append((state.block_ids, position, emitted[-1]))
+            ids.append(rid)
+        k = self.config.speculative.num_speculative_tokens
+        for rid, proposal in zip(ids, self.draft.propose(starts, k, self._slots, self.groups)):
+            out.spec_token_ids[rid] = proposal
 
     def _sampling_state(self, request_id: str) -> RowSamplingState:
         state = self.input_batch.requests[request_id]
