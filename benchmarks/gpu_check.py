@@ -25,6 +25,31 @@ from kvloom import Engine, SamplingParams
 PROMPTS = [[5 + (i * 37 + j * 11) % 500 for j in range(n)] for i, n in enumerate([1, 7, 33, 50])]
 
 
+def first_divergence(ref, outs) -> list:
+    """(row, step, reference top-2 logprob margin there) for rows whose tokens differ."""
+    found = []
+    for row, (a, b) in enumerate(zip(ref, outs)):
+        if a.token_ids != b.token_ids:
+            step = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
+            top = sorted((lp.logprob for lp in a.logprobs[step].values()), reverse=True)
+            found.append((row, step, round(top[0] - top[1], 4)))
+    return found
+
+
+def run_outputs(engine: Engine, prompts, params):
+    ids = []
+    for p in prompts:
+        rid = engine.next_request_id()
+        engine.add_request(rid, {"prompt_token_ids": p}, params)
+        ids.append(rid)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    return [done[r] for r in ids]
+
+
 def run(engine: Engine, prompts, params) -> list[list[int]]:
     ids = []
     for p in prompts:
@@ -63,10 +88,18 @@ def grid_equality(results, model: str, gpus: int) -> None:
             executor="ray",
             device="cuda",
         )
-        tokens = run(eng, PROMPTS, greedy(24))
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+        outs = run_outputs(eng, PROMPTS, params)
         eng.shutdown()
-        ref = ref or tokens
-        record(results, f"bf16_tp{tp}_dcp{dcp}_same_tokens_as_tp1", tokens == ref)
+        ref = ref or outs
+        same = [o.token_ids for o in outs] == [o.token_ids for o in ref]
+        record(results, f"bf16_tp{tp}_dcp{dcp}_same_tokens_as_tp1", same)
+        if not same:
+            record(
+                results,
+                f"bf16_tp{tp}_dcp{dcp}_divergence_row_step_margin",
+                first_divergence(ref, outs),
+            )
         record(results, f"bf16_tp{tp}_dcp{dcp}_wall_s", round(time.perf_counter() - start, 2))
 
 
