@@ -86,3 +86,26 @@ def test_sampled_distribution_follows_probabilities(model_dir):
     counts = torch.bincount(torch.tensor([o.outputs[0].token_ids[0] for o in outs]))
     assert (counts > 0).sum() <= 4  # top_k = 4
     assert (counts > 0).sum() >= 2  # and it really samples
+
+
+def test_plain_sampler_is_nan_safe():
+    """Invariant 5 for plain rows: NaN never wins an argmax, zero-probability entries never
+    win the race, and the rules match the rejection sampler's."""
+    from kvloom.workers.sampler import RowSamplingState, sample
+
+    logits = torch.tensor(
+        [
+            [0.0, float("nan"), 5.0, 1.0],
+            [float("nan")] * 4,
+            [0.0, float("inf"), 1.0, float("inf")],
+            [1.0, 2.0, float("nan"), 0.0],
+        ]
+    )
+    greedy_params = SamplingParams(temperature=0.0)
+    rows = [RowSamplingState(greedy_params, 0, [1], []) for _ in range(3)]
+    rows.append(RowSamplingState(SamplingParams(temperature=1.0, top_k=1), 3, [1], []))
+    tokens, _ = sample(logits, rows, -1)
+    assert tokens[0] == 2  # not the NaN lane
+    assert tokens[1] == 0  # nothing selectable: token 0 by convention
+    assert tokens[2] in (1, 3)  # +inf entries share the mass
+    assert tokens[3] == 1  # top-1 of the finite entries

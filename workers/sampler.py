@@ -69,6 +69,30 @@ def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) ->
     return probs
 
 
+def sanitize_logits(logits: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns NaN-free logits and the poisoned-lane mask [R, K+1] (real lanes only).
+    Padding lanes are sanitised too (so no NaN reaches any op) but never decide anything."""
+    nan = logits.isnan()
+    pos_inf = logits == float("inf")
+    has_pos_inf = pos_inf.any(-1, keepdim=True)
+    clean = logits.masked_fill(nan, float("-inf"))
+    # The softmax limit of a +inf logit: the +inf entries share all the mass.
+    clean = torch.where(has_pos_inf, torch.where(pos_inf, 0.0, float("-inf")), clean)
+    empty = (clean == float("-inf")).all(-1, keepdim=True)
+    # Nothing selectable: token 0 by convention (a one-hot), so every path below agrees.
+    token0 = torch.full(clean.shape[-1:], float("-inf"), device=clean.device)
+    token0[0] = 0.0
+    clean = torch.where(empty, token0, clean)
+    poisoned = (nan.any(-1) | has_pos_inf[..., 0] | empty[..., 0]) & real
+    return clean, poisoned
+
+
+def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax(w / E) picks i with probability w_i / sum(w); zero-weight entries never win."""
+    score = torch.where(weights > 0, weights / noise, -1.0)
+    return score.argmax(-1)
+
+
 def sample(
     logits: torch.Tensor, rows: list[RowSamplingState], max_logprobs: int
 ) -> tuple[list[int], list[tuple[float, int, list[tuple[int, float]]] | None]]:
@@ -76,6 +100,11 @@ def sample(
     raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if max_logprobs >= 0 else None
     logits = logits.float().clone()
     apply_penalties(logits, rows)
+    # Invariant 5: no NaN reaches an argmax (same rules as the rejection sampler, so a row
+    # draws the same token with or without speculation, NaN or not).
+    logits, _ = sanitize_logits(
+        logits, torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+    )
     tokens: list[int] = []
     for i, row in enumerate(rows):
         p = row.params
@@ -88,7 +117,7 @@ def sample(
             draw_key(row.seed, len(row.output_token_ids))
         )
         noise = torch.empty(probs.shape[0], dtype=torch.float32).exponential_(generator=gen)
-        tokens.append(int(torch.argmax(probs.cpu() / noise)))
+        tokens.append(int(race(probs.cpu(), noise)))
     infos: list = []
     for i, row in enumerate(rows):
         n = row.params.logprobs

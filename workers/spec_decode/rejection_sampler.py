@@ -45,7 +45,14 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.cluster.config import require
-from kvloom.workers.sampler import RowSamplingState, apply_penalties, draw_key, filter_probs
+from kvloom.workers.sampler import (
+    RowSamplingState,
+    apply_penalties,
+    draw_key,
+    filter_probs,
+)
+from kvloom.workers.sampler import race as _race
+from kvloom.workers.sampler import sanitize_logits as _sanitize
 
 PADDING_TOKEN_ID = -1
 
@@ -186,24 +193,6 @@ def _apply_penalties_per_lane(logits, rows, drafts, in_vocab, num_drafts) -> Non
             apply_penalties(logits[r, j : j + 1], [lane_row])
 
 
-def _sanitize(logits: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns NaN-free logits and the poisoned-lane mask [R, K+1] (real lanes only).
-    Padding lanes are sanitised too (so no NaN reaches any op) but never decide anything."""
-    nan = logits.isnan()
-    pos_inf = logits == float("inf")
-    has_pos_inf = pos_inf.any(-1, keepdim=True)
-    clean = logits.masked_fill(nan, float("-inf"))
-    # The softmax limit of a +inf logit: the +inf entries share all the mass.
-    clean = torch.where(has_pos_inf, torch.where(pos_inf, 0.0, float("-inf")), clean)
-    empty = (clean == float("-inf")).all(-1, keepdim=True)
-    # Nothing selectable: token 0 by convention (a one-hot), so every path below agrees.
-    token0 = torch.full(clean.shape[-1:], float("-inf"), device=clean.device)
-    token0[0] = 0.0
-    clean = torch.where(empty, token0, clean)
-    poisoned = (nan.any(-1) | has_pos_inf[..., 0] | empty[..., 0]) & real
-    return clean, poisoned
-
-
 def _target_probs(lane_logits: torch.Tensor, rows: list[RowSamplingState]) -> torch.Tensor:
     """[n, V] sanitised logits of sampled rows -> their sampling distributions, computed row by
     row with the plain sampler's expressions so both draw the same token from the same noise."""
@@ -228,12 +217,6 @@ def _lane_noise(
         if uniform is not None:
             uniform[i] = torch.rand((), generator=gen)
     return noise.to(device), None if uniform is None else uniform.to(device)
-
-
-def _race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """argmax(w / E) picks i with probability w_i / sum(w); zero-weight entries never win."""
-    score = torch.where(weights > 0, weights / noise, -1.0)
-    return score.argmax(-1)
 
 
 def _verify_sampled_rows(
