@@ -161,7 +161,7 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.decode_context_parallel_size
 
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "eagle")
 
 
 @dataclass
@@ -173,6 +173,7 @@ class SpeculativeConfig:
 
     method: str | None = None
     num_speculative_tokens: int = 0
+    # draft_model: a checkpoint with the target's tokenizer; eagle: a KvloomEagleHead dir
     draft_model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
@@ -192,7 +193,7 @@ class SpeculativeConfig:
         require_int(
             "speculative_config.prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min
         )
-        if self.method == "draft_model":
+        if self.method in ("draft_model", "eagle"):
             require(
                 isinstance(self.draft_model, str) and Path(self.draft_model).is_dir(),
                 "speculative_config.draft_model",

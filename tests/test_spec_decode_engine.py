@@ -165,3 +165,43 @@ def test_bad_speculative_config_names_the_field(tiny_model):
             tiny_model("qwen2"),
             speculative_config={"method": "draft_model", "num_speculative_tokens": 2},
         )
+
+
+@pytest.mark.parametrize("window", [None, 8], ids=["full-head", "all-sliding-head"])
+@pytest.mark.parametrize("target", ["dense", "qwen3_next"])
+def test_eagle_head_is_lossless_with_prefix_caching(
+    tiny_model, hybrid_model, tmp_path, target, window
+):
+    """A random EAGLE-style head (fed the target's hidden states) drafts; verification keeps
+    the output exact, with chunked prefill, preemption and prefix hits across turns. An
+    all-sliding-window head is booked as full attention for caching (invariant 4)."""
+    from kvloom.workers.spec_decode.eagle import write_eagle_head
+    from tests.engine_helpers import multi_turn
+
+    target_path = tiny_model("qwen2") if target == "dense" else hybrid_model("qwen3_next")
+    head = write_eagle_head(tmp_path / "head", target_path, sliding_window=window)
+    plain = engine(target_path)
+    spec = engine(
+        target_path,
+        speculative_config={
+            "method": "eagle",
+            "draft_model": str(head),
+            "num_speculative_tokens": 3,
+        },
+        num_kv_blocks=80,
+        max_num_batched_tokens=16,
+    )
+    prompts = repetitive_prompts()
+    expected = run_to_completion(plain, prompts, greedy(30))
+    outs = run_to_completion(spec, prompts, greedy(30))
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    turns = multi_turn(spec)
+    assert [[o.outputs[0].token_ids for _, o in t] for t in turns] == [
+        [o.outputs[0].token_ids for _, o in t] for t in multi_turn(plain)
+    ]
+    stats = spec.stats()
+    assert stats["spec_drafted_tokens"] > 0
+    assert stats["prefix_cache_hit_tokens"] > 0
+    kinds = {type(g.spec).__name__ for g in spec.kv_cache.groups}
+    assert "SlidingWindowSpec" not in kinds  # the all-sliding head is booked as full
+    assert_pool_full(spec)

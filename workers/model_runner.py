@@ -24,6 +24,7 @@ from kvloom.workers.models.registry import model_class
 from kvloom.workers.row_kinds import RowClasses, classify_rows
 from kvloom.workers.sampler import RowSamplingState, logprob_infos, sample
 from kvloom.workers.spec_decode.draft_model import DRAFT_LAYER_OFFSET, DraftModel
+from kvloom.workers.spec_decode.eagle import EagleProposer
 from kvloom.workers.spec_decode.rejection_sampler import rejection_sample
 from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
 
@@ -65,7 +66,7 @@ class ModelRunner:
         self.model = None
         self.groups: list[KVCacheGroup] = []
         self.layer_to_group: dict[int, int] = {}
-        self.draft: DraftModel | None = None
+        self.draft: DraftModel | EagleProposer | None = None
 
     def load_model(self, progress: bool = True) -> None:
         klass = model_class(self.config.model.architecture)
@@ -80,23 +81,36 @@ class ModelRunner:
         )
         self.model = model.eval()
         # With DCP a scheduler block spans dcp_size ranks: block_size tokens on each.
-        specs = model.kv_cache_specs(self.block_size * self.dcp_size, self.dtype_name)
-        if self.config.speculative.method == "draft_model":
+        specs = book_sliding_windows(
+            model.kv_cache_specs(self.block_size * self.dcp_size, self.dtype_name),
+            self.config.cache,
+        )
+        spec_cfg = self.config.speculative
+        if spec_cfg.method in ("draft_model", "eagle"):
             if self.dcp is not None:
                 raise ValueError(
-                    "speculative_config.draft_model does not support "
+                    f"speculative_config.method {spec_cfg.method!r} does not support "
                     "decode_context_parallel_size > 1 yet"
                 )
-            self.draft = DraftModel(
-                self.config.speculative.draft_model,
-                self.dtype,
-                self.tp,
-                self.device,
-                int(self.config.model.text_config["vocab_size"]),
-                progress=progress,
+            if spec_cfg.method == "draft_model":
+                self.draft = DraftModel(
+                    spec_cfg.draft_model,
+                    self.dtype,
+                    self.tp,
+                    self.device,
+                    int(self.config.model.text_config["vocab_size"]),
+                    progress=progress,
+                )
+            else:
+                self.draft = EagleProposer(
+                    spec_cfg.draft_model, model, self.dtype, self.tp, self.device, progress
+                )
+            # Booked on its own: an all-sliding drafter is cached as full attention.
+            specs.update(
+                book_sliding_windows(
+                    self.draft.kv_cache_specs(self.block_size, self.dtype_name), self.config.cache
+                )
             )
-            specs.update(self.draft.kv_cache_specs(self.block_size, self.dtype_name))
-        specs = book_sliding_windows(specs, self.config.cache)
         if self.dcp is not None:
             self._attach_dcp(model, specs)
         self.groups = group_layers(specs)
@@ -271,14 +285,38 @@ class ModelRunner:
         hidden = self.model(input_ids, batch.positions, batch)
         self.copy_state_pages(sched.state_copies_after)
         if not sample_rows:
+            out = ModelRunnerOutput({})
             if self.draft is not None:
-                self.draft.catch_up(input_ids, batch)
-            return ModelRunnerOutput({})
+                self._run_drafter(sched, input_ids, batch, hidden, out)
+            return out
         out = self.sample_tokens(hidden, sample_rows)
         if self.draft is not None:
-            self.draft.catch_up(input_ids, batch)
-            self._propose_drafts(out)
+            self._run_drafter(sched, input_ids, batch, hidden, out)
         return out
+
+    def _run_drafter(self, sched, input_ids, batch, hidden, out: ModelRunnerOutput) -> None:
+        if isinstance(self.draft, EagleProposer):
+            self.draft.forget(sched.finished_request_ids)
+            qsl = batch.query_start_loc_list
+            computed = batch.num_computed_tokens.tolist()
+            spans = [
+                (rid, computed[i], qsl[i], qsl[i + 1])
+                for i, rid in enumerate(sched.num_scheduled_tokens)
+            ]
+            self.draft.catch_up(input_ids, batch, hidden, spans)
+            # Valid target states: the real tokens and the accepted drafts.
+            accepted = {
+                rid: (hi - lo)
+                - len(sched.scheduled_spec_token_ids.get(rid, []))
+                + len(out.sampled_token_ids[rid])
+                - 1
+                for rid, _, lo, hi in spans
+                if rid in out.sampled_token_ids
+            }
+            self.draft.remember(spans, hidden, accepted)
+        else:
+            self.draft.catch_up(input_ids, batch)
+        self._propose_drafts(out)
 
     def _propose_drafts(self, out: ModelRunnerOutput) -> None:
         """Draft-model proposals from each sampled request's newest token."""
@@ -287,7 +325,10 @@ class ModelRunner:
             state = self.input_batch.requests[rid]
             # state.token_ids ends at this step's last real token; accepted drafts follow.
             position = len(state.token_ids) + len(emitted) - 1
-            starts.append((state.block_ids, position, emitted[-1]))
+            if isinstance(self.draft, EagleProposer):
+                starts.append((rid, state.block_ids, position, emitted[-1]))
+            else:
+                starts.append((state.block_ids, position, emitted[-1]))
             ids.append(rid)
         k = self.config.speculative.num_speculative_tokens
         for rid, proposal in zip(ids, self.draft.propose(starts, k, self._slots, self.groups)):

@@ -97,7 +97,14 @@ class DraftModel:
         proposals: list[list[int]] = [[] for _ in starts]
         for step in range(k):
             positions = [pos + step for _, pos, _ in starts]
-            batch = self._decode_batch([b for b, _, _ in starts], positions, slots_fn, groups)
+            batch = single_token_batch(
+                [b for b, _, _ in starts],
+                positions,
+                slots_fn,
+                groups,
+                self.layer_to_group,
+                self.device,
+            )
             input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
             hidden = self.model(input_ids, batch.positions, batch)
             tokens = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
@@ -105,33 +112,37 @@ class DraftModel:
                 proposals[row].append(int(token))
         return proposals
 
-    def _decode_batch(self, block_ids, positions, slots_fn, groups) -> ForwardBatch:
-        dev = self.device
-        n = len(positions)
-        metas = []
-        for g, group in enumerate(groups):
-            rows = [ids[g] for ids in block_ids]
-            width = max(len(r) for r in rows)
-            table = torch.tensor(
-                [r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=dev
-            )
-            if isinstance(group.spec, LinearStateSpec):
-                slots = []  # the target's linear layers; the draft never reads them
-            else:
-                slots = [
-                    s
-                    for r, p in zip(rows, positions)
-                    for s in slots_fn(r, group.spec.block_size, p, p + 1)
-                ]
-            metas.append(GroupMetadata(table, torch.tensor(slots, dtype=torch.long, device=dev)))
-        return ForwardBatch(
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=dev),
-            num_computed_tokens=torch.tensor(positions, dtype=torch.int32, device=dev),
-            query_start_loc_list=list(range(n + 1)),
-            seq_lens_list=[p + 1 for p in positions],
-            rows=RowClasses(classify_rows(positions, [1] * n), [1] * n),
-            groups=metas,
-            layer_to_group=self.layer_to_group,
+
+def single_token_batch(
+    block_ids, positions, slots_fn, groups, layer_to_group, device
+) -> ForwardBatch:
+    """One decode token per row at `positions` (a drafter's proposal step)."""
+    dev = device
+    n = len(positions)
+    metas = []
+    for g, group in enumerate(groups):
+        rows = [ids[g] for ids in block_ids]
+        width = max(len(r) for r in rows)
+        table = torch.tensor(
+            [r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=dev
         )
+        if isinstance(group.spec, LinearStateSpec):
+            slots = []  # the target's linear layers; the drafter never reads them
+        else:
+            slots = [
+                s
+                for r, p in zip(rows, positions)
+                for s in slots_fn(r, group.spec.block_size, p, p + 1)
+            ]
+        metas.append(GroupMetadata(table, torch.tensor(slots, dtype=torch.long, device=dev)))
+    return ForwardBatch(
+        positions=torch.tensor(positions, dtype=torch.long, device=dev),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=dev),
+        num_computed_tokens=torch.tensor(positions, dtype=torch.int32, device=dev),
+        query_start_loc_list=list(range(n + 1)),
+        seq_lens_list=[p + 1 for p in positions],
+        rows=RowClasses(classify_rows(positions, [1] * n), [1] * n),
+        groups=metas,
+        layer_to_group=layer_to_group,
+    )

@@ -1,0 +1,239 @@
+"""A hidden-state drafter (EAGLE-style head) fed the target's hidden states.
+
+The head sees, at position t, the token embedding of x_t (the target's embedding table)
+next to the target's hidden state at t-1, fused by `fc` into one vector that a few
+Llama-style decoder layers turn into a hidden state; the target's norm and LM head turn that
+into logits. Proposals are greedy and autoregressive: after the first, each step feeds the
+head's own hidden state where the target's would be.
+
+Its attention layers join the target's KV-cache groups in the one pool (like a draft model).
+A head whose layers are all sliding-window (as the seeds' DFlash drafter is) is booked as
+full attention for prefix caching while the window is still enforced at compute
+(invariant 4), so its cache hits line up with the target's.
+
+The target's hidden state at position t-1 is needed when position t is computed, also
+across steps: it is kept per request for the last few positions. When it is missing (a
+prefix-cache hit or a resumed request starts at t > 0), zeros stand in: drafts may then be
+worse, never wrong — the target verifies every draft.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvloom.cluster.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
+from kvloom.workers.attention_metadata import ForwardBatch
+from kvloom.workers.layers.linear import ReplicatedLinear
+from kvloom.workers.layers.norm import RMSNorm
+from kvloom.workers.models.llama import LlamaDecoderLayer
+from kvloom.workers.spec_decode.draft_model import DRAFT_LAYER_OFFSET, single_token_batch
+from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
+
+ARCHITECTURE = "KvloomEagleHead"
+HISTORY = 64  # target hidden states kept per request (positions)
+
+
+class EagleHead(nn.Module):
+    stacked_params = [
+        ("qkv_proj", "q_proj", 0),
+        ("qkv_proj", "k_proj", 1),
+        ("qkv_proj", "v_proj", 2),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+
+    def __init__(self, config: dict, dtype: torch.dtype, tp=None):
+        super().__init__()
+        hidden = config["hidden_size"]
+        self.fc = ReplicatedLinear(2 * hidden, hidden, dtype=dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, tp, dtype, qk_norm=False)
+            for i in range(config["num_hidden_layers"])
+        )
+        self.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6), dtype)
+
+    def cache_layers(self):
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward(self, embeds, prev_hidden, positions, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.fc(torch.cat([embeds, prev_hidden], dim=-1))
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class EagleProposer:
+    def __init__(self, head_dir: str, target, dtype, tp, device, progress: bool = False):
+        config = json.loads((Path(head_dir) / "config.json").read_text())
+        if (config.get("architectures") or [None])[0] != ARCHITECTURE:
+            raise ValueError(
+                f"speculative_config.draft_model: {head_dir} is not a {ARCHITECTURE} checkpoint"
+            )
+        target_hidden = target.config["hidden_size"]
+        if config["hidden_size"] != target_hidden:
+            raise ValueError(
+                f"speculative_config.draft_model: head hidden_size {config['hidden_size']} "
+                f"differs from the target's {target_hidden}"
+            )
+        with torch.device(device):
+            head = EagleHead(config, dtype, tp)
+        load_weights(
+            head, iterate_checkpoint(Path(head_dir), progress=progress), EagleHead.stacked_params
+        )
+        self.model = head.eval()
+        self.config = config
+        self.target = target
+        self.device = device
+        self.layer_to_group: dict[int, int] = {}
+        self.history: dict[str, dict[int, torch.Tensor]] = {}
+
+    def kv_cache_specs(self, block_size: int, dtype_name: str) -> dict[int, object]:
+        specs = {}
+        for attn in self.model.cache_layers():
+            args = (block_size, attn.num_kv_heads, attn.head_size, dtype_name)
+            spec = (
+                SlidingWindowSpec(*args, sliding_window=attn.sliding_window)
+                if attn.sliding_window
+                else FullAttentionSpec(*args)
+            )
+            specs[DRAFT_LAYER_OFFSET + attn.layer_index] = spec
+        return specs
+
+    def bind_groups(self, layer_to_group: dict[int, int]) -> None:
+        self.layer_to_group = {
+            key - DRAFT_LAYER_OFFSET: g
+            for key, g in layer_to_group.items()
+            if key >= DRAFT_LAYER_OFFSET
+        }
+
+    def forget(self, request_ids) -> None:
+        for rid in request_ids:
+            self.history.pop(rid, None)
+
+    def _prev_hidden(self, rid: str, position: int) -> torch.Tensor:
+        found = self.history.get(rid, {}).get(position - 1)
+        if found is None:
+            return torch.zeros(
+                self.config["hidden_size"], dtype=self.model.fc.weight.dtype, device=self.device
+            )
+        return found
+
+    def catch_up(self, input_ids, batch: ForwardBatch, hidden, row_spans) -> None:
+        """row_spans: per row (request id, first position, token index range) of this step.
+        Runs the head over the step's tokens (its KV follows the target's) and records the
+        target's hidden states for the next steps."""
+        prev = []
+        for rid, start, lo, hi in row_spans:
+            prev.append(self._prev_hidden(rid, start)[None])
+            if hi - lo > 1:
+                prev.append(hidden[lo : hi - 1])
+        embeds = self.target.model.embed_tokens(input_ids)
+        self.model(
+            embeds,
+            torch.cat(prev).to(embeds.dtype),
+            batch.positions,
+            dataclasses.replace(batch, layer_to_group=self.layer_to_group),
+        )
+
+    def remember(self, row_spans, hidden, accepted: dict[str, int]) -> None:
+        """Keeps the target's hidden states of this step's real and accepted positions."""
+        for rid, start, lo, hi in row_spans:
+            keep = hi - lo if rid not in accepted else accepted[rid]
+            store = self.history.setdefault(rid, {})
+            for i in range(keep):
+                store[start + i] = hidden[lo + i].detach()
+            for old in [p for p in store if p < start + keep - HISTORY]:
+                del store[old]
+
+    def propose(self, starts, k: int, slots_fn, groups) -> list[list[int]]:
+        """starts: per row (request id, block ids per group, position of the token just
+        emitted, that token). Returns k greedy draft tokens per row."""
+        if not starts:
+            return []
+        tokens = [token for _, _, _, token in starts]
+        prev = torch.stack([self._prev_hidden(rid, pos) for rid, _, pos, _ in starts])
+        proposals: list[list[int]] = [[] for _ in starts]
+        for step in range(k):
+            positions = [pos + step for _, _, pos, _ in starts]
+            batch = single_token_batch(
+                [b for _, b, _, _ in starts],
+                positions,
+                slots_fn,
+                groups,
+                self.layer_to_group,
+                self.device,
+            )
+            ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+            embeds = self.target.model.embed_tokens(ids)
+            prev = self.model(embeds, prev.to(embeds.dtype), batch.positions, batch)
+            tokens = self.target.compute_logits(prev).argmax(dim=-1).tolist()
+            for row, token in enumerate(tokens):
+                proposals[row].append(int(token))
+        return proposals
+
+
+def write_eagle_head(
+    out_dir: str | Path,
+    target_dir: str | Path,
+    num_layers: int = 1,
+    sliding_window: int | None = None,
+    seed: int = 0,
+) -> Path:
+    """A random-weight EAGLE-style head for the target at `target_dir` (tests, benchmarks)."""
+    from safetensors.torch import save_file
+
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    target = target.get("text_config") or target
+    hidden = target["hidden_size"]
+    heads = target["num_attention_heads"]
+    kv_heads = target.get("num_key_value_heads") or heads
+    head_dim = target.get("head_dim") or hidden // heads
+    config = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "kvloom_eagle_head",
+        "hidden_size": hidden,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": 2 * hidden,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": target.get("max_position_embeddings", 4096),
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "sliding_window": sliding_window,
+        "vocab_size": target["vocab_size"],
+    }
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen) * 0.1
+
+    tensors = {"fc.weight": rand(hidden, 2 * hidden), "norm.weight": torch.ones(hidden)}
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        tensors.update(
+            {
+                p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+                p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+                p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+                p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+                p + "mlp.gate_proj.weight": rand(2 * hidden, hidden),
+                p + "mlp.up_proj.weight": rand(2 * hidden, hidden),
+                p + "mlp.down_proj.weight": rand(hidden, 2 * hidden),
+                p + "input_layernorm.weight": torch.ones(hidden),
+                p + "post_attention_layernorm.weight": torch.ones(hidden),
+            }
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    return out
