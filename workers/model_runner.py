@@ -283,15 +283,11 @@ class ModelRunner:
             return ModelRunnerOutput({})
         input_ids, batch, sample_rows = self.build_batch(sched)
         hidden = self.model(input_ids, batch.positions, batch)
-        self.copy_state_pages(sched.state_copies_after)
-        if not sample_rows:
-            out = ModelRunnerOutput({})
-            if self.draft is not None:
-                self._run_drafter(sched, input_ids, batch, hidden, out)
-            return out
-        out = self.sample_tokens(hidden, sample_rows)
+        out = self.sample_tokens(hidden, sample_rows) if sample_rows else ModelRunnerOutput({})
         if self.draft is not None:
             self._run_drafter(sched, input_ids, batch, hidden, out)
+        # Checkpoints last: a drafter's linear state must have caught up with this step too.
+        self.copy_state_pages(sched.state_copies_after)
         return out
 
     def _run_drafter(self, sched, input_ids, batch, hidden, out: ModelRunnerOutput) -> None:
@@ -315,7 +311,15 @@ class ModelRunner:
             }
             self.draft.remember(spans, hidden, accepted)
         else:
-            self.draft.catch_up(input_ids, batch)
+            qsl = batch.query_start_loc_list
+            keep = []
+            for i, rid in enumerate(sched.num_scheduled_tokens):
+                n = qsl[i + 1] - qsl[i]
+                spec = sched.scheduled_spec_token_ids.get(rid, [])
+                if rid in out.sampled_token_ids:  # drop the rejected drafts
+                    n = n - len(spec) + len(out.sampled_token_ids[rid]) - 1
+                keep.append(n)
+            self.draft.catch_up(input_ids, batch, keep)
         self._propose_drafts(out)
 
     def _propose_drafts(self, out: ModelRunnerOutput) -> None:

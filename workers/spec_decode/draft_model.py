@@ -9,8 +9,11 @@ writing its KV into the lookahead slots the scheduler reserved
 (`SpeculativeConfig.num_lookahead_slots`, invariant 6). Greedy drafts are deterministic,
 so the rejection sampler treats them as one-hot proposals and the output is lossless.
 
-Attention-only draft models are supported: a linear-attention drafter would need its
-state rolled back over rejected drafts, which is not built yet (the loader says so).
+A draft model with linear-attention layers (a hybrid model as its own draft) keeps its
+recurrent state exact: it catches up only over the tokens the target accepted, and its state
+pages are saved before the proposal steps and restored after them, so no draft ever stays
+in the state. When the target itself rolls back (a rejected draft on a hybrid target) the
+scheduler's backup/restore covers the draft's linear groups too.
 """
 
 from __future__ import annotations
@@ -61,15 +64,21 @@ class DraftModel:
         self.model = model.eval()
         self.device = device
         self.layer_to_group: dict[int, int] = {}
+        self.linear_layers: list = []
 
     def kv_cache_specs(self, block_size: int, dtype_name: str) -> dict[int, object]:
         specs = self.model.kv_cache_specs(block_size, dtype_name)
-        if any(isinstance(s, LinearStateSpec) for s in specs.values()):
-            raise ValueError(
-                "speculative_config.draft_model: linear-attention draft models are not "
-                "supported yet (their state would need rolling back over rejected drafts)"
-            )
+        self.linear_layers = [
+            layer
+            for layer in self.model.cache_layers()
+            if isinstance(specs[layer.layer_index], LinearStateSpec)
+        ]
         return {DRAFT_LAYER_OFFSET + layer: spec for layer, spec in specs.items()}
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        return [
+            t for layer in self.linear_layers for t in (layer.conv_state, layer.recurrent_state)
+        ]
 
     def bind_groups(self, layer_to_group: dict[int, int]) -> None:
         self.layer_to_group = {
@@ -78,8 +87,10 @@ class DraftModel:
             if key >= DRAFT_LAYER_OFFSET
         }
 
-    def catch_up(self, input_ids: torch.Tensor, batch: ForwardBatch) -> None:
-        """Runs the draft over this step's tokens so its KV covers them."""
+    def catch_up(self, input_ids: torch.Tensor, batch: ForwardBatch, keep: list[int]) -> None:
+        """Runs the draft over the first keep[i] tokens of each row of this step (the real
+        tokens and the accepted drafts), so its KV and state cover exactly those."""
+        input_ids, batch = keep_prefix(input_ids, batch, keep)
         self.model(
             input_ids,
             batch.positions,
@@ -95,6 +106,9 @@ class DraftModel:
             return []
         tokens = [token for _, _, token in starts]
         proposals: list[list[int]] = [[] for _ in starts]
+        # Proposal steps advance the draft's linear state over drafts: save it, restore after.
+        pages = self._live_pages([b for b, _, _ in starts], groups)
+        saved = [(t, t[pages].clone()) for t in self._state_tensors()] if pages is not None else []
         for step in range(k):
             positions = [pos + step for _, pos, _ in starts]
             batch = single_token_batch(
@@ -110,7 +124,20 @@ class DraftModel:
             tokens = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
             for row, token in enumerate(tokens):
                 proposals[row].append(int(token))
+        for tensor, values in saved:
+            tensor[pages] = values
         return proposals
+
+    def _live_pages(self, block_ids, groups) -> torch.Tensor | None:
+        linear = [
+            g
+            for g, grp in enumerate(groups)
+            if isinstance(grp.spec, LinearStateSpec)
+            and any(self.layer_to_group.get(layer.layer_index) == g for layer in self.linear_layers)
+        ]
+        if not linear:
+            return None
+        return torch.tensor([ids[g][0] for ids in block_ids for g in linear], device=self.device)
 
 
 def single_token_batch(
@@ -126,15 +153,19 @@ def single_token_batch(
         table = torch.tensor(
             [r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=dev
         )
+        state_indices = None
         if isinstance(group.spec, LinearStateSpec):
-            slots = []  # the target's linear layers; the drafter never reads them
+            slots = []  # state lives in one page per request
+            state_indices = torch.tensor([r[0] for r in rows], dtype=torch.long, device=dev)
         else:
             slots = [
                 s
                 for r, p in zip(rows, positions)
                 for s in slots_fn(r, group.spec.block_size, p, p + 1)
             ]
-        metas.append(GroupMetadata(table, torch.tensor(slots, dtype=torch.long, device=dev)))
+        metas.append(
+            GroupMetadata(table, torch.tensor(slots, dtype=torch.long, device=dev), state_indices)
+        )
     return ForwardBatch(
         positions=torch.tensor(positions, dtype=torch.long, device=dev),
         query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
@@ -145,4 +176,40 @@ def single_token_batch(
         rows=RowClasses(classify_rows(positions, [1] * n), [1] * n),
         groups=metas,
         layer_to_group=layer_to_group,
+    )
+
+
+def keep_prefix(input_ids: torch.Tensor, batch: ForwardBatch, keep: list[int]):
+    """The batch restricted to the first keep[i] tokens of each row."""
+    qsl = batch.query_start_loc_list
+    if all(k == qsl[i + 1] - qsl[i] for i, k in enumerate(keep)):
+        return input_ids, batch
+    index = torch.tensor(
+        [t for i, k in enumerate(keep) for t in range(qsl[i], qsl[i] + k)],
+        dtype=torch.long,
+        device=input_ids.device,
+    )
+    starts = [0]
+    for k in keep:
+        starts.append(starts[-1] + k)
+    computed = batch.num_computed_tokens.tolist()
+    groups = [
+        GroupMetadata(
+            g.block_tables,
+            g.slot_mapping[index] if g.slot_mapping.numel() else g.slot_mapping,
+            g.state_indices,
+        )
+        for g in batch.groups
+    ]
+    seq_lens = [c + k for c, k in zip(computed, keep)]
+    dev = input_ids.device
+    return input_ids[index], dataclasses.replace(
+        batch,
+        positions=batch.positions[index],
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        query_start_loc_list=starts,
+        seq_lens_list=seq_lens,
+        rows=RowClasses(classify_rows(computed, keep), keep),
+        groups=groups,
     )
