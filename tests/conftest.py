@@ -13,6 +13,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("KVLOOM_SANITIZE", "1")
+# Triton fixes interpreted vs compiled at its first import: without a GPU, interpret, so the
+# kernel tests in tests/triton_interpret run in this process whatever imported triton first.
+if not os.path.exists("/dev/nvidia0") and "CUDA_VISIBLE_DEVICES" not in os.environ:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # Tiny models on 2 shared cores: more threads only add contention (measured 4x slower).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

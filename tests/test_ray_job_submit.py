@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for_dashboard(port: int, head: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if head.poll() is not None:
+            raise AssertionError(f"ray start exited early: {head.stdout.read()[-4000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError("the Ray dashboard did not come up")
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def run(cmd: list[str], env: dict, timeout: int) -> subprocess.CompletedProcess:
@@ -39,11 +67,15 @@ def test_ray_job_submit_serves_end_to_end(tmp_path, demo_tokenizer_dir):
     # Ray 2.60 turns on token auth when a token file exists; this local cluster needs none.
     env = dict(os.environ, GRPC_VERBOSITY="ERROR", RAY_AUTH_MODE="disabled")
     env.pop("RAY_ADDRESS", None)
-    head = run(
+    # --block keeps `ray start` in the foreground; it runs in its own session so the whole
+    # cluster (GCS, raylet, dashboard) is stopped by signalling that group, without
+    # touching any other Ray instance on the machine (`ray stop` would stop them all).
+    head = subprocess.Popen(
         [
             str(bin_dir / "ray"),
             "start",
             "--head",
+            "--block",
             f"--port={gcs_port}",
             "--num-cpus=8",
             "--include-dashboard=true",
@@ -51,11 +83,14 @@ def test_ray_job_submit_serves_end_to_end(tmp_path, demo_tokenizer_dir):
             "--dashboard-host=127.0.0.1",
             f"--temp-dir={ray_tmp}",
         ],
-        env,
-        120,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
-        assert head.returncode == 0, (head.stdout + head.stderr)[-4000:]
+        wait_for_dashboard(dash_port, head)
         job = run(
             [
                 str(bin_dir / "ray"),
@@ -80,5 +115,5 @@ def test_ray_job_submit_serves_end_to_end(tmp_path, demo_tokenizer_dir):
         assert "8 completion" in log, log[-4000:]
         assert "succeeded" in log, log[-4000:]
     finally:
-        run([str(bin_dir / "ray"), "stop", "--force"], env, 120)
+        stop_group(head)
         shutil.rmtree(ray_tmp, ignore_errors=True)

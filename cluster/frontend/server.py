@@ -542,6 +542,11 @@ async def serve_until_signal(
             if server.stopping:  # a signal arrived while loading: not an error
                 return
             raise
+        # Starting the engine may have started Ray, whose core worker installs its own
+        # (aborting) SIGTERM handler: take the signals back so SIGTERM still drains.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+            loop.add_signal_handler(sig, on_signal)
         if on_ready is not None:
             on_ready(server)
         await server.wait_stopped()

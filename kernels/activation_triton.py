@@ -1,0 +1,65 @@
+"""Gated activations: the Triton kernel for silu(gate) * up.
+
+Same semantics as `activation.silu_and_mul_ref`: x = [gate | up] along the last dim. As in
+torch, silu is computed in float32 and rounded to x's dtype before the product, which is
+rounded again; only the exponential may differ from torch's in the last float32 bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvloom.kernels.arg_checks_triton import check_dtype, check_last_dim_contiguous
+
+BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,
+    out_ptr,
+    stride_x,
+    stride_out,
+    N,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + N + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul_triton(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [..., 2N]; returns silu(x[..., :N]) * x[..., N:] of shape [..., N]."""
+    if x.dim() == 0 or x.shape[-1] % 2:
+        raise ValueError(f"x: last dim must be even ([gate | up]), got shape {tuple(x.shape)}")
+    check_dtype("x", x)
+    check_last_dim_contiguous("x", x)
+    n = x.shape[-1] // 2
+    out_shape = (*x.shape[:-1], n)
+    if out is None:
+        out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+    if tuple(out.shape) != out_shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(
+            f"out: expected {x.dtype} of shape {out_shape} on {x.device}, got {out.dtype} "
+            f"{tuple(out.shape)} on {out.device}"
+        )
+    x2 = x.reshape(-1, x.shape[-1])
+    try:
+        out2 = out.view(-1, n)
+    except RuntimeError as exc:
+        raise ValueError("out: must be viewable as [rows, N]") from exc
+    check_last_dim_contiguous("out", out2)
+    if x2.shape[0] == 0 or n == 0:
+        return out
+    block = min(BLOCK, triton.next_power_of_2(n))
+    grid = (x2.shape[0], triton.cdiv(n, block))
+    _silu_and_mul_kernel[grid](
+        x2, out2, x2.stride(0), out2.stride(0), n, BLOCK_N=block, enable_fp_fusion=False
+    )
+    return out

@@ -1,0 +1,135 @@
+"""Exact merge of attention outputs over disjoint key sets by log-sum-exp: the Triton kernel.
+
+Same semantics as `merge_attention_states.merge_attention_states_ref`: the merged lse is
+logsumexp over the parts, each part weighs exp(lse_p - lse); parts with lse = -inf add
+nothing and a row with no keys anywhere gets output 0 and lse -inf. Arithmetic is float32.
+
+One program merges one (token, head): it reads every part's row before it writes, so the
+output may alias an input (`out=outputs[0]`, `out_lse=lses[0]`, as a DCP merge into the
+local result does). The output may have another dtype than the parts (float32 partials
+merged straight into a bfloat16 output).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvloom.kernels.arg_checks_triton import (
+    check_dtype,
+    check_last_dim_contiguous,
+    check_same_device,
+    next_power_of_2,
+)
+
+
+@triton.jit
+def _merge_attention_states_kernel(
+    parts_ptr,
+    lses_ptr,
+    out_ptr,
+    out_lse_ptr,
+    stride_pp,
+    stride_pt,
+    stride_ph,
+    stride_lp,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    stride_olt,
+    stride_olh,
+    num_parts,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    lse_base = lses_ptr + token * stride_lt + head * stride_lh
+    part_base = parts_ptr + token * stride_pt + head * stride_ph
+    dims = tl.arange(0, DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+
+    top = float("-inf")
+    for p in range(num_parts):
+        top = tl.maximum(top, tl.load(lse_base + p * stride_lp).to(tl.float32))
+    finite = top > float("-inf")
+    shift = tl.where(finite, top, 0.0)
+    total = 0.0
+    acc = tl.zeros([DIM_PAD], dtype=tl.float32)
+    for p in range(num_parts):
+        lse = tl.load(lse_base + p * stride_lp).to(tl.float32)
+        weight = tl.exp(lse - shift)
+        total += weight
+        # A part without keys (weight 0) is not read: its output may be garbage.
+        if weight > 0.0:
+            part = tl.load(part_base + p * stride_pp + dims, mask=dim_mask, other=0.0)
+            acc += weight * part.to(tl.float32)
+    total = tl.where(finite, total, 1.0)  # no keys anywhere: acc is 0
+    merged_lse = tl.where(finite, shift + tl.log(total), float("-inf"))
+    out = acc / total
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out, mask=dim_mask)
+    tl.store(out_lse_ptr + token * stride_olt + head * stride_olh, merged_lse)
+
+
+def merge_attention_states_triton(
+    outputs: torch.Tensor,
+    lses: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    out_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """outputs: [P, T, H, D] partial results; lses: [P, T, H]. Returns (merged, lse).
+
+    `merged` is in outputs' dtype unless `out` (any float dtype, [T, H, D]) is given;
+    `lse` is float32 unless `out_lse` says otherwise. Either may alias part of an input.
+    """
+    if outputs.dim() != 4:
+        raise ValueError(f"outputs: expected [P, T, H, D], got shape {tuple(outputs.shape)}")
+    num_parts, num_tokens, num_heads, head_dim = outputs.shape
+    if lses.shape != outputs.shape[:3]:
+        raise ValueError(
+            f"lses: expected shape {tuple(outputs.shape[:3])}, got {tuple(lses.shape)}"
+        )
+    if num_parts == 0:
+        raise ValueError("outputs: needs at least one part")
+    check_dtype("outputs", outputs)
+    check_dtype("lses", lses)
+    check_last_dim_contiguous("outputs", outputs)
+    if out is None:
+        out = torch.empty(outputs.shape[1:], dtype=outputs.dtype, device=outputs.device)
+    if out.shape != outputs.shape[1:]:
+        raise ValueError(f"out: expected shape {tuple(outputs.shape[1:])}, got {tuple(out.shape)}")
+    check_dtype("out", out)
+    check_last_dim_contiguous("out", out)
+    if out_lse is None:
+        out_lse = torch.empty(lses.shape[1:], dtype=torch.float32, device=lses.device)
+    if out_lse.shape != lses.shape[1:]:
+        raise ValueError(
+            f"out_lse: expected shape {tuple(lses.shape[1:])}, got {tuple(out_lse.shape)}"
+        )
+    check_dtype("out_lse", out_lse)
+    check_same_device(outputs=outputs, lses=lses, out=out, out_lse=out_lse)
+    if num_tokens == 0 or num_heads == 0:
+        return out, out_lse
+    _merge_attention_states_kernel[(num_tokens, num_heads)](
+        outputs,
+        lses,
+        out,
+        out_lse,
+        outputs.stride(0),
+        outputs.stride(1),
+        outputs.stride(2),
+        lses.stride(0),
+        lses.stride(1),
+        lses.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out_lse.stride(0),
+        out_lse.stride(1),
+        num_parts,
+        HEAD_DIM=head_dim,
+        DIM_PAD=next_power_of_2(head_dim),
+    )
+    return out, out_lse

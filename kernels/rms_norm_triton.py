@@ -1,0 +1,171 @@
+"""RMSNorm, optionally fused with the residual add: the Triton kernel.
+
+Same semantics as `rms_norm.rms_norm_ref`, rounding step by step as the reference does:
+the residual sum is rounded to the input dtype, the norm runs in float32, the normalised
+value is rounded to the input dtype before the weight multiplies (weight_offset = 0), or
+the (offset + weight) factor multiplies in float32 first (weight_offset != 0). Only the
+mean of squares and the reciprocal square root may differ from torch in the last bits.
+
+One program normalises one row. The outputs may alias the inputs (in-place use:
+`out=x, residual_out=residual`): a program reads its whole row before writing it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvloom.kernels.arg_checks_triton import (
+    check_dtype,
+    check_last_dim_contiguous,
+    check_same_device,
+    next_power_of_2,
+)
+
+MAX_HIDDEN = 65536  # one program holds a whole row in registers
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_res_out,
+    eps,
+    weight_offset,
+    N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        # Round the sum to the residual output's dtype, as `x + residual` does in torch.
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+    h = x.to(tl.float32)
+    mean_sq = tl.sum(h * h, axis=0) / N
+    h = h * tl.rsqrt(mean_sq + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_OFFSET:
+        out = h * (weight_offset + w)
+    else:
+        out = w * h.to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    weight_offset: float = 0.0,
+    *,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns (norm(x + residual) * (weight_offset + weight), x + residual or None).
+
+    `out` / `residual_out` may be given (for example `x` and `residual` for in-place use);
+    they must have the shapes and dtypes the reference would return.
+    """
+    hidden = x.shape[-1] if x.dim() else 0
+    if x.dim() == 0 or weight.shape != (hidden,):
+        raise ValueError(
+            f"weight: expected shape ({hidden},) matching x's last dim, got {tuple(weight.shape)}"
+        )
+    if hidden > MAX_HIDDEN:
+        raise ValueError(f"x: hidden size {hidden} exceeds the kernel's limit {MAX_HIDDEN}")
+    check_dtype("x", x)
+    check_dtype("weight", weight)
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"residual: expected shape {tuple(x.shape)}, got {tuple(residual.shape)}"
+            )
+        check_dtype("residual", residual)
+    check_same_device(x=x, weight=weight, residual=residual, out=out, residual_out=residual_out)
+    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out_dtype = sum_dtype if weight_offset else torch.promote_types(weight.dtype, sum_dtype)
+
+    x2 = _rows(x, "x")
+    res2 = _rows(residual, "residual") if residual is not None else None
+    if out is None:
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    _check_output("out", out, x.shape, out_dtype)
+    out2 = _rows(out, "out")
+    if residual is not None:
+        if residual_out is None:
+            residual_out = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
+        _check_output("residual_out", residual_out, x.shape, sum_dtype)
+        res_out2 = _rows(residual_out, "residual_out")
+    elif residual_out is not None:
+        raise ValueError("residual_out: given without residual")
+    else:
+        res_out2 = out2  # unused by the kernel
+
+    if x2.shape[0] and hidden:
+        # The kernel normalises in the sum's dtype: a mixed-dtype residual is summed
+        # into that dtype first.
+        if residual is not None and x2.dtype != sum_dtype:
+            x2 = x2.to(sum_dtype)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2,
+            res2 if res2 is not None else x2,
+            weight,
+            out2,
+            res_out2,
+            x2.stride(0),
+            res2.stride(0) if res2 is not None else 0,
+            out2.stride(0),
+            res_out2.stride(0),
+            float(eps),
+            float(weight_offset),
+            N=hidden,
+            BLOCK_N=next_power_of_2(hidden),
+            HAS_RESIDUAL=residual is not None,
+            HAS_OFFSET=bool(weight_offset),
+            num_warps=_num_warps(hidden),
+            enable_fp_fusion=False,  # round as torch does: no fused multiply-adds
+        )
+    return out, residual_out
+
+
+def _num_warps(hidden: int) -> int:
+    return min(16, max(1, next_power_of_2(hidden) // 512))
+
+
+def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    """A [rows, hidden] view with contiguous rows; copies only when no such view exists."""
+    check_last_dim_contiguous(name, t)
+    flat = t.reshape(-1, t.shape[-1])
+    if flat.shape[-1] > 1 and flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    return flat
+
+
+def _check_output(name: str, t: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> None:
+    if t.shape != shape or t.dtype != dtype:
+        raise ValueError(
+            f"{name}: expected {dtype} of shape {tuple(shape)}, got {t.dtype} {tuple(t.shape)}"
+        )
+    if not _is_row_view(t):
+        raise ValueError(f"{name}: must be viewable as [rows, hidden] with contiguous rows")
+
+
+def _is_row_view(t: torch.Tensor) -> bool:
+    try:
+        flat = t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return False
+    return flat.shape[-1] <= 1 or flat.stride(-1) == 1
