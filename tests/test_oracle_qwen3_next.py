@@ -22,12 +22,10 @@ import transformers
 
 from kvloom import LLM, Engine
 from kvloom.cluster.kv_cache.spec import LinearStateSpec
-from kvloom.cluster.sampling_params import SamplingParams
-from kvloom.cluster.scheduler_output import NewRequestData, SchedulerOutput
 from kvloom.workers.row_kinds import RowKind
 from tests.conftest import TOKENIZER_FILES, VOCAB
 from tests.engine_helpers import PROMPTS, assert_pool_full, greedy, run_to_completion
-from tests.test_oracle_dense import hf_greedy
+from tests.oracle_helpers import assert_batched_greedy_matches, kvloom_prompt_logits
 
 # fp32 rounding, not a model difference: on this model (logits up to ~9) kvloom fp32 and
 # transformers fp32 each sit 1e-4..3e-4 from kvloom's float64 result, and ~1.4e-4 from each
@@ -133,29 +131,6 @@ def llm(model_dir):
     return LLM(str(model_dir), dtype="float32", progress=False, block_size=16)
 
 
-def kvloom_prompt_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
-    """Logits at every prompt position from one prefill through kvloom's model runner: the
-    attention group gets pages 0.., the linear-state group the page after them."""
-    runner = llm.engine.executor.worker.runner
-    num_blocks = -(-len(token_ids) // runner.block_size)
-    block_ids = tuple(
-        [num_blocks] if isinstance(g.spec, LinearStateSpec) else list(range(num_blocks))
-        for g in runner.groups
-    )
-    sched = SchedulerOutput(
-        new_requests=[NewRequestData("probe", token_ids, SamplingParams(), block_ids, 0, 0, 0)],
-        num_scheduled_tokens={"probe": len(token_ids)},
-        total_num_scheduled_tokens=len(token_ids),
-    )
-    runner.input_batch.apply(sched)
-    input_ids, batch, _ = runner.build_batch(sched)
-    with torch.inference_mode():
-        hidden = runner.model(input_ids, batch.positions, batch)
-        logits = runner.model.compute_logits(hidden)
-    runner.input_batch.requests.clear()
-    return logits
-
-
 def test_demo_checkpoint_runs_through_llm(tmp_path):
     """`kvloom demo-model --arch qwen3_next` output loads and generates through kvloom.LLM,
     and its prompt logits agree with transformers."""
@@ -214,23 +189,7 @@ def test_teacher_forced_logits_match_transformers_variant_config(tmp_path, demo_
 
 
 def test_batched_greedy_matches_transformers(llm, hf_model):
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy(32))
-    tolerated = []
-    for prompt, out in zip(PROMPTS, outs):
-        ref, margins = hf_greedy(hf_model, prompt, 32)
-        ours = out.outputs[0].token_ids
-        for pos, (a, b) in enumerate(zip(ours, ref)):
-            if a != b:
-                assert margins[pos] < MARGIN_TOL, (
-                    f"prompt of {len(prompt)} tokens diverges at step {pos} (ours {a}, "
-                    f"transformers {b}) with transformers' top-2 margin {margins[pos]:.3g}"
-                )
-                tolerated.append((len(prompt), pos, margins[pos]))
-                break
-        else:
-            assert len(ours) == len(ref) == 32
-    if tolerated:
-        print(f"qwen3_next: tolerated near-tie divergences (prompt len, step, margin): {tolerated}")
+    assert_batched_greedy_matches(llm, hf_model, PROMPTS, "qwen3_next")
 
 
 # ----------------------------------------------------------------------------- float64
