@@ -24,6 +24,7 @@ from kvloom.workers.models.registry import model_class
 from kvloom.workers.row_kinds import RowClasses, classify_rows
 from kvloom.workers.sampler import RowSamplingState, logprob_infos, sample
 from kvloom.workers.spec_decode.draft_model import DRAFT_LAYER_OFFSET, DraftModel
+from kvloom.workers.spec_decode.drafter import DraftStep
 from kvloom.workers.spec_decode.eagle import EagleProposer
 from kvloom.workers.spec_decode.rejection_sampler import rejection_sample
 from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
@@ -291,52 +292,22 @@ class ModelRunner:
         return out
 
     def _run_drafter(self, sched, input_ids, batch, hidden, out: ModelRunnerOutput) -> None:
-        if isinstance(self.draft, EagleProposer):
-            self.draft.forget(sched.finished_request_ids)
-            qsl = batch.query_start_loc_list
-            computed = batch.num_computed_tokens.tolist()
-            spans = [
-                (rid, computed[i], qsl[i], qsl[i + 1])
-                for i, rid in enumerate(sched.num_scheduled_tokens)
-            ]
-            self.draft.catch_up(input_ids, batch, hidden, spans)
-            # Valid target states: the real tokens and the accepted drafts.
-            accepted = {
-                rid: (hi - lo)
-                - len(sched.scheduled_spec_token_ids.get(rid, []))
-                + len(out.sampled_token_ids[rid])
-                - 1
-                for rid, _, lo, hi in spans
-                if rid in out.sampled_token_ids
-            }
-            self.draft.remember(spans, hidden, accepted)
-        else:
-            qsl = batch.query_start_loc_list
-            keep = []
-            for i, rid in enumerate(sched.num_scheduled_tokens):
-                n = qsl[i + 1] - qsl[i]
-                spec = sched.scheduled_spec_token_ids.get(rid, [])
-                if rid in out.sampled_token_ids:  # drop the rejected drafts
-                    n = n - len(spec) + len(out.sampled_token_ids[rid]) - 1
-                keep.append(n)
-            self.draft.catch_up(input_ids, batch, keep)
-        self._propose_drafts(out)
-
-    def _propose_drafts(self, out: ModelRunnerOutput) -> None:
-        """Draft-model proposals from each sampled request's newest token."""
-        starts, ids = [], []
-        for rid, emitted in out.sampled_token_ids.items():
-            state = self.input_batch.requests[rid]
-            # state.token_ids ends at this step's last real token; accepted drafts follow.
-            position = len(state.token_ids) + len(emitted) - 1
-            if isinstance(self.draft, EagleProposer):
-                starts.append((rid, state.block_ids, position, emitted[-1]))
-            else:
-                starts.append((state.block_ids, position, emitted[-1]))
-            ids.append(rid)
-        k = self.config.speculative.num_speculative_tokens
-        for rid, proposal in zip(ids, self.draft.propose(starts, k, self._slots, self.groups)):
-            out.spec_token_ids[rid] = proposal
+        reqs = self.input_batch.requests
+        step = DraftStep(
+            request_ids=list(sched.num_scheduled_tokens),
+            input_ids=input_ids,
+            batch=batch,
+            hidden=hidden,
+            drafts=sched.scheduled_spec_token_ids,
+            sampled=out.sampled_token_ids,
+            finished=sched.finished_request_ids,
+            block_ids={rid: reqs[rid].block_ids for rid in out.sampled_token_ids},
+            num_tokens={rid: len(reqs[rid].token_ids) for rid in out.sampled_token_ids},
+            slots_fn=self._slots,
+            groups=self.groups,
+            k=self.config.speculative.num_speculative_tokens,
+        )
+        out.spec_token_ids.update(self.draft.run(step))
 
     def _sampling_state(self, request_id: str) -> RowSamplingState:
         state = self.input_batch.requests[request_id]

@@ -28,6 +28,7 @@ from kvloom.cluster.kv_cache.spec import LinearStateSpec
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
 from kvloom.workers.models.registry import model_class
 from kvloom.workers.row_kinds import RowClasses, classify_rows
+from kvloom.workers.spec_decode.drafter import DraftStep
 from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
 
 # Draft layers are keyed apart from the target's when the layers are grouped.
@@ -97,22 +98,26 @@ class DraftModel:
             dataclasses.replace(batch, layer_to_group=self.layer_to_group),
         )
 
-    def propose(
-        self, starts: list[tuple[list[list[int]], int, int]], k: int, slots_fn, groups
-    ) -> list[list[int]]:
-        """starts: per row (block ids per group, position of the token just emitted, that
-        token). Returns k greedy draft tokens per row."""
+    def run(self, step: DraftStep) -> dict[str, list[int]]:
+        self.catch_up(step.input_ids, step.batch, step.kept_tokens())
+        starts = step.starts()
+        proposals = self.propose(starts, step.k, step.slots_fn, step.groups)
+        return {rid: p for (rid, _, _, _), p in zip(starts, proposals)}
+
+    def propose(self, starts, k: int, slots_fn, groups) -> list[list[int]]:
+        """starts: per row (request id, block ids per group, position of the token just
+        emitted, that token). Returns k greedy draft tokens per row."""
         if not starts:
             return []
-        tokens = [token for _, _, token in starts]
+        tokens = [token for _, _, _, token in starts]
         proposals: list[list[int]] = [[] for _ in starts]
         # Proposal steps advance the draft's linear state over drafts: save it, restore after.
-        pages = self._live_pages([b for b, _, _ in starts], groups)
+        pages = self._live_pages([b for _, b, _, _ in starts], groups)
         saved = [(t, t[pages].clone()) for t in self._state_tensors()] if pages is not None else []
         for step in range(k):
-            positions = [pos + step for _, pos, _ in starts]
+            positions = [pos + step for _, _, pos, _ in starts]
             batch = single_token_batch(
-                [b for b, _, _ in starts],
+                [b for _, b, _, _ in starts],
                 positions,
                 slots_fn,
                 groups,

@@ -32,6 +32,7 @@ from kvloom.workers.layers.linear import ReplicatedLinear
 from kvloom.workers.layers.norm import RMSNorm
 from kvloom.workers.models.llama import LlamaDecoderLayer
 from kvloom.workers.spec_decode.draft_model import DRAFT_LAYER_OFFSET, single_token_batch
+from kvloom.workers.spec_decode.drafter import DraftStep
 from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
 
 ARCHITECTURE = "KvloomEagleHead"
@@ -113,6 +114,18 @@ class EagleProposer:
             if key >= DRAFT_LAYER_OFFSET
         }
 
+    def run(self, step: DraftStep) -> dict[str, list[int]]:
+        self.forget(step.finished)
+        qsl = step.batch.query_start_loc_list
+        computed = step.batch.num_computed_tokens.tolist()
+        spans = [(rid, computed[i], qsl[i], qsl[i + 1]) for i, rid in enumerate(step.request_ids)]
+        self.catch_up(step.input_ids, step.batch, step.hidden, spans)
+        kept = step.kept_tokens()
+        self.remember(spans, step.hidden, {rid: kept[i] for i, rid in enumerate(step.request_ids)})
+        starts = step.starts()
+        proposals = self.propose(starts, step.k, step.slots_fn, step.groups)
+        return {rid: p for (rid, _, _, _), p in zip(starts, proposals)}
+
     def forget(self, request_ids) -> None:
         for rid in request_ids:
             self.history.pop(rid, None)
@@ -142,10 +155,10 @@ class EagleProposer:
             dataclasses.replace(batch, layer_to_group=self.layer_to_group),
         )
 
-    def remember(self, row_spans, hidden, accepted: dict[str, int]) -> None:
+    def remember(self, row_spans, hidden, kept: dict[str, int]) -> None:
         """Keeps the target's hidden states of this step's real and accepted positions."""
-        for rid, start, lo, hi in row_spans:
-            keep = hi - lo if rid not in accepted else accepted[rid]
+        for rid, start, lo, _ in row_spans:
+            keep = kept[rid]
             store = self.history.setdefault(rid, {})
             for i in range(keep):
                 store[start + i] = hidden[lo + i].detach()

@@ -1,0 +1,49 @@
+"""What a worker-side drafter (draft model, EAGLE head) gets after each target step.
+
+Both drafters implement `run(step: DraftStep) -> {request id: draft tokens}`: bring their
+own KV/state up to date with the tokens the target kept, then propose `k` tokens for every
+request that just sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvloom.workers.attention_metadata import ForwardBatch
+
+
+@dataclass
+class DraftStep:
+    request_ids: list[str]  # scheduled rows, in batch order
+    input_ids: torch.Tensor
+    batch: ForwardBatch
+    hidden: torch.Tensor  # the target's hidden state per input token
+    drafts: dict[str, list[int]]  # drafts verified this step
+    sampled: dict[str, list[int]]  # emitted tokens: accepted drafts + the target's own
+    finished: list[str]  # requests the workers forget this step
+    block_ids: dict[str, list[list[int]]]  # per request, per KV-cache group
+    num_tokens: dict[str, int]  # per request: its tokens before this step's emitted ones
+    slots_fn: Callable
+    groups: list
+    k: int
+
+    def kept_tokens(self) -> list[int]:
+        """Per row: the tokens whose results stand (real tokens and accepted drafts)."""
+        qsl = self.batch.query_start_loc_list
+        kept = []
+        for i, rid in enumerate(self.request_ids):
+            n = qsl[i + 1] - qsl[i]
+            if rid in self.sampled:  # rejected drafts do not stand
+                n -= len(self.drafts.get(rid, [])) - (len(self.sampled[rid]) - 1)
+            kept.append(n)
+        return kept
+
+    def starts(self) -> list[tuple[str, list[list[int]], int, int]]:
+        """Per sampled request: (id, block ids, position of its newest token, that token)."""
+        return [
+            (rid, self.block_ids[rid], self.num_tokens[rid] + len(emitted) - 1, emitted[-1])
+            for rid, emitted in self.sampled.items()
+        ]
