@@ -36,6 +36,9 @@ class ModelConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    # "safetensors" reads the checkpoint; "dummy" fills the weights with seeded random
+    # values (benchmarks of real model shapes without multi-GB files; needs only config.json).
+    load_format: str = "safetensors"
     hf_config: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -46,6 +49,8 @@ class ModelConfig:
         config_file = path / "config.json"
         require(config_file.is_file(), "model", "a directory containing config.json", self.model)
         require(self.dtype in DTYPES, "dtype", f"one of {DTYPES}", self.dtype)
+        formats = ("safetensors", "dummy")
+        require(self.load_format in formats, "load_format", f"one of {formats}", self.load_format)
         require_int("seed", self.seed, 0)
         if not self.hf_config:
             self.hf_config = json.loads(config_file.read_text())

@@ -32,6 +32,23 @@ from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
 DEFAULT_CPU_KV_BYTES = 64 * 2**20
 
 
+@torch.no_grad()
+def fill_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Seeded random weights for benchmarking real shapes: matrices N(0, 0.02), norms 1,
+    other vectors 0. Drawn on the parameters' device (fast for multi-GB models)."""
+    generators: dict = {}
+    for name, param in model.named_parameters():
+        if param.dim() >= 2:
+            gen = generators.get(param.device)
+            if gen is None:
+                gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+            param.normal_(0.0, 0.02, generator=gen)
+        elif name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.zero_()
+
+
 def book_sliding_windows(specs: dict, cache: CacheConfig) -> dict:
     """Applies `sliding_window_booking`: sliding-window layers booked as full attention
     keep every block (their window still applies at compute)."""
@@ -73,13 +90,16 @@ class ModelRunner:
         klass = model_class(self.config.model.architecture)
         with torch.device(self.device):
             model = klass(self.config.model.text_config, self.dtype, self.tp)
-        load_weights(
-            model,
-            iterate_checkpoint(Path(self.config.model.model), progress=progress),
-            klass.stacked_params,
-            klass.ignored_weight_prefixes,
-            model.tied,
-        )
+        if self.config.model.load_format == "dummy":
+            fill_dummy_weights(model, self.config.model.seed)
+        else:
+            load_weights(
+                model,
+                iterate_checkpoint(Path(self.config.model.model), progress=progress),
+                klass.stacked_params,
+                klass.ignored_weight_prefixes,
+                model.tied,
+            )
         self.model = model.eval()
         # With DCP a scheduler block spans dcp_size ranks: block_size tokens on each.
         specs = book_sliding_windows(

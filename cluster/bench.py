@@ -1,0 +1,214 @@
+"""`kvloom bench`: decode latency against the memory-bandwidth floor, and offline throughput.
+
+Model shapes of real models run with seeded random weights (`load_format="dummy"`), so a
+benchmark needs only a config. Workloads follow the GPU issue's definitions:
+- latency: one request, 128-token prompt, N decode steps; ms per token, tokens/s, achieved
+  GB/s = bytes of weights read per step (embedding table excluded) / step time, and its
+  ratio to the device's copy bandwidth measured in the same run;
+- throughput: 1000 requests, prompts U[128, 1024], outputs U[64, 512], seed 0, ignore_eos.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvloom.cluster.engine import Engine
+from kvloom.cluster.sampling_params import SamplingParams
+
+SHAPES = {
+    "tiny": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 32,
+        "vocab_size": 2048,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+    },
+    "qwen3-8b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "tie_word_embeddings": False,
+    },
+    # Qwen3-Next's widths and layer pattern (3 Gated DeltaNet : 1 gated attention), 24 of
+    # its 48 layers so it fits one GPU, as the peer kit's hybrid shape.
+    "qwen3-next-24l": {
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "hidden_size": 2048,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "vocab_size": 151936,
+        "intermediate_size": 5120,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "partial_rotary_factor": 0.25,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0},
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 6,
+        "full_attention_interval": 4,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+def shape_dir(shape: str, root: Path) -> Path:
+    """A checkpoint dir with only config.json and the demo tokenizer (weights are dummy)."""
+    from kvloom.cluster.demo_model import write_demo_model
+
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
+    out = root / shape
+    write_demo_model(out, arch="llama")  # for its tokenizer files; config replaced below
+    (out / "model.safetensors").unlink()
+    (out / "config.json").write_text(json.dumps(SHAPES[shape], indent=2))
+    return out
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device copy bandwidth in bytes/s (read + write), median of 5."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 26)
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(6):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 2 * n / sorted(times[1:])[2]
+
+
+def weight_bytes(engine: Engine) -> int:
+    """Bytes a decode step reads: every parameter but the input embedding table."""
+    model = engine.executor.worker.runner.model
+    total = 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" not in name:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def make_engine(model: str, args) -> Engine:
+    return Engine(
+        model=model,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        progress=False,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        executor="inprocess",
+    )
+
+
+def latency(model: str, args) -> dict:
+    engine = make_engine(model, args)
+    device = engine.executor.worker.device
+    rng = random.Random(0)
+    prompt = [rng.randrange(10, 1000) for _ in range(128)]
+    params = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
+    engine.add_request("warmup", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=4))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("r", {"prompt_token_ids": prompt}, params)
+    engine.step()  # prefill + first token
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    elapsed = time.perf_counter() - start
+    step_s = elapsed / steps
+    bytes_per_step = weight_bytes(engine)
+    bandwidth = copy_bandwidth(device)
+    return {
+        "ms_per_token": round(step_s * 1e3, 3),
+        "tokens_per_s": round(1 / step_s, 1),
+        "weight_bytes_per_step": bytes_per_step,
+        "achieved_GBps": round(bytes_per_step / step_s / 1e9, 1),
+        "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
+        "floor_ms_per_token": round(bytes_per_step / bandwidth * 1e3, 3),
+        "fraction_of_floor": round((bytes_per_step / bandwidth) / step_s, 3),
+    }
+
+
+def throughput(model: str, args) -> dict:
+    engine = make_engine(model, args)
+    rng = random.Random(0)
+    requests = []
+    for _ in range(args.num_requests):
+        prompt = [rng.randrange(10, 1000) for _ in range(rng.randint(*args.prompt_len))]
+        requests.append((prompt, rng.randint(*args.output_len)))
+    for i, (prompt, out_len) in enumerate(requests):
+        engine.add_request(
+            str(i),
+            {"prompt_token_ids": prompt},
+            SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True),
+        )
+    start = time.perf_counter()
+    out_tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                out_tokens += len(out.outputs[0].token_ids)
+    elapsed = time.perf_counter() - start
+    prompt_tokens = sum(len(p) for p, _ in requests)
+    return {
+        "requests": args.num_requests,
+        "seconds": round(elapsed, 2),
+        "output_tokens_per_s": round(out_tokens / elapsed, 1),
+        "total_tokens_per_s": round((out_tokens + prompt_tokens) / elapsed, 1),
+    }
+
+
+def run(args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or str(shape_dir(args.shape, Path(tmp)))
+        fn = latency if args.kind == "latency" else throughput
+        result = fn(model, args)
+    result.update(
+        kind=args.kind,
+        model=args.model or args.shape,
+        dtype=args.dtype,
+        device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+    )
+    return result

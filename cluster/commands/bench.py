@@ -1,0 +1,39 @@
+"""`kvloom bench latency|throughput`: see kvloom/cluster/bench.py for the workloads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="decode latency and offline throughput")
+    parser.add_argument("kind", choices=("latency", "throughput"))
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", help="checkpoint dir (default: a --shape with dummy weights)")
+    source.add_argument("--shape", default="tiny", help="tiny, qwen3-8b or qwen3-next-24l")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--load-format", default=None, choices=("safetensors", "dummy"))
+    parser.add_argument("--steps", type=int, default=256, help="latency: decode steps timed")
+    parser.add_argument("--num-requests", type=int, default=1000)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(128, 1024))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(64, 512))
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--out", type=Path, help="write the result as JSON")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvloom.cluster.bench import run as bench
+
+    if args.load_format is None:
+        args.load_format = "safetensors" if args.model else "dummy"
+    result = bench(args)
+    for key, value in result.items():
+        print(f"RESULT {key} {value}")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    return 0

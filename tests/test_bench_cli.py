@@ -1,0 +1,83 @@
+"""`kvloom bench` runs on the CPU with a dummy-weight shape and reports sane figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvloom import LLM, SamplingParams
+from kvloom.cluster.cli import main
+
+
+def test_bench_latency_reports_bandwidth_fraction(tmp_path):
+    out = tmp_path / "latency.json"
+    assert (
+        main(
+            [
+                "bench",
+                "latency",
+                "--shape",
+                "tiny",
+                "--dtype",
+                "float32",
+                "--steps",
+                "4",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    result = json.loads(out.read_text())
+    assert result["ms_per_token"] > 0 and result["tokens_per_s"] > 0
+    # 4 layers of the tiny shape in fp32, LM head included, embedding table excluded
+    assert result["weight_bytes_per_step"] > 4 * 4 * 256 * 256
+    assert 0 < result["fraction_of_floor"] < 1.5
+
+
+def test_bench_throughput(tmp_path):
+    out = tmp_path / "throughput.json"
+    assert (
+        main(
+            [
+                "bench",
+                "throughput",
+                "--shape",
+                "tiny",
+                "--dtype",
+                "float32",
+                "--num-requests",
+                "4",
+                "--prompt-len",
+                "8",
+                "16",
+                "--output-len",
+                "4",
+                "8",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    result = json.loads(out.read_text())
+    assert result["requests"] == 4 and result["output_tokens_per_s"] > 0
+
+
+def test_unknown_shape_is_refused():
+    with pytest.raises(ValueError, match="shape"):
+        main(["bench", "latency", "--shape", "gpt-9"])
+
+
+def test_dummy_load_format_needs_no_weights(tiny_model, tmp_path):
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny_model("llama"), path)
+    (path / "model.safetensors").unlink()
+    llm = LLM(str(path), load_format="dummy", progress=False)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="load_format"):
+        LLM(str(path), load_format="pickle", progress=False)
