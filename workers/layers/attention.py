@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvloom.kernels.kv_cache_write import write_kv_cache_ref
 from kvloom.kernels.merge_attention_states import merge_attention_states_ref
-from kvloom.kernels.paged_attention import paged_attention_ref
+from kvloom.kernels.ops import paged_attention, write_kv_cache
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.dtypes import TORCH_DTYPES
 
@@ -58,9 +57,9 @@ class PagedAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_size)
         k = k.view(-1, self.num_kv_heads, self.head_size)
         v = v.view(-1, self.num_kv_heads, self.head_size)
-        write_kv_cache_ref(k, v, self.kv_cache, meta.slot_mapping)
+        write_kv_cache(k, v, self.kv_cache, meta.slot_mapping)
         dcp_rank = 0 if self.dcp is None else self.dcp.rank_in_group
-        out, lse = paged_attention_ref(
+        out, lse = paged_attention(
             q,
             self.kv_cache,
             meta.block_tables,

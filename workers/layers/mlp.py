@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvloom.kernels.activation import silu_and_mul_ref
+from kvloom.kernels.ops import silu_and_mul
 from kvloom.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kvloom.workers.layers.tp_group import TPGroup
 
@@ -41,4 +41,4 @@ class GatedMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul_ref(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

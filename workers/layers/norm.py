@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvloom.kernels.rms_norm import rms_norm_ref
+from kvloom.kernels.ops import rms_norm
 from kvloom.workers.layers.linear import check_shape
 
 
@@ -23,5 +23,5 @@ class RMSNorm(nn.Module):
         self.weight.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        out, new_residual = rms_norm_ref(x, self.weight, self.eps, residual, self.weight_offset)
+        out, new_residual = rms_norm(x, self.weight, self.eps, residual, self.weight_offset)
         return out if residual is None else (out, new_residual)

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from kvloom.kernels.rotary import apply_rotary_ref
+from kvloom.kernels.ops import apply_rotary
 
 
 def rope_parameters(config: dict) -> dict:
@@ -62,6 +62,6 @@ class RotaryEmbedding(nn.Module):
         """q: [T, Hq, D], k: [T, Hkv, D] -> rotated copies."""
         cos, sin = self.cos[positions], self.sin[positions]
         return (
-            apply_rotary_ref(q, cos, sin, self.rotary_dim),
-            apply_rotary_ref(k, cos, sin, self.rotary_dim),
+            apply_rotary(q, cos, sin, self.rotary_dim),
+            apply_rotary(k, cos, sin, self.rotary_dim),
         )
