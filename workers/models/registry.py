@@ -12,6 +12,7 @@ MODELS = {
     "Qwen3ForCausalLM": "llama:Qwen3ForCausalLM",
     "Qwen3NextForCausalLM": "qwen3_next:Qwen3NextForCausalLM",
     "KimiLinearForCausalLM": "kimi_linear:KimiLinearForCausalLM",
+    "Qwen3_5ForCausalLM": "qwen3_5:Qwen3_5ForCausalLM",
 }
 
 

@@ -1,0 +1,67 @@
+"""Gated DeltaNet with separate input projections (Qwen3.5's linear-attention layers).
+
+Qwen3.5 projects q/k/v, z, b and a with four linears instead of Qwen3-Next's two
+per-key-head-interleaved ones:
+  in_proj_qkv  rows [all q (Hk*Dk) | all k (Hk*Dk) | all v (Hv*Dv)]: already the conv's
+               channel order, so no per-group reordering is needed
+  in_proj_z    [Hv*Dv]
+  in_proj_b    [Hv]
+  in_proj_a    [Hv]
+Everything after the projections (conv, gates, delta rule, state pages, gated norm) is
+GatedDeltaNet's. Tensor parallelism splits each part by heads; a rank's key heads and
+value heads are the same key-head groups (value head j belongs to group j // (Hv / Hk)),
+which is the split GatedDeltaNet's conv, A_log and dt_bias already use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvloom.workers.layers.gated_deltanet import GatedDeltaNet
+from kvloom.workers.layers.linear import ColumnParallelLinear, check_shape
+from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
+
+
+class MultiPartColumnLinear(ColumnParallelLinear):
+    """A column-parallel linear whose parts (q, k, v) the checkpoint stores as ONE tensor
+    (rows [part 0 | part 1 | ...]); each part is split over ranks on its own."""
+
+    num_shards = 1  # one checkpoint tensor per parameter (weight_loader.expected_entries)
+
+    def load_shard(self, param_name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        if shard != 0:
+            raise ValueError(f"weight {param_name}: unexpected shard {shard}")
+        check_shape(param_name, loaded, (sum(self.output_sizes), self.input_size))
+        offset = 0
+        for part, size in enumerate(self.output_sizes):
+            super().load_shard(param_name, loaded[offset : offset + size], part)
+            offset += size
+
+
+class GatedDeltaNetSplit(GatedDeltaNet):
+    """Qwen3.5's linear-attention layer; a cache layer exactly like GatedDeltaNet."""
+
+    def __init__(self, config: dict, layer_index: int, tp: TPGroup | None, dtype: torch.dtype):
+        super().__init__(config, layer_index, tp, dtype)
+        tp = tp or LocalGroup()
+        # The parent's interleaved projections have no tensors in a Qwen3.5 checkpoint:
+        # drop them so the loader expects exactly Qwen3.5's names.
+        del self.in_proj_qkvz, self.in_proj_ba
+        hidden = config["hidden_size"]
+        num_k = config["linear_num_key_heads"]
+        num_v = config["linear_num_value_heads"]
+        key_dim, value_dim = num_k * self.head_k_dim, num_v * self.head_v_dim
+        self.in_proj_qkv = MultiPartColumnLinear(
+            hidden, [key_dim, key_dim, value_dim], tp=tp, dtype=dtype
+        )
+        self.in_proj_z = ColumnParallelLinear(hidden, [value_dim], tp=tp, dtype=dtype)
+        self.in_proj_b = ColumnParallelLinear(hidden, [num_v], tp=tp, dtype=dtype)
+        self.in_proj_a = ColumnParallelLinear(hidden, [num_v], tp=tp, dtype=dtype)
+
+    def _split_projections(self, hidden: torch.Tensor):
+        """-> mixed_qkv [T, C] (conv input, channels [q | k | v]), z [T, Hv, Dv],
+        b and a [T, Hv]."""
+        tokens = hidden.shape[0]
+        mixed = self.in_proj_qkv(hidden)
+        z = self.in_proj_z(hidden).view(tokens, self.num_v_heads, self.head_v_dim)
+        return mixed, z, self.in_proj_b(hidden), self.in_proj_a(hidden)
