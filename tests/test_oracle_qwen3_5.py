@@ -26,6 +26,9 @@ from tests.conftest import TOKENIZER_FILES, VOCAB
 from tests.engine_helpers import PROMPTS, assert_pool_full, greedy, run_to_completion
 from tests.oracle_helpers import assert_batched_greedy_matches, kvloom_prompt_logits
 
+# Qwen3_5RMSNorm subclasses Qwen3NextRMSNorm, so one randomiser serves both models.
+from tests.test_oracle_qwen3_next import randomise
+
 # fp32 rounding, not a model difference (same reasoning and bound as Qwen3-Next's test:
 # the chunked delta rule and the norms after it amplify last-bit differences).
 LOGIT_TOL = 5e-4
@@ -58,27 +61,6 @@ TINY_QWEN3_5 = dict(
     eos_token_id=2,
     tie_word_embeddings=False,
 )
-
-
-def randomise(model: torch.nn.Module) -> None:
-    """std-0.25 matrices (real greedy margins) and non-trivial 1-D weights."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
-
-    gen = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.25)
-        for module in model.modules():
-            if isinstance(module, Qwen3_5RMSNorm):  # zero-centred: (1 + w)
-                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * 0.3)
-        for name, p in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):  # gated norm: plain w
-                p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.3)
-            elif name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(0.01, 4, generator=gen).log())
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
 
 
 @pytest.fixture(scope="module")

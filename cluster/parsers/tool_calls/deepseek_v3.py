@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from kvloom.cluster.parsers.json_scan import JsonArgsStreamer
 from kvloom.cluster.parsers.markers import find_first_marker, partial_marker_len
-from kvloom.cluster.parsers.tool_calls.base import ToolCallParser
+from kvloom.cluster.parsers.tool_calls.sectioned_calls import SectionedCallsParser
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -29,7 +29,11 @@ _WHITESPACE = " \t\r\n"
 _NAME_END = ("\n", "`", "{", "[")
 
 
-class DeepSeekV3ToolParser(ToolCallParser):
+class DeepSeekV3ToolParser(SectionedCallsParser):
+    call_begin = CALL_BEGIN
+    call_end = CALL_END
+    call_stop = _CALL_STOP
+
     name = "deepseek_v3"
 
     def __init__(self, *args, **kwargs) -> None:
@@ -128,24 +132,3 @@ class DeepSeekV3ToolParser(ToolCallParser):
     def _open_arguments(self) -> None:
         self._arguments = JsonArgsStreamer(_CALL_STOP)
         self._state = "arguments"
-
-    def _state_arguments(self) -> bool:
-        if not self._buf and not self._eof:
-            return False
-        self._emit_arguments(self._arguments.feed(self._consume(len(self._buf)), self._eof))
-        if not self._arguments.done:
-            return False
-        self._buf = self._arguments.rest + self._buf
-        self._state = "after_arguments"
-        return True
-
-    def _state_after_arguments(self) -> bool:
-        _, marker = self._take_until(_CALL_STOP)  # the closing fence and newlines: dropped
-        if marker is None:
-            return False
-        self._close_call()
-        if marker == CALL_BEGIN:
-            self._begin_call()
-        else:
-            self._state = "section" if marker == CALL_END else "content"
-        return True

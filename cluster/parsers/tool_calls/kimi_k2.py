@@ -11,7 +11,7 @@ the id because Kimi's template expects it back in history); the name is the part
 from __future__ import annotations
 
 from kvloom.cluster.parsers.json_scan import JsonArgsStreamer
-from kvloom.cluster.parsers.tool_calls.base import ToolCallParser
+from kvloom.cluster.parsers.tool_calls.sectioned_calls import SectionedCallsParser
 
 SECTION_BEGIN = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
 SECTION_END = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
@@ -27,7 +27,11 @@ def name_from_call_id(call_id: str) -> str:
     return name.rsplit(":", 1)[0] if ":" in name else name
 
 
-class KimiK2ToolParser(ToolCallParser):
+class KimiK2ToolParser(SectionedCallsParser):
+    call_begin = CALL_BEGIN
+    call_end = CALL_END
+    call_stop = _CALL_STOP
+
     name = "kimi_k2"
 
     def __init__(self, *args, **kwargs) -> None:
@@ -80,25 +84,4 @@ class KimiK2ToolParser(ToolCallParser):
             self._start_call(name, call_id)
         self._buf = marker + self._buf
         self._state = "after_arguments"
-        return True
-
-    def _state_arguments(self) -> bool:
-        if not self._buf and not self._eof:
-            return False
-        self._emit_arguments(self._arguments.feed(self._consume(len(self._buf)), self._eof))
-        if not self._arguments.done:
-            return False
-        self._buf = self._arguments.rest + self._buf
-        self._state = "after_arguments"
-        return True
-
-    def _state_after_arguments(self) -> bool:
-        _, marker = self._take_until(_CALL_STOP)  # text after the JSON closed: dropped
-        if marker is None:
-            return False
-        self._close_call()
-        if marker == CALL_BEGIN:
-            self._begin_call()
-        else:
-            self._state = "section" if marker == CALL_END else "content"
         return True
