@@ -143,7 +143,9 @@ def latency(model: str, args) -> dict:
     device = engine.executor.worker.device
     rng = random.Random(0)
     prompt = [rng.randrange(10, 1000) for _ in range(128)]
-    params = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True, detokenize=False
+    )
     engine.add_request("warmup", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=4))
     while engine.has_unfinished_requests():
         engine.step()
@@ -182,7 +184,7 @@ def throughput(model: str, args) -> dict:
         engine.add_request(
             str(i),
             {"prompt_token_ids": prompt},
-            SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True, detokenize=False),
         )
     start = time.perf_counter()
     out_tokens = 0

@@ -39,6 +39,10 @@ class ModelConfig:
     # "safetensors" reads the checkpoint; "dummy" fills the weights with seeded random
     # values (benchmarks of real model shapes without multi-GB files; needs only config.json).
     load_format: str = "safetensors"
+    # CUDA graphs: uniform-decode steps of up to `max_cuda_graph_batch_size` rows replay a
+    # captured graph on CUDA (single rank); `enforce_eager` turns them off.
+    enforce_eager: bool = False
+    max_cuda_graph_batch_size: int = 256
     hf_config: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -52,6 +56,8 @@ class ModelConfig:
         formats = ("safetensors", "dummy")
         require(self.load_format in formats, "load_format", f"one of {formats}", self.load_format)
         require_int("seed", self.seed, 0)
+        require(isinstance(self.enforce_eager, bool), "enforce_eager", "a bool", self.enforce_eager)
+        require_int("max_cuda_graph_batch_size", self.max_cuda_graph_batch_size, 1, 4096)
         if not self.hf_config:
             self.hf_config = json.loads(config_file.read_text())
         text_config = self.text_config

@@ -52,6 +52,8 @@ class OutputProcessor:
                 state.cumulative_logprob += chosen
         if state.stop_string is not None:
             return state.stop_string
+        if not request.sampling_params.detokenize:
+            return None
         if _ended_by_stop_token(request) and new_tokens:
             new_tokens = new_tokens[:-1]  # the EOS / stop token is not part of the text
         state.detokenizer.push(new_tokens)

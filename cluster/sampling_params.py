@@ -26,6 +26,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # False: token ids only, no text (benchmarks; vLLM's flag). Stop strings need text.
+    detokenize: bool = True
     # Filled by the engine from generation_config.json; not a user knob.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -72,6 +74,8 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
+        require(isinstance(self.detokenize, bool), "detokenize", "a bool", self.detokenize)
+        require(self.detokenize or not self.stop, "stop", "empty when detokenize=False", self.stop)
         for s in self.stop:
             require(isinstance(s, str) and s != "", "stop", "a list of non-empty strings", s)
         self.stop_token_ids = list(self.stop_token_ids or [])

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from kvloom.kernels import causal_conv1d as conv_ref
+from kvloom.kernels import gated_delta_rule as gdn_ref
 from kvloom.kernels.activation import silu_and_mul_ref
 from kvloom.kernels.dispatch import use_triton
 from kvloom.kernels.kv_cache_write import write_kv_cache_ref
@@ -56,13 +58,23 @@ def paged_attention(
     sliding_window=None,
     kv_stride: int = 1,
     kv_offset: int = 0,
+    max_query_len: int | None = None,
 ):
-    """The Triton kernel covers the whole cache (kv_stride 1); a DCP shard uses the reference."""
+    """The Triton kernel covers the whole cache (kv_stride 1); a DCP shard uses the reference.
+    `max_query_len` (a true host-side bound, e.g. 1 for a decode-only step) lets the Triton
+    path skip the launch for long rows."""
     if use_triton(q) and kv_stride == 1 and q.dtype == kv_cache.dtype:
         from kvloom.kernels.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(
-            q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window
+            q,
+            kv_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            sliding_window,
+            max_query_len=max_query_len,
         )
     return paged_attention_ref(
         q,
@@ -75,3 +87,41 @@ def paged_attention(
         kv_stride=kv_stride,
         kv_offset=kv_offset,
     )
+
+
+def causal_conv1d_update(x, weight, bias, conv_state_pool, state_indices, activation="silu"):
+    if use_triton(x):
+        from kvloom.kernels.causal_conv1d_triton import causal_conv1d_update_triton
+
+        return causal_conv1d_update_triton(
+            x, weight, bias, conv_state_pool, state_indices, activation
+        )
+    return conv_ref.causal_conv1d_update(
+        x, weight, bias, conv_state_pool, state_indices, activation
+    )
+
+
+def recurrent_gated_delta_rule(
+    q, k, v, g, beta, state, state_indices, *, scale=None, use_qk_l2norm=False
+):
+    if use_triton(q) and state.dtype == torch.float32:
+        from kvloom.kernels.gated_delta_rule_triton import recurrent_gated_delta_rule_triton
+
+        return recurrent_gated_delta_rule_triton(
+            q, k, v, g, beta, state, state_indices, scale=scale, use_qk_l2norm=use_qk_l2norm
+        )
+    return gdn_ref.recurrent_gated_delta_rule(
+        q, k, v, g, beta, state, state_indices, scale=scale, use_qk_l2norm=use_qk_l2norm
+    )
+
+
+def fused_moe(hidden, w13, w2, topk_weights, topk_ids):
+    """The routed experts' sum. Triton on CUDA (no host sync: CUDA-graph safe, one answer
+    whatever its route block size); the reference elsewhere."""
+    if use_triton(hidden):
+        from kvloom.kernels.fused_moe_triton import fused_moe_triton
+
+        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids)
+    from kvloom.kernels.fused_moe import fused_moe_ref
+
+    return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)

@@ -37,6 +37,10 @@ class ForwardBatch:
     groups: list[GroupMetadata] = field(default_factory=list)
     # layer index -> KV-cache group index, fixed at model construction.
     layer_to_group: dict[int, int] = field(default_factory=dict)
+    # Every row is a true decode of one token (invariant 1) and token i belongs to row i;
+    # rows past the real ones may be padding (seq_len 0, no write slot, state index -1).
+    # Layers then take their host-sync-free decode path (the one CUDA graphs capture).
+    decode_only: bool = False
 
     @property
     def num_rows(self) -> int:

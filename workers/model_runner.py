@@ -16,10 +16,12 @@ from kvloom.cluster.kv_cache.spec import (
 )
 from kvloom.cluster.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
+from kvloom.workers.cuda_graphs import DecodeGraphs, capture_sizes, graph_size_for
 from kvloom.workers.dtypes import TORCH_DTYPES
 from kvloom.workers.input_batch import InputBatch
 from kvloom.workers.layers.attention import PagedAttention
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
+from kvloom.workers.memory_profile import CUDA_GRAPH_MARGIN, profile_memory
 from kvloom.workers.models.registry import model_class
 from kvloom.workers.row_kinds import RowClasses, classify_rows
 from kvloom.workers.sampler import RowSamplingState, logprob_infos, sample
@@ -85,6 +87,7 @@ class ModelRunner:
         self.groups: list[KVCacheGroup] = []
         self.layer_to_group: dict[int, int] = {}
         self.draft: DraftModel | EagleProposer | None = None
+        self.graphs: DecodeGraphs | None = None
 
     def load_model(self, progress: bool = True) -> None:
         klass = model_class(self.config.model.architecture)
@@ -181,30 +184,64 @@ class ModelRunner:
         if cache.num_kv_blocks is not None:
             return cache.num_kv_blocks
         budget = cache.kv_cache_memory_bytes
-        if budget is None:
-            if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                budget = int(free - total * (1 - cache.gpu_memory_utilization))
-            else:
-                budget = DEFAULT_CPU_KV_BYTES
+        where = f"kv_cache_memory_bytes {budget}"
+        if budget is None and self.device.type == "cuda":
+            margin = CUDA_GRAPH_MARGIN if self._graph_sizes() else 0
+            profile = profile_memory(self, margin)
+            budget, where = profile.kv_budget, profile.describe()
+        elif budget is None:
+            budget, where = DEFAULT_CPU_KV_BYTES, "the CPU default of 64 MiB"
         sched = self.config.scheduler
         useful = sched.max_num_seqs * -(-sched.max_model_len // self.block_size) * len(self.groups)
         num_blocks = min(budget // self.bytes_per_block(), useful)
-        if num_blocks < 1:
+        if num_blocks < 2:
             raise ValueError(
-                f"no room for the KV cache: one block needs {self.bytes_per_block()} bytes, "
-                f"the budget is {budget} bytes (raise gpu_memory_utilization or "
-                "kv_cache_memory_bytes, or set num_kv_blocks)"
+                f"the model does not fit: no room for the KV cache ({where}; one block "
+                f"needs {self.bytes_per_block()} bytes). Raise gpu_memory_utilization, lower "
+                "max_num_batched_tokens / max_num_seqs, use more tensor-parallel ranks, or set "
+                "kv_cache_memory_bytes / num_kv_blocks"
             )
         return num_blocks
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
         """Every cache-owning layer allocates its pages (KV blocks or state slots), indexed
-        by block ids of the one shared pool."""
+        by block ids of the one shared pool; then decode CUDA graphs are captured."""
         for layer, key in self.cache_layers():
             layer.allocate_cache(
                 num_blocks, self.groups[self.layer_to_group[key]].spec, self.device
             )
+        sizes = self._graph_sizes()
+        if capture_graphs and sizes:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.groups,
+                self.layer_to_group,
+                self.device,
+                sizes,
+                self.config.scheduler.max_model_len,
+            )
+            self.graphs.capture()
+
+    def release_kv_cache(self) -> None:
+        self.graphs = None
+        for layer, _ in self.cache_layers():
+            layer.release_cache()
+
+    def _graph_sizes(self) -> list[int]:
+        """The CUDA-graph ladder, empty where graphs are off or not yet safe (see
+        workers/cuda_graphs.py): eager mode, CPU, several ranks, a drafter, or a model
+        whose layers sync with the host."""
+        if (
+            self.config.model.enforce_eager
+            or self.device.type != "cuda"
+            or self.tp.world_size > 1
+            or self.dcp is not None
+            or self.draft is not None
+            or not getattr(self.model, "supports_cuda_graphs", False)
+        ):
+            return []
+        most = min(self.config.model.max_cuda_graph_batch_size, self.config.scheduler.max_num_seqs)
+        return capture_sizes(most)
 
     def poison_blocks(self, block_ids: list[int]) -> None:
         """Sanitizer: freed blocks and state slots read as NaN, so a stale read shows up."""
@@ -266,6 +303,7 @@ class ModelRunner:
                 meta.state_indices = tensor([r[0] if r else -1 for r in block_rows[g]])
             groups.append(meta)
         scheduled = list(sched.num_scheduled_tokens.values())
+        rows = RowClasses(classify_rows(computed, scheduled), scheduled)
         batch = ForwardBatch(
             positions=tensor(positions),
             query_start_loc=tensor(query_start, torch.int32),
@@ -273,9 +311,10 @@ class ModelRunner:
             num_computed_tokens=tensor(computed, torch.int32),
             query_start_loc_list=query_start,
             seq_lens_list=seq_lens,
-            rows=RowClasses(classify_rows(computed, scheduled), scheduled),
+            rows=rows,
             groups=groups,
             layer_to_group=self.layer_to_group,
+            decode_only=rows.uniform_decode(1) and len(input_ids) == len(scheduled),
         )
         return tensor(input_ids), batch, sample_rows
 
@@ -303,7 +342,13 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput({})
         input_ids, batch, sample_rows = self.build_batch(sched)
-        hidden = self.model(input_ids, batch.positions, batch)
+        size = None
+        if self.graphs is not None:
+            size = graph_size_for(batch.rows, input_ids.shape[0], self.graphs.sizes)
+        if size is not None:
+            hidden = self.graphs.replay(size, input_ids, batch)
+        else:
+            hidden = self.model(input_ids, batch.positions, batch)
         out = self.sample_tokens(hidden, sample_rows) if sample_rows else ModelRunnerOutput({})
         if self.draft is not None:
             self._run_drafter(sched, input_ids, batch, hidden, out)

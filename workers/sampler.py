@@ -105,11 +105,13 @@ def sample(
     logits, _ = sanitize_logits(
         logits, torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
     )
+    # Greedy rows: one argmax and one device-to-host copy for the whole batch.
+    greedy_ids = logits.argmax(-1).tolist() if any(r.params.greedy for r in rows) else None
     tokens: list[int] = []
     for i, row in enumerate(rows):
         p = row.params
         if p.greedy:
-            tokens.append(int(torch.argmax(logits[i])))
+            tokens.append(greedy_ids[i])
             continue
         probs = torch.softmax(logits[i] / p.temperature, dim=-1)
         probs = filter_probs(probs, p.top_k, p.top_p, p.min_p)

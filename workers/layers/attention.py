@@ -10,6 +10,8 @@ from kvloom.kernels.ops import paged_attention, write_kv_cache
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.dtypes import TORCH_DTYPES
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
 
 class PagedAttention(nn.Module):
     def __init__(
@@ -46,6 +48,10 @@ class PagedAttention(nn.Module):
         shape = (2, num_blocks, local_block_size, self.num_kv_heads, self.head_size)
         self.kv_cache = torch.zeros(shape, dtype=TORCH_DTYPES[spec.dtype], device=device)
 
+    def release_cache(self) -> None:
+        """Drops the pages (the model runner re-allocates after its profiling run)."""
+        self.kv_cache = None
+
     def poison_cache(self, block_ids: torch.Tensor) -> None:
         self.kv_cache[:, block_ids] = float("nan")
 
@@ -59,6 +65,11 @@ class PagedAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_size)
         write_kv_cache(k, v, self.kv_cache, meta.slot_mapping)
         dcp_rank = 0 if self.dcp is None else self.dcp.rank_in_group
+        out_dtype = q.dtype
+        if self.dcp_size > 1 and q.dtype in HALF_DTYPES:
+            # Shards return float32 partials, merged then rounded once, as one rank's
+            # kernel rounds once: DCP=N then matches DCP=1 to float32 rounding.
+            q = q.float()
         out, lse = paged_attention(
             q,
             self.kv_cache,
@@ -69,9 +80,10 @@ class PagedAttention(nn.Module):
             self.sliding_window,
             kv_stride=self.dcp_size,
             kv_offset=dcp_rank,
+            max_query_len=1 if batch.decode_only else None,
         )
         if self.dcp_size > 1:
             outs = self.dcp.all_gather(out.unsqueeze(0), dim=0)
             lses = self.dcp.all_gather(lse.unsqueeze(0), dim=0)
             out, _ = merge_attention_states_ref(outs, lses)
-        return out.flatten(1)
+        return out.to(out_dtype).flatten(1)

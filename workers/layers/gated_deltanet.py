@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvloom.cluster.kv_cache.spec import LinearStateSpec
-from kvloom.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from kvloom.kernels.gated_delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from kvloom.kernels.causal_conv1d import causal_conv1d_varlen
+from kvloom.kernels.gated_delta_rule import chunk_gated_delta_rule
+from kvloom.kernels.ops import causal_conv1d_update, recurrent_gated_delta_rule
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.dtypes import TORCH_DTYPES
 from kvloom.workers.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape
@@ -163,6 +164,11 @@ class GatedDeltaNet(nn.Module):
             device=device,
         )
 
+    def release_cache(self) -> None:
+        """Drops the pages (the model runner re-allocates after its profiling run)."""
+        self.conv_state = None
+        self.recurrent_state = None
+
     def poison_cache(self, block_ids: torch.Tensor) -> None:
         self.conv_state[block_ids] = float("nan")
         self.recurrent_state[block_ids] = float("nan")
@@ -205,8 +211,10 @@ class GatedDeltaNet(nn.Module):
         """hidden [T, H] -> [T, H]; reads and writes each row's state page."""
         mixed, z, b, a = self._split_projections(hidden)
         g, beta = self._gates(a, b)
-        core = hidden.new_zeros(hidden.shape[0], self.num_v_heads, self.head_v_dim)
         slots = batch.group_for(self.layer_index).state_indices
+        if batch.decode_only:
+            return self.out_proj(self.norm(self._decode_all(mixed, g, beta, slots), z).flatten(1))
+        core = hidden.new_zeros(hidden.shape[0], self.num_v_heads, self.head_v_dim)
         bounds = batch.query_start_loc_list
         rows = batch.rows
         weight = self.conv1d.weight
@@ -249,6 +257,17 @@ class GatedDeltaNet(nn.Module):
             )
         normed = self.norm(core, z)
         return self.out_proj(normed.flatten(1))
+
+    def _decode_all(self, mixed, g, beta, slots: torch.Tensor) -> torch.Tensor:
+        """Every token is its row's one-token decode (`batch.decode_only`): no host sync, so
+        CUDA graphs capture it. Padding rows carry slot -1: their state is never read."""
+        x = causal_conv1d_update(
+            mixed, self.conv1d.weight, None, self.conv_state, slots, self.activation
+        )
+        q, k, v = self._split_heads(x)
+        return recurrent_gated_delta_rule(
+            q, k, v, g, beta, self.recurrent_state, slots, use_qk_l2norm=True
+        )
 
     @staticmethod
     def _pages(slots: torch.Tensor | None, rows: list[int]) -> torch.Tensor:

@@ -170,6 +170,11 @@ class KimiDeltaAttention(nn.Module):
             device=device,
         )
 
+    def release_cache(self) -> None:
+        """Drops the pages (the model runner re-allocates after its profiling run)."""
+        self.conv_state = None
+        self.recurrent_state = None
+
     def poison_cache(self, block_ids: torch.Tensor) -> None:
         self.conv_state[block_ids] = float("nan")
         self.recurrent_state[block_ids] = float("nan")

@@ -13,6 +13,21 @@ from torch import nn
 
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def linear_float32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T with float32 accumulation *and* a float32 result (no rounding to x's
+    dtype). CUDA has a GEMM for it; elsewhere the operands are upcast (same products)."""
+    if x.is_cuda:
+        flat = x.reshape(-1, x.shape[-1])
+        try:
+            out = torch.mm(flat, weight.t(), out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # a torch without the mixed-output GEMM
+            out = flat.float() @ weight.float().t()
+        return out.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x.float(), weight.float())
+
 
 def check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(loaded.shape) != tuple(expected):
@@ -143,6 +158,13 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(loaded[:, start:end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size > 1 and self.reduce_results and x.dtype in HALF_DTYPES:
+            # Half-precision partial sums are kept in float32 through the all-reduce and
+            # rounded once, where one rank's GEMM rounds: TP=N then matches TP=1 up to
+            # float32 rounding instead of a half-precision rounding per rank.
+            y = self.tp.all_reduce(linear_float32_out(x, self.weight))
+            y = y + self.bias if self.bias is not None else y
+            return y.to(x.dtype)
         y = F.linear(x, self.weight)
         if self.reduce_results and self.tp.world_size > 1:
             y = self.tp.all_reduce(y)

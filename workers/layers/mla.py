@@ -98,6 +98,10 @@ class MultiHeadLatentAttention(nn.Module):
         shape = (num_blocks, spec.block_size, self.kv_lora_rank + self.qk_rope_head_dim)
         self.latent_cache = torch.zeros(shape, dtype=TORCH_DTYPES[spec.dtype], device=device)
 
+    def release_cache(self) -> None:
+        """Drops the pages (the model runner re-allocates after its profiling run)."""
+        self.latent_cache = None
+
     def poison_cache(self, block_ids: torch.Tensor) -> None:
         self.latent_cache[block_ids] = float("nan")
 

@@ -142,6 +142,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     qk_norm = False
+    supports_cuda_graphs = True  # no host sync in a decode-only forward
     stacked_params = STACKED_PARAMS
     ignored_weight_prefixes: tuple[str, ...] = ()
 

@@ -218,6 +218,9 @@ class Qwen3NextModel(nn.Module):
 
 
 class Qwen3NextForCausalLM(nn.Module):
+    # A decode-only forward has no host sync on CUDA: the GDN decode path, the Triton
+    # fused MoE and the paged attention kernel all keep lengths on the device.
+    supports_cuda_graphs = True
     stacked_params = STACKED_PARAMS
     ignored_weight_prefixes: tuple[str, ...] = ("mtp.",)
 

@@ -1,0 +1,476 @@
+"""Routed mixture-of-experts: the Triton kernels.
+
+Same semantics and rounding points as `fused_moe.fused_moe_ref` (read its docstring):
+float32 accumulation, the activation silu(gate) * up rounded once to the hidden dtype, the
+routing weight applied in float32, the k contributions of a token summed in slot order.
+
+Five launches, no host synchronisation (every buffer and grid size follows from T, k, E
+and the route block size alone), so one call can be captured in a CUDA graph:
+
+1. `_count_routes_kernel`, one program per expert: how many of the N = T * k routes
+   (route r = token r // k, slot r % k) chose it.
+2. `_place_routes_kernel`, one program per expert: from the counts, each expert's first
+   route block (counts rounded up to whole blocks of BLOCK_M, summed over lower experts);
+   the expert writes its routes there in route order (stable), pads its last block with
+   the sentinel N, and writes its id into `block_expert` for each of its blocks. One extra
+   program marks the blocks past the last used one with -1. The sorted buffer has room
+   for N + min(E, N) * (BLOCK_M - 1) routes, the most any routing can need.
+3. `_gate_up_kernel`, one program per (route block, tile of BLOCK_N intermediate
+   columns): the gate and up projections of the block's tokens against its expert's
+   weights, fused with silu(gate) * up in the epilogue; writes the activation per route.
+4. `_down_kernel`, one program per (route block, tile of BLOCK_N hidden columns): the
+   down projection times the routing weight, written per route to a [T, k, H] float32
+   buffer. Blocks marked -1 exit at once (the grid is the host-known upper bound).
+5. `_sum_slots_kernel`: out[t] = sum over j = 0..k-1 of that buffer, in order, rounded
+   to the hidden dtype. No atomics anywhere, so results are deterministic.
+
+Both GEMMs put the weight rows in the dot's M slot and the route block's tokens in its N
+slot (weights^T-style "swap AB"): at decode an expert sees a handful of tokens, and the
+weight tile fills the matrix units' 64-row minimum instead of padding tokens up to it.
+It also keeps every plan on one kind of instruction: on Hopper the dot's M (BLOCK_N = 64)
+qualifies for wgmma whatever BLOCK_M is, where tokens in M would switch between mma.sync
+(BLOCK_M < 64) and wgmma (BLOCK_M = 64), whose float32 accumulation need not agree.
+
+The align programs each scan all N routes (chunks of ROUTE_CHUNK): a few microseconds
+at decode sizes; at long prefills (N ~ 1e5) this grows, but stays small beside the GEMMs.
+
+Invariant 7 (plans by size, same answer): the route block size BLOCK_M is chosen from the
+launch shape (`choose_block_m`, tokens per expert on average) and is the only thing the
+plans change. A route's results are written by route index, never by sorted position,
+and each output element is a dot over the same BLOCK_K tiles in the same K order whatever
+BLOCK_M is (BLOCK_N, BLOCK_K, warps and stages are fixed), so every plan gives bitwise
+the same output (tested on the interpreter; the gpu test checks it compiled).
+
+Expert ids are not validated on the device (that would need a host sync): a route whose
+id is outside [0, E) matches no expert, is never placed or computed, and contributes
+nothing to its token; no memory is read out of bounds for it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvloom.kernels.arg_checks_triton import (
+    check_dtype,
+    check_last_dim_contiguous,
+    check_same_device,
+    next_power_of_2,
+)
+from kvloom.kernels.fused_moe import check_moe_args
+
+BLOCK_M_CHOICES = (16, 32, 64)
+# Fixed for every plan (invariant 7): they decide each output element's summation order.
+BLOCK_N = 64
+BLOCK_K = 64
+NUM_WARPS = 4
+NUM_STAGES = 3
+ROUTE_CHUNK = 1024  # routes one align program scans per step
+BLOCK_CHUNK = 256  # block ids one align program writes per step
+MAX_SUM_BLOCK = 1024
+
+
+def choose_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """The route block size for a launch shape: small blocks while experts see few tokens
+    each (decode: little padding), bigger ones when they see many (prefill: weight tiles
+    reused across more tokens). Depends on the shape only, so a captured CUDA graph keeps
+    its plan; all choices give the same answer."""
+    per_expert = num_tokens * top_k / max(num_experts, 1)
+    if per_expert <= 8:
+        return 16
+    if per_expert <= 24:
+        return 32
+    return 64
+
+
+def max_route_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
+    """Most route blocks any routing of `num_routes` routes can fill: each of at most
+    min(E, N) used experts wastes under one block on padding."""
+    return (num_routes + min(num_experts, num_routes) * (block_m - 1)) // block_m
+
+
+@triton.jit(do_not_specialize=["num_routes"])
+def _count_routes_kernel(
+    ids_ptr,
+    counts_ptr,
+    num_routes,
+    top_k,
+    stride_it,
+    stride_ij,
+    ROUTE_CHUNK: tl.constexpr,
+):
+    expert = tl.program_id(0)
+    count = expert * 0
+    for start in range(0, num_routes, ROUTE_CHUNK):
+        routes = start + tl.arange(0, ROUTE_CHUNK)
+        offs = (routes // top_k).to(tl.int64) * stride_it + (routes % top_k) * stride_ij
+        ids = tl.load(ids_ptr + offs, mask=routes < num_routes, other=-1)
+        count += tl.sum((ids == expert).to(tl.int32), axis=0)
+    tl.store(counts_ptr + expert, count)
+
+
+@triton.jit(do_not_specialize=["num_routes", "max_blocks"])
+def _place_routes_kernel(
+    ids_ptr,
+    counts_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_routes,
+    top_k,
+    num_experts,
+    max_blocks,
+    stride_it,
+    stride_ij,
+    BLOCK_M: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr,
+    ROUTE_CHUNK: tl.constexpr,
+    BLOCK_CHUNK: tl.constexpr,
+):
+    expert = tl.program_id(0)
+    experts = tl.arange(0, EXPERTS_PAD)
+    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    first_block = tl.sum(tl.where(experts < expert, blocks, 0), axis=0)
+    if expert < num_experts:
+        count = tl.sum(tl.where(experts == expert, counts, 0), axis=0)
+        num_blocks = (count + BLOCK_M - 1) // BLOCK_M
+        base = first_block * BLOCK_M
+        placed = expert * 0
+        for start in range(0, num_routes, ROUTE_CHUNK):
+            routes = start + tl.arange(0, ROUTE_CHUNK)
+            offs = (routes // top_k).to(tl.int64) * stride_it + (routes % top_k) * stride_ij
+            ids = tl.load(ids_ptr + offs, mask=routes < num_routes, other=-1)
+            hit = ids == expert
+            rank = tl.cumsum(hit.to(tl.int32), axis=0) - 1
+            tl.store(sorted_ptr + base + placed + rank, routes, mask=hit)
+            placed += tl.sum(hit.to(tl.int32), axis=0)
+        # Pad the last block with the sentinel route (fewer than BLOCK_M slots).
+        slots = count + tl.arange(0, BLOCK_M)
+        pad = tl.full([BLOCK_M], 0, tl.int32) + num_routes
+        tl.store(sorted_ptr + base + slots, pad, mask=slots < num_blocks * BLOCK_M)
+        for b in range(0, num_blocks, BLOCK_CHUNK):
+            ids_out = b + tl.arange(0, BLOCK_CHUNK)
+            mine = tl.full([BLOCK_CHUNK], 0, tl.int32) + expert
+            tl.store(block_expert_ptr + first_block + ids_out, mine, mask=ids_out < num_blocks)
+    else:
+        # The extra program: blocks past the used ones have no expert.
+        for b in range(first_block, max_blocks, BLOCK_CHUNK):
+            ids_out = b + tl.arange(0, BLOCK_CHUNK)
+            none = tl.full([BLOCK_CHUNK], -1, tl.int32)
+            tl.store(block_expert_ptr + ids_out, none, mask=ids_out < max_blocks)
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc + a @ b in float32.
+
+    Interpreted, the products are summed explicitly (in float32: half-precision products
+    are exact there). The interpreter's tl.dot is numpy's matmul, whose BLAS kernel, and
+    so each element's summation order, changes with the operands' shapes and layouts, so
+    it would differ between route block sizes where the GPU's instructions do not; it
+    also gets bfloat16 dots wrong. The explicit sum adds the k terms in order for every
+    element whatever the tile's other sizes."""
+    if INTERPRETED:
+        prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
+        return acc + tl.sum(prod, axis=1)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit(do_not_specialize=["num_routes"])
+def _gate_up_kernel(
+    x_ptr,
+    w13_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    act_ptr,
+    num_routes,
+    top_k,
+    hidden_size,
+    inter,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_act,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= 0:
+        routes = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = routes < num_routes
+        tokens = (routes // top_k).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < inter
+        ks = tl.arange(0, BLOCK_K)
+        gate_ptrs = w13_ptr + expert.to(tl.int64) * stride_we
+        gate_ptrs = gate_ptrs + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+        up_ptrs = gate_ptrs + inter * stride_wn
+        x_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :]
+        acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, hidden_size, BLOCK_K):
+            k_ok = (k0 + ks) < hidden_size
+            x = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+            w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
+            x_t = tl.trans(x)
+            acc_gate = _dot(w_gate, x_t, acc_gate, DOT_PRECISION, INTERPRETED)
+            acc_up = _dot(w_up, x_t, acc_up, DOT_PRECISION, INTERPRETED)
+            x_ptrs += BLOCK_K
+            gate_ptrs += BLOCK_K
+            up_ptrs += BLOCK_K
+        act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+        out_ptrs = act_ptr + routes[None, :].to(tl.int64) * stride_act + cols[:, None]
+        tl.store(
+            out_ptrs,
+            act.to(act_ptr.dtype.element_ty),
+            mask=col_ok[:, None] & valid[None, :],
+        )
+
+
+@triton.jit(do_not_specialize=["num_routes"])
+def _down_kernel(
+    act_ptr,
+    w2_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    weights_ptr,
+    routed_ptr,
+    num_routes,
+    top_k,
+    hidden_size,
+    inter,
+    stride_act,
+    stride_we,
+    stride_wn,
+    stride_tw_t,
+    stride_tw_j,
+    stride_routed,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block)
+    if expert >= 0:
+        routes = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = routes < num_routes
+        routes64 = routes.to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < hidden_size
+        ks = tl.arange(0, BLOCK_K)
+        w_ptrs = w2_ptr + expert.to(tl.int64) * stride_we
+        w_ptrs = w_ptrs + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+        a_ptrs = act_ptr + routes64[:, None] * stride_act + ks[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k_ok = (k0 + ks) < inter
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = _dot(w, tl.trans(a), acc, DOT_PRECISION, INTERPRETED)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        weight_offs = (routes // top_k).to(tl.int64) * stride_tw_t + (routes % top_k) * stride_tw_j
+        weight = tl.load(weights_ptr + weight_offs, mask=valid, other=0.0).to(tl.float32)
+        out_ptrs = routed_ptr + routes64[None, :] * stride_routed + cols[:, None]
+        tl.store(out_ptrs, acc * weight[None, :], mask=col_ok[:, None] & valid[None, :])
+
+
+@triton.jit
+def _sum_slots_kernel(
+    routed_ptr,
+    ids_ptr,
+    out_ptr,
+    top_k,
+    num_experts,
+    hidden_size,
+    stride_it,
+    stride_ij,
+    stride_out,
+    BLOCK_H: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for slot in range(0, top_k):
+        expert = tl.load(ids_ptr + token * stride_it + slot * stride_ij)
+        # Routes with an id out of range were never computed: they add nothing. (A mask
+        # from a comparison with a scalar bound: the interpreter rejects scalar & vector.)
+        placed = (expert >= 0) & (expert < num_experts)
+        limit = tl.where(placed, hidden_size, 0)
+        row = routed_ptr + (token * top_k + slot) * hidden_size
+        total += tl.load(row + cols, mask=cols < limit, other=0.0)
+    out = total.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * stride_out + cols, out, mask=cols < hidden_size)
+
+
+def _interpreted(kernel) -> bool:
+    """Whether Triton built this kernel for its CPU interpreter (TRITON_INTERPRET=1)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def _check_block_m(block_m) -> None:
+    if isinstance(block_m, bool) or not isinstance(block_m, int):
+        raise ValueError(f"block_m: expected an int in {BLOCK_M_CHOICES} or None, got {block_m!r}")
+    if block_m not in BLOCK_M_CHOICES:
+        raise ValueError(f"block_m: expected one of {BLOCK_M_CHOICES} or None, got {block_m}")
+
+
+def align_routes(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, *, _fill: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorts the routes by expert on the device: returns (sorted_routes, block_expert).
+
+    `sorted_routes` [max_route_blocks * block_m] int32 holds route indices (t * k + j)
+    grouped by expert in ascending expert order, each expert's run starting on a block
+    boundary and padded to whole blocks with the sentinel N = T * k; entries past the
+    used blocks are unspecified. `block_expert` [max_route_blocks] int32 is each block's
+    expert, -1 for unused blocks. `_fill` pre-fills both buffers (tests: to show that
+    every entry read later is written)."""
+    _check_block_m(block_m)
+    num_routes = topk_ids.numel()
+    max_blocks = max_route_blocks(num_routes, num_experts, block_m)
+    device = topk_ids.device
+    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    sorted_routes = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    if _fill is not None:
+        for buf in (counts, sorted_routes, block_expert):
+            buf.fill_(_fill)
+    if num_routes == 0:
+        return sorted_routes, block_expert
+    top_k = topk_ids.shape[1]
+    strides = (topk_ids.stride(0), topk_ids.stride(1))
+    _count_routes_kernel[(num_experts,)](
+        topk_ids, counts, num_routes, top_k, *strides, ROUTE_CHUNK=ROUTE_CHUNK
+    )
+    _place_routes_kernel[(num_experts + 1,)](
+        topk_ids,
+        counts,
+        sorted_routes,
+        block_expert,
+        num_routes,
+        top_k,
+        num_experts,
+        max_blocks,
+        *strides,
+        BLOCK_M=block_m,
+        EXPERTS_PAD=next_power_of_2(num_experts),
+        ROUTE_CHUNK=ROUTE_CHUNK,
+        BLOCK_CHUNK=BLOCK_CHUNK,
+    )
+    return sorted_routes, block_expert
+
+
+def _check_triton_args(hidden, w13, w2, topk_weights, topk_ids) -> tuple[int, ...]:
+    dims = check_moe_args(hidden, w13, w2, topk_weights, topk_ids)
+    check_dtype("hidden", hidden)
+    check_dtype("topk_weights", topk_weights)
+    for name, tensor in (("hidden", hidden), ("w13", w13), ("w2", w2)):
+        check_last_dim_contiguous(name, tensor)
+    check_same_device(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+    return dims
+
+
+def fused_moe_triton(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    block_m: int | None = None,
+    _fill: float | None = None,
+) -> torch.Tensor:
+    """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] (float32, or a
+    half type, read as float32), topk_ids [T, k] int32/int64 -> [T, H] in hidden's dtype.
+
+    `block_m` (16, 32 or 64) overrides the route block size `choose_block_m` picks; the
+    answer is bitwise the same for each. No host sync (CUDA-graph capturable). Ids out of
+    [0, E) are not checked: such routes contribute nothing. `_fill` pre-fills the
+    workspaces (tests: NaN shows any read of an unwritten element)."""
+    num_tokens, hidden_size, num_experts, inter, top_k = _check_triton_args(
+        hidden, w13, w2, topk_weights, topk_ids
+    )
+    if block_m is None:
+        block_m = choose_block_m(num_tokens, top_k, num_experts)
+    _check_block_m(block_m)
+    out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
+    if num_tokens == 0 or hidden_size == 0:
+        return out
+    num_routes = num_tokens * top_k
+    sorted_routes, block_expert = align_routes(
+        topk_ids, num_experts, block_m, _fill=None if _fill is None else -7
+    )
+    max_blocks = block_expert.shape[0]
+    act = torch.empty((num_routes, inter), dtype=hidden.dtype, device=hidden.device)
+    routed = torch.empty((num_routes, hidden_size), dtype=torch.float32, device=hidden.device)
+    if _fill is not None:
+        act.fill_(_fill)
+        routed.fill_(_fill)
+    dot_args = dict(
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+        DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
+        INTERPRETED=_interpreted(_gate_up_kernel),
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+    )
+    _gate_up_kernel[(max_blocks, triton.cdiv(inter, BLOCK_N))](
+        hidden,
+        w13,
+        sorted_routes,
+        block_expert,
+        act,
+        num_routes,
+        top_k,
+        hidden_size,
+        inter,
+        hidden.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        act.stride(0),
+        **dot_args,
+    )
+    _down_kernel[(max_blocks, triton.cdiv(hidden_size, BLOCK_N))](
+        act,
+        w2,
+        sorted_routes,
+        block_expert,
+        topk_weights,
+        routed,
+        num_routes,
+        top_k,
+        hidden_size,
+        inter,
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        topk_weights.stride(0),
+        topk_weights.stride(1),
+        routed.stride(0),
+        **dot_args,
+    )
+    block_h = min(MAX_SUM_BLOCK, next_power_of_2(hidden_size))
+    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
+        routed,
+        topk_ids,
+        out,
+        top_k,
+        num_experts,
+        hidden_size,
+        topk_ids.stride(0),
+        topk_ids.stride(1),
+        out.stride(0),
+        BLOCK_H=block_h,
+    )
+    return out

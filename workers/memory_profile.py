@@ -1,0 +1,140 @@
+"""KV-cache sizing on CUDA from a profiling run.
+
+The pool gets what is left of `gpu_memory_utilization × total memory` after the weights,
+the peak activation memory of the largest step the scheduler may send, memory outside
+torch's allocator (CUDA context, communicators, other processes on the device) and a
+margin for CUDA graphs. The peak is measured, not guessed: one forward of
+`max_num_batched_tokens` fresh prompt tokens spread over `max_num_seqs` rows (the widest
+logits) runs over a temporary cache, and the allocator's high-water mark is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvloom.cluster.kv_cache.spec import LinearStateSpec
+from kvloom.cluster.sampling_params import SamplingParams
+from kvloom.workers.input_batch import CachedRequestState
+
+GiB = 2**30
+CUDA_GRAPH_MARGIN = 512 * 2**20
+
+
+@dataclass
+class ProfileStep:
+    """The two fields of a SchedulerOutput that `ModelRunner.build_batch` reads."""
+
+    num_scheduled_tokens: dict[str, int]
+    scheduled_spec_token_ids: dict
+
+
+@dataclass
+class MemoryProfile:
+    total: int
+    weights: int
+    activations: int
+    outside_torch: int
+    graph_margin: int
+    utilization: float
+
+    @property
+    def kv_budget(self) -> int:
+        used = self.weights + self.activations + self.outside_torch + self.graph_margin
+        return int(self.total * self.utilization) - used
+
+    def describe(self) -> str:
+        return (
+            f"total {self.total / GiB:.2f} GiB × gpu_memory_utilization {self.utilization} "
+            f"= {self.total * self.utilization / GiB:.2f} GiB; weights {self.weights / GiB:.2f} "
+            f"GiB, activation peak {self.activations / GiB:.2f} GiB, outside torch "
+            f"{self.outside_torch / GiB:.2f} GiB, CUDA-graph margin "
+            f"{self.graph_margin / GiB:.2f} GiB"
+        )
+
+
+def _dummy_requests(runner, num_tokens: int, num_rows: int) -> tuple[ProfileStep, int]:
+    """Fresh prompt rows covering `num_tokens`, with pages from a temporary pool; returns
+    the step and the number of blocks that pool needs (block 0 stays the null block)."""
+    lengths = [num_tokens // num_rows + (i < num_tokens % num_rows) for i in range(num_rows)]
+    next_block = 1
+    step = ProfileStep({}, {})
+    for i, length in enumerate(lengths):
+        block_ids = []
+        for group in runner.groups:
+            if isinstance(group.spec, LinearStateSpec):
+                count = 1
+            else:
+                count = -(-length // group.spec.block_size)
+            block_ids.append(list(range(next_block, next_block + count)))
+            next_block += count
+        rid = f"__profile_{i}"
+        runner.input_batch.requests[rid] = CachedRequestState(
+            request_id=rid,
+            token_ids=[(7 * t + i) % 100 + 1 for t in range(length)],
+            num_prompt_tokens=length,
+            sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
+            sampling_seed=0,
+            block_ids=block_ids,
+            num_computed_tokens=0,
+        )
+        step.num_scheduled_tokens[rid] = length
+    return step, next_block
+
+
+@torch.inference_mode()
+def run_largest_step(runner, num_tokens: int, num_rows: int) -> None:
+    """One forward + sampling of `num_tokens` fresh tokens over `num_rows` rows, over a
+    temporary cache that is released afterwards (as are the dummy requests)."""
+    step, num_blocks = _dummy_requests(runner, num_tokens, num_rows)
+    try:
+        runner.initialize_kv_cache(num_blocks, capture_graphs=False)
+        input_ids, batch, sample_rows = runner.build_batch(step)
+        hidden = runner.model(input_ids, batch.positions, batch)
+        runner.sample_tokens(hidden, sample_rows)
+    finally:
+        for rid in step.num_scheduled_tokens:
+            runner.input_batch.requests.pop(rid, None)
+        runner.release_kv_cache()
+
+
+def largest_step_shape(sched) -> tuple[int, int]:
+    """(tokens, rows): the token budget over enough rows for the widest logits, and no row
+    longer than max_model_len."""
+    num_tokens = sched.max_num_batched_tokens
+    rows = max(min(sched.max_num_seqs, num_tokens), -(-num_tokens // sched.max_model_len), 1)
+    return num_tokens, rows
+
+
+def profile_memory(runner, graph_margin: int) -> MemoryProfile:
+    """Runs the largest step once and reports where the device's memory goes. The
+    temporary cache is counted out of the peak (it is the KV budget's to spend)."""
+    device = runner.device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    weights = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    num_tokens, num_rows = largest_step_shape(runner.config.scheduler)
+    cache_bytes = _temporary_cache_bytes(runner, num_tokens, num_rows)
+    run_largest_step(runner, num_tokens, num_rows)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return MemoryProfile(
+        total=total,
+        weights=weights,
+        activations=max(0, peak - weights - cache_bytes),
+        outside_torch=max(0, total - free - torch.cuda.memory_reserved(device)),
+        graph_margin=graph_margin,
+        utilization=runner.config.cache.gpu_memory_utilization,
+    )
+
+
+def _temporary_cache_bytes(runner, num_tokens: int, num_rows: int) -> int:
+    """Bytes of the pool `run_largest_step` allocates (same block count)."""
+    step, num_blocks = _dummy_requests(runner, num_tokens, num_rows)
+    for rid in step.num_scheduled_tokens:
+        runner.input_batch.requests.pop(rid)
+    return num_blocks * runner.bytes_per_block()
