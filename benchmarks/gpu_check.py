@@ -144,6 +144,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--assets", type=Path, required=True)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--sections", nargs="*", help="run only these (e.g. grid dense)")
     args = parser.parse_args()
     results: dict = {
         "device": torch.cuda.get_device_name(0),
@@ -171,6 +172,8 @@ def main() -> None:
                 )
             )
     for name, section in sections:
+        if args.sections and name not in args.sections:
+            continue
         try:
             section()
         except Exception as err:  # keep going: one lease, every figure we can get

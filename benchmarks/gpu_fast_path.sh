@@ -4,15 +4,15 @@
 # root on the device machine, with the wheel bundle carried in .whl/ (see
 # ../shared/tools/device-wheels.sh):
 #
-#   bash benchmarks/gpu_fast_path.sh tests bench-dense [bench-hybrid]
+#   bash benchmarks/gpu_fast_path.sh tests bench-dense|latency-dense [bench-hybrid]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD GRPC_VERBOSITY=ERROR RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
+  --target /tmp/kvsite .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/kvsite:$PWD GRPC_VERBOSITY=ERROR RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
 status=0
 for section in "$@"; do
@@ -21,8 +21,10 @@ for section in "$@"; do
       python3 -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-tests/test_cuda_graphs.py} \
         2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1
       ;;
-    bench-dense)
-      for kind in latency throughput; do
+    bench-dense|latency-dense)
+      kinds="latency throughput"
+      [ "$section" = latency-dense ] && kinds=latency
+      for kind in $kinds; do
         python3 -m kvloom.cluster.cli bench $kind --shape qwen3-8b \
           --out "$OUT/kvloom_qwen3-8b_$kind.json" 2>&1 | grep -v "it/s" | tail -15 || status=1
       done

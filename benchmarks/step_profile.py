@@ -24,6 +24,41 @@ from kvloom import Engine, SamplingParams
 from kvloom.cluster.bench import shape_dir
 
 
+def report_syncs(engine, steps: int = 3) -> None:
+    """Prints where the host waits for the device during a few engine steps (torch's sync
+    debug mode), with the kvloom frames of each call site."""
+    import traceback
+    import warnings
+
+    seen = set()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        frames = [
+            f for f in traceback.extract_stack() if "kvloom" in f.filename or "/work" in f.filename
+        ]
+        key = tuple((f.filename, f.lineno) for f in frames[-4:])
+        if key not in seen:
+            seen.add(key)
+            print(
+                "SYNC",
+                message,
+                " <- ".join(
+                    f"{f.filename.split('/')[-1]}:{f.lineno}" for f in reversed(frames[-5:])
+                ),
+            )
+
+    old = warnings.showwarning
+    warnings.showwarning = show
+    warnings.simplefilter("always")
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = old
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="qwen3-8b")
@@ -54,6 +89,7 @@ def main() -> None:
                 engine.add_request(f"b{batch}-{i}", {"prompt_token_ids": prompt}, params)
             for _ in range(3):
                 engine.step()
+            report_syncs(engine)
             size = next(s for s in runner.graphs.sizes if s >= batch)
             graph = runner.graphs.graphs[size]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

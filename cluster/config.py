@@ -145,8 +145,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0
     max_model_len: int = 4096
+    # Schedule and launch step N+1 while step N runs on the device (its sampled ids feed
+    # N+1's inputs there), hiding the host's per-step work. None: on for one CUDA rank.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
+        require(
+            self.async_scheduling is None or isinstance(self.async_scheduling, bool),
+            "async_scheduling",
+            "a bool or None",
+            self.async_scheduling,
+        )
         require_int("max_num_seqs", self.max_num_seqs, 1)
         require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         require_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)

@@ -28,6 +28,24 @@ def make_proposer(spec):
     return None  # draft_model: the workers' draft model proposes
 
 
+def _nothing_to_run(sched) -> bool:
+    return sched.is_empty and not sched.finished_request_ids and not sched.blocks_to_poison
+
+
+def _use_async_scheduling(config: EngineConfig, executor) -> bool:
+    """On when asked; by default on for one CUDA rank in this process (the steps it
+    overlaps run on the device). Speculative decoding needs each step's tokens first."""
+    wanted = config.scheduler.async_scheduling
+    supported = hasattr(executor, "submit") and not config.speculative.method
+    if wanted and not supported:
+        raise ValueError(
+            "async_scheduling needs the in-process executor (one rank) and no speculative_config"
+        )
+    if wanted is None:
+        return supported and executor.device_type == "cuda"
+    return wanted
+
+
 class Engine:
     def __init__(self, progress: bool = True, **kwargs: Any):
         self.config = EngineConfig.from_kwargs(**kwargs)
@@ -58,6 +76,9 @@ class Engine:
         # Set when a worker failed: every request was ended with an error, and the engine
         # refuses new ones (fail fast; the process supervisor restarts it).
         self.failure: str | None = None
+        # Async scheduling: the step launched ahead (SchedulerOutput, handle), if any.
+        self._in_flight = None
+        self.async_scheduling = _use_async_scheduling(self.config, self.executor)
 
     # -- requests -------------------------------------------------------------------
     def _prompt_ids(self, prompt: PromptInput) -> tuple[list[int], str | None, str | None]:
@@ -137,14 +158,32 @@ class Engine:
 
     # -- stepping -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduled step; returns outputs of requests that advanced."""
-        sched = self.scheduler.schedule()
-        if sched.is_empty and not sched.finished_request_ids and not sched.blocks_to_poison:
-            return []
+        """Runs one scheduled step; returns outputs of requests that advanced.
+
+        With async scheduling the next step is scheduled and launched before this one's
+        output is read back, so the host's work overlaps the device's."""
         try:
-            runner_out = self.executor.execute_model(sched)
+            if self._in_flight is not None:
+                sched, handle = self._in_flight
+                self._in_flight = None
+            else:
+                sched = self.scheduler.schedule()
+                if _nothing_to_run(sched):
+                    return []
+                if not self.async_scheduling:
+                    return self._finish_step(sched, self.executor.execute_model(sched))
+                handle = self.executor.submit(sched)
+            if self.scheduler.can_schedule_ahead():
+                ahead = self.scheduler.schedule()
+                if not _nothing_to_run(ahead):
+                    self._in_flight = (ahead, self.executor.submit(ahead))
+            runner_out = handle.result()
         except Exception as err:  # a worker died or raised: end everything, loudly
+            self._in_flight = None
             return self._fail_all(f"{type(err).__name__}: {err}")
+        return self._finish_step(sched, runner_out)
+
+    def _finish_step(self, sched, runner_out) -> list[RequestOutput]:
         advanced, finished = self.scheduler.update_from_output(sched, runner_out)
         results = []
         for request in advanced:

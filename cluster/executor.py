@@ -38,6 +38,14 @@ class InProcessExecutor:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched)
 
+    def submit(self, sched: SchedulerOutput):
+        """Launches the step; `.result()` on the returned handle waits for its output."""
+        return self.worker.runner.submit(sched)
+
+    @property
+    def device_type(self) -> str:
+        return self.worker.device.type
+
     def shutdown(self) -> None:
         self.worker = None
 

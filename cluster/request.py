@@ -34,6 +34,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens sampled by a step still in flight (the engine scheduled the next step ahead):
+    # they count towards the request's length for scheduling, not in its token ids yet.
+    num_pending_output_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit on first schedule; -1 until known
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

@@ -31,6 +31,15 @@ class SamplingParams:
     # Filled by the engine from generation_config.json; not a user knob.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
+    @property
+    def reads_token_history(self) -> bool:
+        """Whether sampling reads the request's earlier tokens (the penalties)."""
+        return (
+            self.repetition_penalty != 1.0
+            or bool(self.presence_penalty)
+            or bool(self.frequency_penalty)
+        )
+
     def __post_init__(self) -> None:
         require(self.n == 1, "n", "1 (parallel sampling is not supported yet)", self.n)
         if self.max_tokens is not None:

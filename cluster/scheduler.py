@@ -88,7 +88,8 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------
     def _chunk_size(self, request: Request, budget: int) -> int:
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        length = request.num_tokens + request.num_pending_output_tokens
+        num_new = min(length - request.num_computed_tokens, budget)
         if self.config.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         align = self.kv_cache.linear_block_size
@@ -115,6 +116,7 @@ class Scheduler:
         self.kv_cache.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.num_pending_output_tokens = 0  # an in-flight token is recomputed later
         victim.num_preemptions += 1
         self.num_preemptions += 1
         if self._sent_tokens.pop(victim.request_id, None) is not None:
@@ -132,6 +134,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self._ends_with_pending_token(request):
+                index += 1  # its in-flight token is its last: nothing more to schedule
+                continue
             num_new = self._chunk_size(request, budget)
             spec = self._drafts_for(request, budget - num_new)
             while not self.kv_cache.allocate_slots(
@@ -176,7 +181,40 @@ class Scheduler:
             scheduled[request.request_id] = num_new
             budget -= num_new
 
-        return self._build_output(scheduled, drafts)
+        out = self._build_output(scheduled, drafts)
+        self._advance_scheduled(scheduled, drafts)
+        return out
+
+    def _advance_scheduled(self, scheduled: dict[str, int], drafts: dict) -> None:
+        """Counts the scheduled tokens as computed now, so a next step can be scheduled
+        before this one's results are back (`update_from_output` takes back rejected
+        drafts). A step that reaches a request's end samples a token: pending until then."""
+        for request_id, num_tokens in scheduled.items():
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_tokens
+            real = request.num_computed_tokens - len(drafts.get(request_id, ()))
+            if real == request.num_tokens + request.num_pending_output_tokens:
+                request.num_pending_output_tokens += 1
+
+    def _ends_with_pending_token(self, request: Request) -> bool:
+        """Whether the token a step in flight samples for it ends it by length."""
+        pending = request.num_pending_output_tokens
+        if not pending:
+            return False
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and request.num_output_tokens + pending >= max_tokens:
+            return True
+        return request.num_tokens + pending >= self.config.max_model_len
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before this one's tokens are back: not
+        with speculative decoding (drafts need the tokens) nor while a request's sampling
+        reads its token history (penalties)."""
+        if self.speculative.num_speculative_tokens:
+            return False
+        return not any(
+            r.sampling_params.reads_token_history for r in (*self.running, *self.waiting)
+        )
 
     def _build_output(
         self, scheduled: dict[str, int], drafts: dict[str, list[int]]
@@ -234,10 +272,13 @@ class Scheduler:
                 continue  # aborted while the step ran
             new_tokens = runner_out.sampled_token_ids.get(request_id, [])
             spec = sched_out.scheduled_spec_token_ids.get(request_id, [])
-            computed_before = request.num_computed_tokens
-            # Verified drafts count as computed; rejected ones are recomputed over later.
+            # Counted as computed when scheduled (`_advance_scheduled`); rejected drafts
+            # are taken back and recomputed over later.
+            computed_before = request.num_computed_tokens - num_tokens
             num_rejected = len(spec) + 1 - len(new_tokens) if spec else 0
-            request.num_computed_tokens += num_tokens - num_rejected
+            request.num_computed_tokens -= num_rejected
+            if new_tokens and request.num_pending_output_tokens:
+                request.num_pending_output_tokens -= 1
             if spec:
                 self._record_spec(request, len(spec), len(new_tokens) - 1)
                 if num_rejected and self.kv_cache.has_linear_groups:

@@ -125,3 +125,39 @@ def fused_moe(hidden, w13, w2, topk_weights, topk_ids):
     from kvloom.kernels.fused_moe import fused_moe_ref
 
     return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)
+
+
+def qk_norm_rope(
+    q,
+    k,
+    positions,
+    cos_table,
+    sin_table,
+    q_weight,
+    k_weight,
+    eps,
+    rotary_dim=None,
+    weight_offset: float = 0.0,
+):
+    """Per-head RMSNorm of q and k (skipped where the weight is None), then rotary: one
+    launch on CUDA instead of six."""
+    if use_triton(q) and (q_weight is None or q_weight.dtype == q.dtype):
+        from kvloom.kernels.qk_norm_rope_triton import qk_norm_rope_triton
+
+        return qk_norm_rope_triton(
+            q,
+            k,
+            positions,
+            cos_table,
+            sin_table,
+            q_weight,
+            k_weight,
+            eps,
+            rotary_dim,
+            weight_offset,
+        )
+    from kvloom.kernels.qk_norm_rope import qk_norm_rope_ref
+
+    return qk_norm_rope_ref(
+        q, k, positions, cos_table, sin_table, q_weight, k_weight, eps, rotary_dim, weight_offset
+    )

@@ -17,14 +17,22 @@ from kvloom.cluster.kv_cache.spec import (
 from kvloom.cluster.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
 from kvloom.workers.cuda_graphs import DecodeGraphs, capture_sizes, graph_size_for
+from kvloom.workers.device_copy import to_device
 from kvloom.workers.dtypes import TORCH_DTYPES
 from kvloom.workers.input_batch import InputBatch
 from kvloom.workers.layers.attention import PagedAttention
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
 from kvloom.workers.memory_profile import CUDA_GRAPH_MARGIN, profile_memory
 from kvloom.workers.models.registry import model_class
+from kvloom.workers.pending_step import PendingStep
 from kvloom.workers.row_kinds import RowClasses, classify_rows
-from kvloom.workers.sampler import RowSamplingState, logprob_infos, sample
+from kvloom.workers.sampler import (
+    RowSamplingState,
+    logprob_infos,
+    needs_history,
+    sample,
+    sample_on_device,
+)
 from kvloom.workers.spec_decode.draft_model import DRAFT_LAYER_OFFSET, DraftModel
 from kvloom.workers.spec_decode.drafter import DraftStep
 from kvloom.workers.spec_decode.eagle import EagleProposer
@@ -88,6 +96,12 @@ class ModelRunner:
         self.layer_to_group: dict[int, int] = {}
         self.draft: DraftModel | EagleProposer | None = None
         self.graphs: DecodeGraphs | None = None
+        # The last submitted step's sampled ids (device), their row per request, and the
+        # token position each lands at: a step scheduled ahead reads its inputs from them.
+        self.prev_sampled: torch.Tensor | None = None
+        self.prev_rows: dict[str, int] = {}
+        self.prev_positions: dict[str, int] = {}
+        self.step_pending: dict[str, int] = {}  # this step's rows: tokens read from device
 
     def load_model(self, progress: bool = True) -> None:
         klass = model_class(self.config.model.architecture)
@@ -247,7 +261,7 @@ class ModelRunner:
         """Sanitizer: freed blocks and state slots read as NaN, so a stale read shows up."""
         if not block_ids:
             return
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        ids = to_device(block_ids, torch.long, self.device)
         for layer, _ in self.cache_layers():
             layer.poison_cache(ids)
 
@@ -255,8 +269,8 @@ class ModelRunner:
         """Copies linear-state pages src -> dst in every linear-state layer."""
         if not pairs:
             return
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
+        src = to_device([p[0] for p in pairs], torch.long, self.device)
+        dst = to_device([p[1] for p in pairs], torch.long, self.device)
         for layer, key in self.cache_layers():
             if isinstance(self.groups[self.layer_to_group[key]].spec, LinearStateSpec):
                 layer.copy_cache(src, dst)
@@ -268,13 +282,29 @@ class ModelRunner:
         block_rows = [[] for _ in self.groups]
         # (request id, token index of its last real query, drafts after it)
         sample_rows: list[tuple[str, int, list[int]]] = []
+        # Tokens the previous step sampled that this worker has not been sent yet (a step
+        # scheduled ahead): (index in input_ids, row of the previous step's samples).
+        fill_from_device: list[tuple[int, int]] = []
+        positions_of_samples: dict[str, int] = {}
+        self.step_pending = {}
         for request_id, num_new in sched.num_scheduled_tokens.items():
             state = self.input_batch.requests[request_id]
             spec = sched.scheduled_spec_token_ids.get(request_id, [])
             start = state.num_computed_tokens
             end = start + num_new
             real_end = end - len(spec)
+            known = len(state.token_ids)
+            pending = self._pending_tokens(request_id, state)
+            self.step_pending[request_id] = pending
+            if real_end > known + pending:
+                raise RuntimeError(
+                    f"request {request_id}: step needs tokens up to {real_end}, the worker "
+                    f"knows {known} (+{pending} on the device)"
+                )
             input_ids.extend(state.token_ids[start:real_end])
+            if real_end > known:  # the one token still on the device
+                fill_from_device.append((len(input_ids), self.prev_rows[request_id]))
+                input_ids.append(0)
             input_ids.extend(spec)
             positions.extend(range(start, end))
             computed.append(start)
@@ -285,12 +315,13 @@ class ModelRunner:
                 if isinstance(self.groups[g].spec, LinearStateSpec):
                     continue  # state lives in one page per request, no per-token slots
                 slots[g].extend(self._slots(ids, self.groups[g].spec.block_size, start, end))
-            if real_end == len(state.token_ids):
+            if real_end == known + pending:
                 sample_rows.append((request_id, query_start[-1] - 1 - len(spec), spec))
+                positions_of_samples[request_id] = real_end
         dev = self.device
 
         def tensor(values, dtype=torch.long):
-            return torch.tensor(values, dtype=dtype, device=dev)
+            return to_device(values, dtype, dev)
 
         groups = []
         for g in range(len(self.groups)):
@@ -316,7 +347,13 @@ class ModelRunner:
             layer_to_group=self.layer_to_group,
             decode_only=rows.uniform_decode(1) and len(input_ids) == len(scheduled),
         )
-        return tensor(input_ids), batch, sample_rows
+        ids = tensor(input_ids)
+        if fill_from_device:
+            dst = tensor([d for d, _ in fill_from_device])
+            ids[dst] = self.prev_sampled[tensor([r for _, r in fill_from_device])]
+        # Where each sampled token will sit in its request (read by the next step).
+        self.prev_positions = positions_of_samples
+        return ids, batch, sample_rows
 
     def _slots(self, block_ids: list[int], block_size: int, start: int, end: int):
         """Cache slots of positions [start, end). Under DCP a rank writes only positions
@@ -333,14 +370,23 @@ class ModelRunner:
             for p in range(start, end)
         ]
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.submit(sched).result()
+
+    @torch.inference_mode()
+    def submit(self, sched: SchedulerOutput) -> PendingStep:
+        """Launches the step; the sampled ids stay on the device until `result()`."""
         self.input_batch.apply(sched)
+        # A request id may return (finished, then reused): its old positions mean nothing.
+        for request_id in sched.finished_request_ids:
+            self.prev_positions.pop(request_id, None)
+        for new in sched.new_requests:
+            self.prev_positions.pop(new.request_id, None)
         if self.config.cache.sanitize:
             self.poison_blocks(sched.blocks_to_poison)
         self.copy_state_pages(sched.state_copies_before)
         if sched.is_empty:
-            return ModelRunnerOutput({})
+            return PendingStep(ready=ModelRunnerOutput({}))
         input_ids, batch, sample_rows = self.build_batch(sched)
         size = None
         if self.graphs is not None:
@@ -349,12 +395,37 @@ class ModelRunner:
             hidden = self.graphs.replay(size, input_ids, batch)
         else:
             hidden = self.model(input_ids, batch.positions, batch)
-        out = self.sample_tokens(hidden, sample_rows) if sample_rows else ModelRunnerOutput({})
-        if self.draft is not None:
-            self._run_drafter(sched, input_ids, batch, hidden, out)
+        if self.draft is not None or any(spec for _, _, spec in sample_rows):
+            out = self.sample_tokens(hidden, sample_rows)
+            if self.draft is not None:
+                self._run_drafter(sched, input_ids, batch, hidden, out)
+            pending = PendingStep(ready=out)
+        else:
+            pending = self._sample_plain(hidden, sample_rows)
         # Checkpoints last: a drafter's linear state must have caught up with this step too.
         self.copy_state_pages(sched.state_copies_after)
-        return out
+        return pending
+
+    def _sample_plain(self, hidden: torch.Tensor, sample_rows) -> PendingStep:
+        """Samples one token per row on the device and remembers where each request's
+        token is, so a step scheduled before this one is read back can use it."""
+        self.prev_sampled = None
+        self.prev_rows = {}
+        if not sample_rows:
+            return PendingStep(ready=ModelRunnerOutput({}))
+        index = to_device([i for _, i, _ in sample_rows], torch.long, hidden.device)
+        logits = self.model.compute_logits(hidden[index])
+        rows = [self._sampling_state(rid) for rid, _, _ in sample_rows]
+        max_logprobs = max(
+            [r.params.logprobs for r in rows if r.params.logprobs is not None], default=-1
+        )
+        tokens, raw_logprobs = sample_on_device(logits, rows, max_logprobs)
+        request_ids = [rid for rid, _, _ in sample_rows]
+        self.prev_sampled = tokens
+        self.prev_rows = {rid: row for row, rid in enumerate(request_ids)}
+        return PendingStep(
+            request_ids=request_ids, tokens=tokens, raw_logprobs=raw_logprobs, rows=rows
+        )
 
     def _run_drafter(self, sched, input_ids, batch, hidden, out: ModelRunnerOutput) -> None:
         reqs = self.input_batch.requests
@@ -374,14 +445,32 @@ class ModelRunner:
         )
         out.spec_token_ids.update(self.draft.run(step))
 
-    def _sampling_state(self, request_id: str) -> RowSamplingState:
+    def _sampling_state(self, request_id: str, history: bool = False) -> RowSamplingState:
+        """The row's sampling inputs. Token histories are copied only when read (penalties,
+        draft verification); a token still on the device (a step scheduled ahead) counts
+        towards the output position but cannot be in a history."""
         state = self.input_batch.requests[request_id]
+        params = state.sampling_params
+        pending = self.step_pending.get(request_id, 0)
+        history = history or needs_history(params)
+        if history and pending:
+            raise RuntimeError(
+                f"request {request_id}: sampling reads its token history, but a token is "
+                "still on the device (the engine must not schedule ahead of penalties)"
+            )
         return RowSamplingState(
-            state.sampling_params,
+            params,
             state.sampling_seed,
-            state.token_ids[: state.num_prompt_tokens],
-            state.output_token_ids,
+            state.token_ids[: state.num_prompt_tokens] if history else [],
+            state.output_token_ids if history else [],
+            num_output_tokens=len(state.token_ids) + pending - state.num_prompt_tokens,
         )
+
+    def _pending_tokens(self, request_id: str, state) -> int:
+        """1 when the request's newest token was sampled by the previous step and has not
+        reached this worker's token list yet (the engine scheduled this step ahead)."""
+        position = self.prev_positions.get(request_id)
+        return 1 if position is not None and position >= len(state.token_ids) else 0
 
     def sample_tokens(self, hidden: torch.Tensor, sample_rows) -> ModelRunnerOutput:
         """One token for plain rows; verified drafts + one token for rows with drafts."""
@@ -390,7 +479,7 @@ class ModelRunner:
         out = ModelRunnerOutput({})
         if plain:
             logits = self.model.compute_logits(hidden[torch.tensor([i for _, i in plain])])
-            rows = [self._sampling_state(rid) for rid, _ in plain]
+            rows = [self._sampling_state(rid, history=True) for rid, _ in plain]
             max_logprobs = max(
                 [r.params.logprobs for r in rows if r.params.logprobs is not None], default=-1
             )
@@ -415,11 +504,10 @@ class ModelRunner:
         draft_ids = torch.tensor(
             [spec + [0] * (k - len(spec)) for _, _, spec in drafted], device=hidden.device
         )
-        rows = [self._sampling_state(rid) for rid, _, _ in drafted]
+        rows = [self._sampling_state(rid, history=True) for rid, _, _ in drafted]
         result = rejection_sample(logits, draft_ids, [len(s) for _, _, s in drafted], rows)
         for (rid, _, _), tokens, row_logits in zip(drafted, result.tolist(), logits):
             out.sampled_token_ids[rid] = tokens
-            if self._sampling_state(rid).params.logprobs is not None:
-                out.logprobs[rid] = logprob_infos(
-                    row_logits[: len(tokens)], tokens, self._sampling_state(rid).params.logprobs
-                )
+            top_n = self.input_batch.requests[rid].sampling_params.logprobs
+            if top_n is not None:
+                out.logprobs[rid] = logprob_infos(row_logits[: len(tokens)], tokens, top_n)

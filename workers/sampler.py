@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.cluster.sampling_params import SamplingParams
+from kvloom.workers.device_copy import to_device
 
 _MIX = 0x9E3779B97F4A7C15
 
@@ -23,6 +24,21 @@ class RowSamplingState:
     seed: int
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    # Output index of the token sampled now, when it differs from len(output_token_ids):
+    # the histories are left empty when no penalty reads them (cheap), and a step
+    # scheduled ahead may not know its previous token yet.
+    num_output_tokens: int | None = None
+
+    @property
+    def output_position(self) -> int:
+        if self.num_output_tokens is None:
+            return len(self.output_token_ids)
+        return self.num_output_tokens
+
+
+def needs_history(params: SamplingParams) -> bool:
+    """Whether sampling reads the request's token history (penalties)."""
+    return params.reads_token_history
 
 
 def draw_key(seed: int, position: int) -> int:
@@ -46,7 +62,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowSamplingState]) -> None:
             ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
             counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-        if len(row.output_token_ids) < p.min_tokens:
+        if row.output_position < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(p.eos_token_ids))
             if banned:
                 logits[i, banned] = float("-inf")
@@ -81,7 +97,7 @@ def sanitize_logits(logits: torch.Tensor, real: torch.Tensor) -> tuple[torch.Ten
     empty = (clean == float("-inf")).all(-1, keepdim=True)
     # Nothing selectable: token 0 by convention (a one-hot), so every path below agrees.
     token0 = torch.full(clean.shape[-1:], float("-inf"), device=clean.device)
-    token0[0] = 0.0
+    token0[:1].fill_(0.0)  # a fill kernel; `token0[0] = 0.0` would wait for the device
     clean = torch.where(empty, token0, clean)
     poisoned = (nan.any(-1) | has_pos_inf[..., 0] | empty[..., 0]) & real
     return clean, poisoned
@@ -93,33 +109,39 @@ def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return score.argmax(-1)
 
 
-def sample(
+def sample_on_device(
     logits: torch.Tensor, rows: list[RowSamplingState], max_logprobs: int
-) -> tuple[list[int], list[tuple[float, int, list[tuple[int, float]]] | None]]:
-    """logits: [rows, vocab] float. Returns sampled ids and, per row, logprob info if asked."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sampled ids [rows] on the logits' device, and the raw log-probabilities when any
+    row asks for them. No host sync for greedy and seeded rows alike: a row's keyed noise
+    is drawn on the host and copied over, so the step can be read back later."""
     raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if max_logprobs >= 0 else None
-    logits = logits.float().clone()
-    apply_penalties(logits, rows)
+    logits = logits.float()
+    if any(needs_history(r.params) or r.params.min_tokens for r in rows):
+        logits = logits.clone()
+        apply_penalties(logits, rows)
     # Invariant 5: no NaN reaches an argmax (same rules as the rejection sampler, so a row
     # draws the same token with or without speculation, NaN or not).
     logits, _ = sanitize_logits(
         logits, torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
     )
-    # Greedy rows: one argmax and one device-to-host copy for the whole batch.
-    greedy_ids = logits.argmax(-1).tolist() if any(r.params.greedy for r in rows) else None
-    tokens: list[int] = []
+    tokens = logits.argmax(-1)
     for i, row in enumerate(rows):
         p = row.params
         if p.greedy:
-            tokens.append(greedy_ids[i])
             continue
         probs = torch.softmax(logits[i] / p.temperature, dim=-1)
         probs = filter_probs(probs, p.top_k, p.top_p, p.min_p)
-        gen = torch.Generator(device="cpu").manual_seed(
-            draw_key(row.seed, len(row.output_token_ids))
-        )
+        gen = torch.Generator(device="cpu").manual_seed(draw_key(row.seed, row.output_position))
         noise = torch.empty(probs.shape[0], dtype=torch.float32).exponential_(generator=gen)
-        tokens.append(int(race(probs.cpu(), noise)))
+        tokens[i] = race(probs, to_device(noise, torch.float32, probs.device))
+    return tokens, raw_logprobs
+
+
+def finish_sampling(
+    tokens: list[int], raw_logprobs: torch.Tensor | None, rows: list[RowSamplingState]
+) -> list:
+    """Per row, logprob info if asked (reads the device: call once the ids are back)."""
     infos: list = []
     for i, row in enumerate(rows):
         n = row.params.logprobs
@@ -127,7 +149,16 @@ def sample(
             infos.append(None)
             continue
         infos.append(logprob_info(raw_logprobs[i], tokens[i], n))
-    return tokens, infos
+    return infos
+
+
+def sample(
+    logits: torch.Tensor, rows: list[RowSamplingState], max_logprobs: int
+) -> tuple[list[int], list[tuple[float, int, list[tuple[int, float]]] | None]]:
+    """logits: [rows, vocab] float. Returns sampled ids and, per row, logprob info if asked."""
+    tokens, raw_logprobs = sample_on_device(logits, rows, max_logprobs)
+    ids = tokens.tolist()
+    return ids, finish_sampling(ids, raw_logprobs, rows)
 
 
 def logprob_info(logprobs: torch.Tensor, token: int, top_n: int):

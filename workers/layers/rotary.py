@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from kvloom.kernels.ops import apply_rotary
+from kvloom.kernels.ops import apply_rotary, qk_norm_rope
 
 
 def rope_parameters(config: dict) -> dict:
@@ -64,4 +64,15 @@ class RotaryEmbedding(nn.Module):
         return (
             apply_rotary(q, cos, sin, self.rotary_dim),
             apply_rotary(k, cos, sin, self.rotary_dim),
+        )
+
+    def norm_and_rotate(self, positions, q, k, q_norm=None, k_norm=None):
+        """The q/k RMSNorms (modules, or None) and the rotation, fused in one kernel."""
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("q_norm and k_norm: give both or neither")
+        weights = (None, None) if q_norm is None else (q_norm.weight, k_norm.weight)
+        eps = 1e-6 if q_norm is None else q_norm.eps
+        offset = 0.0 if q_norm is None else q_norm.weight_offset
+        return qk_norm_rope(
+            q, k, positions, self.cos, self.sin, *weights, eps, self.rotary_dim, offset
         )

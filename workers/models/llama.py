@@ -86,9 +86,7 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.view(q.shape[0], -1, self.head_dim)
         k = k.view(k.shape[0], -1, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm)
         out = self.attn(q.flatten(1), k.flatten(1), v, batch)
         return self.o_proj(out)
 

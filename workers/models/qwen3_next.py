@@ -110,9 +110,8 @@ class Qwen3NextAttention(nn.Module):
         q_gate, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q_gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim)
         q, gate = q_gate.split(self.head_dim, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(tokens, -1, self.head_dim))
-        q, k = self.rotary(positions, q, k)
+        k = k.view(tokens, -1, self.head_dim)
+        q, k = self.rotary.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm)
         out = self.attn(q.flatten(1), k.flatten(1), v, batch)
         return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)))
 

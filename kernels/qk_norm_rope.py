@@ -1,0 +1,41 @@
+"""Per-head q/k RMSNorm followed by rotary embedding: the pure-torch reference.
+
+The attention layers of Qwen3 (and Qwen3-Next, with (1 + w) norms) normalise every query
+and key head over its head dim, then rotate both with the positions' cos/sin; Llama and
+Qwen2 only rotate. The reference is literally that composition of the two existing
+references, `rms_norm_ref` then `apply_rotary_ref`, so the fused Triton kernel beside it
+(`qk_norm_rope_triton`) is held to exactly their semantics and rounding points.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvloom.kernels.rms_norm import rms_norm_ref
+from kvloom.kernels.rotary import apply_rotary_ref
+
+
+def qk_norm_rope_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    rotary_dim: int | None = None,
+    weight_offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]; cos/sin tables: [max_pos, rotary_dim // 2].
+
+    A weight of None skips that tensor's norm (rotary only). `weight_offset=1` scales by
+    (1 + w). Only the first `rotary_dim` dims (default D) rotate, neox half-split layout.
+    Returns new contiguous (q_out, k_out) in the inputs' dtypes.
+    """
+    if q_weight is not None:
+        q = rms_norm_ref(q, q_weight, eps, weight_offset=weight_offset)[0]
+    if k_weight is not None:
+        k = rms_norm_ref(k, k_weight, eps, weight_offset=weight_offset)[0]
+    cos, sin = cos_table[positions], sin_table[positions]
+    return apply_rotary_ref(q, cos, sin, rotary_dim), apply_rotary_ref(k, cos, sin, rotary_dim)

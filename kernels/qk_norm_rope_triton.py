@@ -1,0 +1,260 @@
+"""Per-head q/k RMSNorm + rotary embedding in one launch: the Triton kernel.
+
+Same semantics as `qk_norm_rope.qk_norm_rope_ref` (rms_norm_ref per head, then
+apply_rotary_ref with `cos_table[positions]`). Without it a decode step pays, per attention
+layer, two RMSNorm launches, two index kernels gathering cos/sin and two rotary launches;
+here one launch reads each head row once, gathers the position's cos/sin itself and writes
+the finished row.
+
+Grid: one program per (token, head) over the Hq query heads followed by the Hk key heads,
+so q and k share the launch; the program branches once on which tensor its head is in.
+Per-head programs keep decode (T = 1) spread over ~Hq + Hk SMs instead of a few.
+
+Rounding follows the two references step by step: the norm runs in float32 and is rounded
+to the activation dtype before the weight multiplies (weight_offset = 0), or multiplies by
+the float32 (offset + w) and is rounded after (weight_offset != 0); cos/sin are rounded to
+the activation dtype, each rotary product and the final sum are rounded, and the kernel is
+compiled without fused multiply-adds. Only the mean of squares and the reciprocal square
+root may differ from torch in the last float32 bits, so half results match to ~1 ulp of
+the normalised value and float32 to ~1e-6.
+
+No host synchronisation: positions are read on the device, so the launch is CUDA-graph
+capturable. They must lie in [0, max_pos); that is not checked (it would need a sync).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvloom.kernels.arg_checks_triton import (
+    check_dtype,
+    check_last_dim_contiguous,
+    check_same_device,
+    check_shape,
+    next_power_of_2,
+)
+
+MAX_HEAD_DIM = 8192  # one program holds a whole head row in registers
+MAX_HEADS = 65535  # the grid's second dimension
+POSITION_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def _normalize(x, w_ptrs, mask, rstd, weight_offset, DTYPE: tl.constexpr, HAS_OFFSET: tl.constexpr):
+    """rms_norm_ref's output for one piece of a row, as float32 holding DTYPE values."""
+    h = x * rstd
+    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_OFFSET:
+        out = h * (weight_offset + w)
+    else:
+        out = w * h.to(DTYPE).to(tl.float32)
+    return out.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr,
+    k_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_pos,
+    stride_cos,
+    stride_sin,
+    eps,
+    weight_offset,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    PASS_PAD: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if head < NUM_Q_HEADS:
+        src = q_ptr + token * stride_qt + head * stride_qh
+        dst = q_out_ptr + (token * NUM_Q_HEADS + head) * HEAD_DIM
+        w_ptr = q_weight_ptr
+    else:
+        k_head = head - NUM_Q_HEADS
+        src = k_ptr + token * stride_kt + k_head * stride_kh
+        dst = k_out_ptr + (token * NUM_K_HEADS + k_head) * HEAD_DIM
+        w_ptr = k_weight_ptr
+    dtype = q_out_ptr.dtype.element_ty
+
+    # The row in three pieces: the two rotary halves and the pass-through tail.
+    dims = tl.arange(0, HALF_PAD)
+    half_mask = dims < HALF
+    x1 = tl.load(src + dims, mask=half_mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + dims, mask=half_mask, other=0.0).to(tl.float32)
+    if PASS_PAD > 0:
+        rest = tl.arange(0, PASS_PAD)
+        rest_mask = rest < HEAD_DIM - 2 * HALF
+        xr = tl.load(src + 2 * HALF + rest, mask=rest_mask, other=0.0).to(tl.float32)
+
+    if HAS_WEIGHT:
+        sum_sq = tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)
+        if PASS_PAD > 0:
+            sum_sq += tl.sum(xr * xr, axis=0)
+        rstd = tl.rsqrt(sum_sq / HEAD_DIM + eps)
+        x1 = _normalize(x1, w_ptr + dims, half_mask, rstd, weight_offset, dtype, HAS_OFFSET)
+        x2 = _normalize(x2, w_ptr + HALF + dims, half_mask, rstd, weight_offset, dtype, HAS_OFFSET)
+        if PASS_PAD > 0:
+            w_rest = w_ptr + 2 * HALF + rest
+            xr = _normalize(xr, w_rest, rest_mask, rstd, weight_offset, dtype, HAS_OFFSET)
+
+    # Gather this token's cos/sin and round them to the activation dtype, as the reference.
+    pos = tl.load(pos_ptr + token * stride_pos).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * stride_cos + dims, mask=half_mask, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_sin + dims, mask=half_mask, other=0.0)
+    cos = cos.to(dtype).to(tl.float32)
+    sin = sin.to(dtype).to(tl.float32)
+    x1c = (x1 * cos).to(dtype).to(tl.float32)
+    x2s = (x2 * sin).to(dtype).to(tl.float32)
+    x2c = (x2 * cos).to(dtype).to(tl.float32)
+    x1s = (x1 * sin).to(dtype).to(tl.float32)
+    tl.store(dst + dims, (x1c - x2s).to(dtype), mask=half_mask)
+    tl.store(dst + HALF + dims, (x2c + x1s).to(dtype), mask=half_mask)
+    if PASS_PAD > 0:
+        tl.store(dst + 2 * HALF + rest, xr.to(dtype), mask=rest_mask)
+
+
+def qk_norm_rope_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    rotary_dim: int | None = None,
+    weight_offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]; cos/sin tables: [max_pos, rotary_dim // 2].
+
+    q and k may be strided views (last dim contiguous), e.g. head views of slices of a fused
+    qkv projection. Weights are both given ([D], the activation dtype) or both None (rotary
+    only). Returns new contiguous (q_out, k_out).
+    """
+    num_tokens, num_q_heads, head_dim, num_k_heads = _check_qk(q, k)
+    rotary_dim = rotary_dim or head_dim
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
+        raise ValueError(f"rotary_dim: expected an int, got {rotary_dim!r}")
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary_dim: must be even and in (0, {head_dim}], got {rotary_dim}")
+    half = rotary_dim // 2
+    if positions.dim() != 1 or positions.shape[0] != num_tokens:
+        raise ValueError(f"positions: expected shape ({num_tokens},), got {tuple(positions.shape)}")
+    if positions.dtype not in POSITION_DTYPES:
+        raise ValueError(f"positions: expected int64 or int32, got {positions.dtype}")
+    for name, table in (("cos_table", cos_table), ("sin_table", sin_table)):
+        if table.dim() != 2 or table.shape[1] != half:
+            raise ValueError(
+                f"{name}: expected shape (max_pos, {half}) for rotary_dim {rotary_dim}, "
+                f"got {tuple(table.shape)}"
+            )
+        check_dtype(name, table)
+        check_last_dim_contiguous(name, table)
+    check_shape("sin_table", sin_table, tuple(cos_table.shape))
+    has_weight = _check_weights(q, q_weight, k_weight, head_dim, weight_offset)
+    check_same_device(
+        q=q,
+        k=k,
+        positions=positions,
+        cos_table=cos_table,
+        sin_table=sin_table,
+        q_weight=q_weight,
+        k_weight=k_weight,
+    )
+
+    q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((num_tokens, num_k_heads, head_dim), dtype=k.dtype, device=k.device)
+    if num_tokens == 0 or num_q_heads + num_k_heads == 0 or head_dim == 0:
+        return q_out, k_out
+    _qk_norm_rope_kernel[(num_tokens, num_q_heads + num_k_heads)](
+        q,
+        k,
+        positions,
+        cos_table,
+        sin_table,
+        q_weight if has_weight else q,  # unread without weights; same dtype keeps one type
+        k_weight if has_weight else k,
+        q_out,
+        k_out,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        positions.stride(0),
+        cos_table.stride(0),
+        sin_table.stride(0),
+        float(eps),
+        float(weight_offset),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_K_HEADS=num_k_heads,
+        HEAD_DIM=head_dim,
+        HALF=half,
+        HALF_PAD=next_power_of_2(half),
+        PASS_PAD=next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 0,
+        HAS_WEIGHT=has_weight,
+        HAS_OFFSET=bool(weight_offset),
+        num_warps=min(8, max(1, next_power_of_2(head_dim) // 256)),
+        enable_fp_fusion=False,  # round after every op, as torch does
+    )
+    return q_out, k_out
+
+
+def _check_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int]:
+    """Returns (T, Hq, D, Hk) after checking q and k agree."""
+    if q.dim() != 3:
+        raise ValueError(f"q: expected [T, Hq, D], got shape {tuple(q.shape)}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    if k.dim() != 3 or k.shape[0] != num_tokens or k.shape[2] != head_dim:
+        raise ValueError(f"k: expected [{num_tokens}, Hk, {head_dim}], got {tuple(k.shape)}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim {head_dim} exceeds the kernel's limit {MAX_HEAD_DIM}")
+    if num_q_heads + k.shape[1] > MAX_HEADS:
+        raise ValueError(f"q: Hq + Hk = {num_q_heads + k.shape[1]} exceeds {MAX_HEADS}")
+    check_dtype("q", q)
+    if k.dtype != q.dtype:
+        raise ValueError(f"k: dtype {k.dtype} must match q's {q.dtype}")
+    check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("k", k)
+    return num_tokens, num_q_heads, head_dim, k.shape[1]
+
+
+def _check_weights(
+    q: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    head_dim: int,
+    weight_offset: float,
+) -> bool:
+    """True when the norm runs; weights come in pairs, in the activation dtype."""
+    if (q_weight is None) != (k_weight is None):
+        missing = "k_weight" if k_weight is None else "q_weight"
+        raise ValueError(f"{missing}: q_weight and k_weight must be both given or both None")
+    if q_weight is None:
+        if weight_offset:
+            raise ValueError("weight_offset: given without q_weight/k_weight (no norm runs)")
+        return False
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        check_shape(name, w, (head_dim,))
+        if w.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype {w.dtype} must match q's {q.dtype}")
+        check_last_dim_contiguous(name, w)
+    return True

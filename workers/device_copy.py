@@ -1,0 +1,19 @@
+"""Host lists to device tensors without waiting for the device.
+
+`torch.tensor(values, device="cuda")` copies from pageable memory and then synchronises
+the stream, so it waits for every launch queued before it. With async scheduling the
+next step's inputs are built while the current step runs: staging them in pinned memory
+and copying with `non_blocking=True` keeps the host from waiting (torch's pinned-memory
+cache keeps each staging block alive until its copy has run).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device=device, dtype=dtype)
+    return host.to(dtype).pin_memory().to(device, non_blocking=True)
