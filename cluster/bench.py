@@ -173,13 +173,23 @@ def latency(model: str, args) -> dict:
     }
 
 
+def offline_workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
+    """(prompt ids, output length) per request, drawn exactly as the vLLM peer kit draws
+    them (numpy default_rng(seed 0): prompt lengths, output lengths, then the ids), so both
+    engines run the same 1000 requests."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    lo, hi = args.prompt_len
+    prompt_lens = rng.integers(lo, hi + 1, args.num_requests)
+    output_lens = rng.integers(args.output_len[0], args.output_len[1] + 1, args.num_requests)
+    prompts = [rng.integers(0, vocab_size, int(n)).tolist() for n in prompt_lens]
+    return list(zip(prompts, (int(n) for n in output_lens)))
+
+
 def throughput(model: str, args) -> dict:
     engine = make_engine(model, args)
-    rng = random.Random(0)
-    requests = []
-    for _ in range(args.num_requests):
-        prompt = [rng.randrange(10, 1000) for _ in range(rng.randint(*args.prompt_len))]
-        requests.append((prompt, rng.randint(*args.output_len)))
+    requests = offline_workload(args, engine.vocab_size)
     for i, (prompt, out_len) in enumerate(requests):
         engine.add_request(
             str(i),

@@ -81,3 +81,18 @@ def test_dummy_load_format_needs_no_weights(tiny_model, tmp_path):
     assert len(out[0].outputs[0].token_ids) == 3
     with pytest.raises(ValueError, match="load_format"):
         LLM(str(path), load_format="pickle", progress=False)
+
+
+def test_offline_workload_is_the_peer_kits():
+    """The throughput workload draws exactly as ../shared/tools/peer-vllm/bench.py does
+    (its run logged 590,325 prompt and 292,020 output tokens for these settings)."""
+    import argparse
+
+    from kvloom.cluster.bench import offline_workload
+
+    args = argparse.Namespace(prompt_len=(128, 1024), output_len=(64, 512), num_requests=1000)
+    requests = offline_workload(args, 151936)
+    assert len(requests) == 1000
+    assert sum(len(p) for p, _ in requests) == 590325
+    assert sum(n for _, n in requests) == 292020
+    assert all(0 <= t < 151936 for p, _ in requests[:20] for t in p)

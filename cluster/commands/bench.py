@@ -15,7 +15,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--shape", default="tiny", help="tiny, qwen3-8b or qwen3-next-24l")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--load-format", default=None, choices=("safetensors", "dummy"))
-    parser.add_argument("--steps", type=int, default=256, help="latency: decode steps timed")
+    parser.add_argument(
+        "--steps", type=int, default=511, help="latency: decode steps timed (the peer kit's 511)"
+    )
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(128, 1024))
     parser.add_argument("--output-len", type=int, nargs=2, default=(64, 512))
