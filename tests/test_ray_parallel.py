@@ -115,3 +115,21 @@ def test_scheduler_actor_serves_through_async_calls(local_ray, dense_path):
 def test_dcp_with_mla_layers_fails_loudly(local_ray, hybrid_model):
     with pytest.raises(ValueError, match="decode_context_parallel_size"):
         engine(hybrid_model("kimi_linear"), decode_context_parallel_size=2)
+
+
+@pytest.mark.parametrize("tp, dcp", [(2, 1), (1, 2)], ids=["tp2", "dcp2"])
+def test_bf16_grid_matches_single_rank(local_ray, dense_path, tp, dcp):
+    """In bf16, partial sums cross ranks in float32 and round once (row-parallel
+    all-reduce, DCP merge), as one rank rounds: the grid keeps TP=1's greedy tokens."""
+
+    def bf16(**kw) -> Engine:
+        return Engine(model=str(dense_path), dtype="bfloat16", progress=False, block_size=4, **kw)
+
+    expected = run_to_completion(bf16(), PROMPTS, greedy(16))
+    eng = bf16(tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+    try:
+        outs = run_to_completion(eng, PROMPTS, greedy(16))
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+        assert_pool_full(eng)
+    finally:
+        eng.shutdown()
