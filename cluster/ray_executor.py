@@ -45,6 +45,9 @@ def connect_ray(num_cpus_for_local: int) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
+        # Ray gives its GCS 30 s to bind a port; a busy small machine (CI's 2 cores under a
+        # test run) was seen to need more. The variable stays the operator's to set.
+        os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
         ray.init(num_cpus=num_cpus_for_local, include_dashboard=False, log_to_driver=True)
 
 

@@ -20,6 +20,9 @@ if not os.path.exists("/dev/nvidia0") and "CUDA_VISIBLE_DEVICES" not in os.envir
 # Tiny models on 2 shared cores: more threads only add contention (measured 4x slower).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Local Ray started by tests (and subprocesses) on a loaded 2-core CI machine: give its GCS
+# more than Ray's default 30 s to come up (one CI run timed out there).
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 VOCAB = 512
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
