@@ -116,11 +116,22 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def weight_bytes(engine: Engine) -> int:
-    """Bytes a decode step reads: every parameter but the input embedding table."""
-    model = engine.executor.worker.runner.model
+    return decode_weight_bytes(engine.executor.worker.runner.model)
+
+
+def decode_weight_bytes(model) -> int:
+    """Bytes a batch-1 decode step reads: every parameter but the input embedding table,
+    and of a mixture of experts only the `top_k` experts one token is routed to."""
     total = 0
+    expert_params = set()
+    for module in model.modules():
+        experts, top_k = getattr(module, "num_experts", None), getattr(module, "top_k", None)
+        if experts and top_k and hasattr(module, "w13"):
+            for p in module.parameters():
+                expert_params.add(id(p))
+                total += p.numel() * p.element_size() * top_k // experts
     for name, p in model.named_parameters():
-        if "embed_tokens" not in name:
+        if "embed_tokens" not in name and id(p) not in expert_params:
             total += p.numel() * p.element_size()
     return total
 

@@ -208,13 +208,8 @@ class Scheduler:
 
     def can_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before this one's tokens are back: not
-        with speculative decoding (drafts need the tokens) nor while a request's sampling
-        reads its token history (penalties)."""
-        if self.speculative.num_speculative_tokens:
-            return False
-        return not any(
-            r.sampling_params.reads_token_history for r in (*self.running, *self.waiting)
-        )
+        with speculative decoding (drafts are proposed from the tokens)."""
+        return not self.speculative.num_speculative_tokens
 
     def _build_output(
         self, scheduled: dict[str, int], drafts: dict[str, list[int]]

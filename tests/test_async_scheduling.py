@@ -146,11 +146,20 @@ def test_abort_with_a_step_in_flight(tiny_model):
     assert_pool_full(engine)
 
 
-def test_penalties_fall_back_to_synchronous_steps(tiny_model):
-    params = SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.3)
-    sync, outs, engine = both(tiny_model("llama"), PROMPTS[:3], params)
+def test_penalties_count_the_token_still_on_the_device(model):
+    """Penalties read the token history; the newest token is still on the device when the
+    step was scheduled ahead, and counts from there."""
+    params = [
+        SamplingParams(max_tokens=14, temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(max_tokens=14, temperature=0.0, presence_penalty=1.5),
+        SamplingParams(max_tokens=14, temperature=0.0, frequency_penalty=1.2, ignore_eos=True),
+        SamplingParams(max_tokens=14, temperature=0.8, seed=2, repetition_penalty=0.7),
+        SamplingParams(max_tokens=14, temperature=0.0, min_tokens=6, frequency_penalty=-1.0),
+    ]
+    sync, outs, engine = both(model, PROMPTS[:5], params)
     same(sync, outs)
-    assert engine._in_flight is None
+    plain = run_to_completion(make_engine(model, True), PROMPTS[:5], greedy(14))
+    assert [o.outputs[0].token_ids for o in plain] != [o.outputs[0].token_ids for o in outs]
     assert_pool_full(engine)
 
 

@@ -96,3 +96,23 @@ def test_offline_workload_is_the_peer_kits():
     assert sum(len(p) for p, _ in requests) == 590325
     assert sum(n for _, n in requests) == 292020
     assert all(0 <= t < 151936 for p, _ in requests[:20] for t in p)
+
+
+def test_decode_bytes_count_active_experts_only():
+    """Bytes a batch-1 decode step must read (the floor's numerator), on meta tensors: the
+    Qwen3-8B shape's 15.14 GB (the peer kit's figure) and, for the hybrid MoE shape, only
+    the routed top-k of its 512 experts (the kit's ≈ 3.87 GB of its 40.1 B parameters)."""
+    import torch
+
+    from kvloom.cluster.bench import SHAPES, decode_weight_bytes
+    from kvloom.workers.models.registry import model_class
+
+    def build(shape):
+        config = SHAPES[shape]
+        with torch.device("meta"):
+            return model_class(config["architectures"][0])(config, torch.bfloat16)
+
+    assert decode_weight_bytes(build("qwen3-8b")) == 15_136_811_008
+    hybrid = build("qwen3-next-24l")
+    assert abs(sum(p.numel() for p in hybrid.parameters()) / 1e9 - 40.1) < 0.1
+    assert abs(decode_weight_bytes(hybrid) / 1e9 - 3.87) < 0.01

@@ -409,13 +409,13 @@ class ModelRunner:
     def _sample_plain(self, hidden: torch.Tensor, sample_rows) -> PendingStep:
         """Samples one token per row on the device and remembers where each request's
         token is, so a step scheduled before this one is read back can use it."""
+        rows = [self._sampling_state(rid) for rid, _, _ in sample_rows]
         self.prev_sampled = None
         self.prev_rows = {}
         if not sample_rows:
             return PendingStep(ready=ModelRunnerOutput({}))
         index = to_device([i for _, i, _ in sample_rows], torch.long, hidden.device)
         logits = self.model.compute_logits(hidden[index])
-        rows = [self._sampling_state(rid) for rid, _, _ in sample_rows]
         max_logprobs = max(
             [r.params.logprobs for r in rows if r.params.logprobs is not None], default=-1
         )
@@ -453,17 +453,17 @@ class ModelRunner:
         params = state.sampling_params
         pending = self.step_pending.get(request_id, 0)
         history = history or needs_history(params)
-        if history and pending:
-            raise RuntimeError(
-                f"request {request_id}: sampling reads its token history, but a token is "
-                "still on the device (the engine must not schedule ahead of penalties)"
-            )
+        if history and pending and request_id not in self.prev_rows:
+            raise RuntimeError(f"request {request_id}: its pending token is not on the device")
         return RowSamplingState(
             params,
             state.sampling_seed,
             state.token_ids[: state.num_prompt_tokens] if history else [],
             state.output_token_ids if history else [],
             num_output_tokens=len(state.token_ids) + pending - state.num_prompt_tokens,
+            pending_token=self.prev_sampled[self.prev_rows[request_id]]
+            if history and pending
+            else None,
         )
 
     def _pending_tokens(self, request_id: str, state) -> int:

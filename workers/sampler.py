@@ -28,6 +28,9 @@ class RowSamplingState:
     # the histories are left empty when no penalty reads them (cheap), and a step
     # scheduled ahead may not know its previous token yet.
     num_output_tokens: int | None = None
+    # The last output token when it is still on the device (a step scheduled ahead):
+    # penalties count it from there, so the host never waits for it.
+    pending_token: torch.Tensor | None = None
 
     @property
     def output_position(self) -> int:
@@ -46,26 +49,28 @@ def draw_key(seed: int, position: int) -> int:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[RowSamplingState]) -> None:
+    """In place, without waiting for the device (index lists are copied over pinned)."""
+    device, vocab = logits.device, logits.shape[1]
     for i, row in enumerate(rows):
         p = row.params
+        pending = [] if row.pending_token is None else [row.pending_token.view(1)]
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(
-                sorted(set(row.prompt_token_ids) | set(row.output_token_ids)),
-                dtype=torch.long,
-                device=logits.device,
-            )
+            seen_host = sorted(set(row.prompt_token_ids) | set(row.output_token_ids))
+            seen = torch.cat([to_device(seen_host, torch.long, device), *pending])
             vals = logits[i, seen]
+            # A token listed twice (the pending one may repeat) gets the same value twice.
             logits[i, seen] = torch.where(
                 vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
             )
-        if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
-            ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
-            counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
+        if (p.presence_penalty or p.frequency_penalty) and (row.output_token_ids or pending):
+            ids = torch.cat([to_device(row.output_token_ids, torch.long, device), *pending])
+            counts = torch.zeros(vocab, dtype=logits.dtype, device=device)
+            counts.index_add_(0, ids, torch.ones(ids.shape, dtype=logits.dtype, device=device))
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
         if row.output_position < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(p.eos_token_ids))
             if banned:
-                logits[i, banned] = float("-inf")
+                logits[i, to_device(banned, torch.long, device)] = float("-inf")
 
 
 def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
