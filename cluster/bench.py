@@ -146,6 +146,8 @@ def make_engine(model: str, args) -> Engine:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         executor="inprocess",
+        enforce_eager=getattr(args, "enforce_eager", False),
+        async_scheduling=False if getattr(args, "no_async_scheduling", False) else None,
     )
 
 

@@ -116,3 +116,17 @@ def test_decode_bytes_count_active_experts_only():
     hybrid = build("qwen3-next-24l")
     assert abs(sum(p.numel() for p in hybrid.parameters()) / 1e9 - 40.1) < 0.1
     assert abs(decode_weight_bytes(hybrid) / 1e9 - 3.87) < 0.01
+
+
+def test_serve_flags_reach_the_engine_config(tiny_model):
+    from kvloom.cluster.cli import build_parser
+    from kvloom.cluster.commands.serve import engine_kwargs
+    from kvloom.cluster.config import EngineConfig
+
+    path = str(tiny_model("llama"))
+    args = build_parser().parse_args(["serve", "--model", path])
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    assert config.model.enforce_eager is False and config.scheduler.async_scheduling is None
+    flags = ["serve", "--model", path, "--enforce-eager", "--no-async-scheduling"]
+    config = EngineConfig.from_kwargs(**engine_kwargs(build_parser().parse_args(flags)))
+    assert config.model.enforce_eager is True and config.scheduler.async_scheduling is False

@@ -24,6 +24,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--no-async-scheduling", action="store_true", help="one step at a time (comparisons)"
+    )
     parser.add_argument("--out", type=Path, help="write the result as JSON")
     parser.set_defaults(func=run)
 

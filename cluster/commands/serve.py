@@ -32,6 +32,12 @@ def register(subparsers) -> None:
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    engine.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="one step at a time (async scheduling is on by default for one in-process CUDA rank)",
+    )
     engine.add_argument(
         "--executor",
         default="ray",
@@ -85,7 +91,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         device=args.device,
         executor=args.executor,
+        enforce_eager=args.enforce_eager,
     )
+    if args.no_async_scheduling:
+        kwargs["async_scheduling"] = False
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     if args.num_kv_blocks is not None:
