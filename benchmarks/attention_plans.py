@@ -1,0 +1,133 @@
+"""Times the paged-attention Triton kernel's tilings on the shapes the benchmarks hit, so a
+plan change is chosen by measurement (issue 7's next step), in one device call:
+
+- prefill: rows of 128–1024 fresh tokens (the offline workload's prompts), Qwen3-8B heads
+  (32 query / 8 KV, head 128, bf16): TFLOP/s of each candidate long-row plan;
+- decode at batch 1 and 8 with 128–4096 keys: µs per launch, one pass against split-KV.
+
+    python benchmarks/attention_plans.py --out $OUT/attention_plans.json
+
+Each variant is checked against the default plan's output first (the same function must
+be computed); `--tiny` runs small shapes (also under TRITON_INTERPRET=1 on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from kvloom.kernels.paged_attention_triton import paged_attention_triton
+
+LONG_PLANS = {
+    "default": None,
+    "m64_t64_w4_s2": dict(BLOCK_M=64, TILE=64, num_warps=4, num_stages=2),
+    "m128_t32_w8_s2": dict(BLOCK_M=128, TILE=32, num_warps=8, num_stages=2),
+    "m128_t64_w8_s2": dict(BLOCK_M=128, TILE=64, num_warps=8, num_stages=2),
+    "m128_t64_w8_s3": dict(BLOCK_M=128, TILE=64, num_warps=8, num_stages=3),
+}
+
+
+def make_batch(lengths, num_kv_heads, head_dim, block_size, dtype, device, decode: bool):
+    """A paged cache holding `lengths` keys per row; queries: the whole row (prefill) or
+    its last token (decode)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    pages = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(pages) + 1
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    kv = kv.to(device=device, dtype=dtype)
+    width = max(pages)
+    table, next_block = [], 1
+    for p in pages:
+        table.append(list(range(next_block, next_block + p)) + [0] * (width - p))
+        next_block += p
+    q_lens = [1 if decode else n for n in lengths]
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+
+    def tensor(values, dt=torch.int32):
+        return torch.tensor(values, dtype=dt, device=device)
+
+    return kv, tensor(table), tensor(qsl), tensor(lengths), sum(q_lens)
+
+
+def time_ms(fn, repeat: int) -> float:
+    if not torch.cuda.is_available():
+        fn()
+        return float("nan")
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeat
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tiny", action="store_true", help="small shapes (CPU interpreter)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16
+    hq, hkv, dim, block = (4, 2, 32, 16) if args.tiny else (32, 8, 128, 16)
+    group = hq // hkv
+    repeat = 1 if args.tiny else 20
+    results = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"}
+    prefill_lengths = [40, 17] if args.tiny else [128, 256, 512, 768, 1024, 640, 384, 896]
+    kv, table, qsl, lens, tokens = make_batch(
+        prefill_lengths, hkv, dim, block, dtype, device, False
+    )
+    q = torch.randn(tokens, hq, dim, device=device).to(dtype)
+    flops = sum(2 * 2 * n * (n + 1) / 2 * hq * dim for n in prefill_lengths)
+    reference = None
+    for name, plan in LONG_PLANS.items():
+        override = None
+        if plan is not None:
+            if args.tiny:  # interpreter: small tiles, same code path
+                plan = dict(plan, BLOCK_M=32, TILE=16)
+            override = dict(plan, BLOCK_Q=plan["BLOCK_M"] // group, DIM_PAD=max(16, dim))
+
+        run = partial(
+            paged_attention_triton, q, kv, table, qsl, lens, dim**-0.5, _plan_override=override
+        )
+
+        out, _ = run()
+        if reference is None:
+            reference = out.float()
+        err = ((out.float() - reference).norm() / reference.norm()).item()
+        ms = time_ms(run, repeat)
+        results[f"prefill_{name}"] = {"ms": ms, "TFLOPs": flops / ms / 1e9, "rel_err": err}
+        print(f"RESULT prefill_{name} ms {ms:.3f} TFLOP/s {flops / ms / 1e9:.1f} err {err:.1e}")
+    for batch, keys in [(1, 40)] if args.tiny else [(1, 128), (1, 640), (1, 4096), (8, 640)]:
+        kv, table, qsl, lens, tokens = make_batch(
+            [keys] * batch, hkv, dim, block, dtype, device, True
+        )
+        q = torch.randn(tokens, hq, dim, device=device).to(dtype)
+        base, _ = paged_attention_triton(q, kv, table, qsl, lens, dim**-0.5, max_query_len=1)
+        for splits in (1, 2, 4, 8):
+            run = partial(
+                paged_attention_triton,
+                *(q, kv, table, qsl, lens, dim**-0.5),
+                num_kv_splits=splits,
+                max_query_len=1,
+            )
+
+            out, _ = run()
+            err = ((out.float() - base.float()).norm() / base.float().norm()).item()
+            us = time_ms(run, repeat * 10) * 1e3
+            results[f"decode_b{batch}_k{keys}_splits{splits}"] = {"us": us, "rel_err": err}
+            print(f"RESULT decode_b{batch}_k{keys}_splits{splits} us {us:.1f} err {err:.1e}")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
