@@ -194,7 +194,12 @@ def test_async_scheduling_with_speculation_is_refused(tiny_model):
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_next"])
 def test_gpu_async_scheduling_is_on_and_matches_sync(tiny_model, hybrid_model, arch):
     path = hybrid_model(arch) if arch == "qwen3_next" else tiny_model(arch)
-    params = [greedy(16), SamplingParams(max_tokens=12, temperature=0.8, seed=5)] * 4
+    params = [
+        greedy(16),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=5),
+        SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(max_tokens=12, temperature=0.0, frequency_penalty=1.0, min_tokens=4),
+    ] * 2
     runs = []
     for mode in (None, False):
         engine = Engine(model=str(path), dtype="float32", device="cuda", async_scheduling=mode)
