@@ -207,7 +207,13 @@ def throughput(model: str, args) -> dict:
         engine.add_request(
             str(i),
             {"prompt_token_ids": prompt},
-            SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True, detokenize=False),
+            SamplingParams(
+                max_tokens=out_len,
+                temperature=0.0,
+                ignore_eos=True,
+                detokenize=False,
+                output_kind="final_only",
+            ),
         )
     start = time.perf_counter()
     out_tokens = 0

@@ -196,7 +196,8 @@ class Engine:
                 request.status = RequestStatus.FINISHED_STOPPED
             done = request.status.finished
             self.num_finished += done
-            results.append(self.outputs.make_output(request, finished=done))
+            if done or request.sampling_params.output_kind == "cumulative":
+                results.append(self.outputs.make_output(request, finished=done))
         for request in finished:
             if request not in advanced:
                 self.num_finished += 1

@@ -28,6 +28,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # False: token ids only, no text (benchmarks; vLLM's flag). Stop strings need text.
     detokenize: bool = True
+    # "cumulative": `Engine.step` returns the request's output each step it advances;
+    # "final_only": only when it finishes (what `LLM.generate` needs; saves host time).
+    output_kind: str = "cumulative"
     # Filled by the engine from generation_config.json; not a user knob.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -84,6 +87,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         require(isinstance(self.detokenize, bool), "detokenize", "a bool", self.detokenize)
+        kinds = ("cumulative", "final_only")
+        require(self.output_kind in kinds, "output_kind", f"one of {kinds}", self.output_kind)
         require(self.detokenize or not self.stop, "stop", "empty when detokenize=False", self.stop)
         for s in self.stop:
             require(isinstance(s, str) and s != "", "stop", "a list of non-empty strings", s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
@@ -37,7 +38,8 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params_list):
                 rid = self.engine.next_request_id()
-                self.engine.add_request(rid, prompt, p)
+                # Only finished outputs are read here: skip building the others each step.
+                self.engine.add_request(rid, prompt, replace(p, output_kind="final_only"))
                 ids.append(rid)
         except ValueError:
             self.engine.abort_request(ids)

@@ -109,3 +109,23 @@ def test_plain_sampler_is_nan_safe():
     assert tokens[1] == 0  # nothing selectable: token 0 by convention
     assert tokens[2] in (1, 3)  # +inf entries share the mass
     assert tokens[3] == 1  # top-1 of the finite entries
+
+
+def test_final_only_outputs_come_once_at_the_end(tiny_model):
+    from kvloom import Engine, SamplingParams
+
+    engine = Engine(model=str(tiny_model("llama")), progress=False)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request("c", {"prompt_token_ids": [5, 6, 7]}, greedy)
+    params = SamplingParams(
+        max_tokens=4, temperature=0.0, ignore_eos=True, output_kind="final_only"
+    )
+    engine.add_request("f", {"prompt_token_ids": [5, 6, 7]}, params)
+    seen = {"c": [], "f": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen["c"]) == 4 and [o.finished for o in seen["f"]] == [True]
+    assert seen["f"][0].outputs[0].token_ids == seen["c"][-1].outputs[0].token_ids
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta")
