@@ -84,9 +84,10 @@ def _dummy_requests(runner, num_tokens: int, num_rows: int) -> tuple[ProfileStep
 
 
 @torch.inference_mode()
-def run_largest_step(runner, num_tokens: int, num_rows: int) -> None:
+def run_largest_step(runner, num_tokens: int, num_rows: int) -> int:
     """One forward + sampling of `num_tokens` fresh tokens over `num_rows` rows, over a
-    temporary cache that is released afterwards (as are the dummy requests)."""
+    temporary cache that is released afterwards (as are the dummy requests). Returns the
+    temporary pool's block count."""
     step, num_blocks = _dummy_requests(runner, num_tokens, num_rows)
     try:
         runner.initialize_kv_cache(num_blocks, capture_graphs=False)
@@ -97,6 +98,7 @@ def run_largest_step(runner, num_tokens: int, num_rows: int) -> None:
         for rid in step.num_scheduled_tokens:
             runner.input_batch.requests.pop(rid, None)
         runner.release_kv_cache()
+    return num_blocks
 
 
 def largest_step_shape(sched) -> tuple[int, int]:
@@ -116,8 +118,7 @@ def profile_memory(runner, graph_margin: int) -> MemoryProfile:
     weights = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     num_tokens, num_rows = largest_step_shape(runner.config.scheduler)
-    cache_bytes = _temporary_cache_bytes(runner, num_tokens, num_rows)
-    run_largest_step(runner, num_tokens, num_rows)
+    cache_bytes = run_largest_step(runner, num_tokens, num_rows) * runner.bytes_per_block()
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     torch.cuda.empty_cache()
@@ -130,11 +131,3 @@ def profile_memory(runner, graph_margin: int) -> MemoryProfile:
         graph_margin=graph_margin,
         utilization=runner.config.cache.gpu_memory_utilization,
     )
-
-
-def _temporary_cache_bytes(runner, num_tokens: int, num_rows: int) -> int:
-    """Bytes of the pool `run_largest_step` allocates (same block count)."""
-    step, num_blocks = _dummy_requests(runner, num_tokens, num_rows)
-    for rid in step.num_scheduled_tokens:
-        runner.input_batch.requests.pop(rid)
-    return num_blocks * runner.bytes_per_block()

@@ -29,7 +29,6 @@ from kvloom.workers.row_kinds import RowClasses, classify_rows
 from kvloom.workers.sampler import (
     RowSamplingState,
     logprob_infos,
-    needs_history,
     sample,
     sample_on_device,
 )
@@ -452,7 +451,7 @@ class ModelRunner:
         state = self.input_batch.requests[request_id]
         params = state.sampling_params
         pending = self.step_pending.get(request_id, 0)
-        history = history or needs_history(params)
+        history = history or params.reads_token_history
         if history and pending and request_id not in self.prev_rows:
             raise RuntimeError(f"request {request_id}: its pending token is not on the device")
         return RowSamplingState(

@@ -39,11 +39,6 @@ class RowSamplingState:
         return self.num_output_tokens
 
 
-def needs_history(params: SamplingParams) -> bool:
-    """Whether sampling reads the request's token history (penalties)."""
-    return params.reads_token_history
-
-
 def draw_key(seed: int, position: int) -> int:
     return (seed * _MIX + position * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)
 
@@ -122,7 +117,7 @@ def sample_on_device(
     is drawn on the host and copied over, so the step can be read back later."""
     raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if max_logprobs >= 0 else None
     logits = logits.float()
-    if any(needs_history(r.params) or r.params.min_tokens for r in rows):
+    if any(r.params.reads_token_history or r.params.min_tokens for r in rows):
         logits = logits.clone()
         apply_penalties(logits, rows)
     # Invariant 5: no NaN reaches an argmax (same rules as the rejection sampler, so a row

@@ -32,8 +32,8 @@ from kvloom.kernels.causal_conv1d import causal_conv1d_varlen
 from kvloom.kernels.gated_delta_rule import chunk_gated_delta_rule
 from kvloom.kernels.ops import causal_conv1d_update, recurrent_gated_delta_rule
 from kvloom.workers.attention_metadata import ForwardBatch
-from kvloom.workers.dtypes import TORCH_DTYPES
 from kvloom.workers.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape
+from kvloom.workers.layers.linear_state_pages import LinearStatePages
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
 
 
@@ -85,7 +85,7 @@ class ShardedDepthwiseConv(nn.Module):
         self.weight.data.copy_(torch.cat(pieces))
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(LinearStatePages, nn.Module):
     """Qwen3-Next's linear-attention layer; also a cache layer (allocate/poison/copy)."""
 
     def __init__(self, config: dict, layer_index: int, tp: TPGroup | None, dtype: torch.dtype):
@@ -153,30 +153,6 @@ class GatedDeltaNet(nn.Module):
             dtype=dtype_name,
             state_dtype="float64" if dtype_name == "float64" else "float32",
         )
-
-    def allocate_cache(self, num_blocks: int, spec: LinearStateSpec, device) -> None:
-        self.conv_state = torch.zeros(
-            (num_blocks, *spec.conv_state_shape), dtype=TORCH_DTYPES[spec.dtype], device=device
-        )
-        self.recurrent_state = torch.zeros(
-            (num_blocks, *spec.recurrent_state_shape),
-            dtype=TORCH_DTYPES[spec.state_dtype],
-            device=device,
-        )
-
-    def release_cache(self) -> None:
-        """Drops the pages (the model runner re-allocates after its profiling run)."""
-        self.conv_state = None
-        self.recurrent_state = None
-
-    def poison_cache(self, block_ids: torch.Tensor) -> None:
-        self.conv_state[block_ids] = float("nan")
-        self.recurrent_state[block_ids] = float("nan")
-
-    def copy_cache(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """State checkpoints (prefix caching): page src[i] -> page dst[i]."""
-        self.conv_state[dst] = self.conv_state[src]
-        self.recurrent_state[dst] = self.recurrent_state[src]
 
     # -- forward --------------------------------------------------------------------
     def _split_projections(self, hidden: torch.Tensor):

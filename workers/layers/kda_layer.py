@@ -26,13 +26,13 @@ from torch import nn
 from kvloom.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from kvloom.kernels.kda import chunk_kda, kda_log_decay, recurrent_kda
 from kvloom.workers.attention_metadata import ForwardBatch
-from kvloom.workers.dtypes import TORCH_DTYPES
 from kvloom.workers.layers.linear import (
     ColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
     check_shape,
 )
+from kvloom.workers.layers.linear_state_pages import LinearStatePages
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
 
 
@@ -76,7 +76,7 @@ class FusedShortConv(nn.Module):
         self.weight.data[shard * self.local : (shard + 1) * self.local].copy_(loaded[start:end, 0])
 
 
-class KimiDeltaAttention(nn.Module):
+class KimiDeltaAttention(LinearStatePages, nn.Module):
     def __init__(
         self,
         layer_index: int,
@@ -161,28 +161,7 @@ class KimiDeltaAttention(nn.Module):
             self.recurrent_state_shape,
         ):
             raise ValueError(f"layer {self.layer_index}: LinearStateSpec does not match the layer")
-        self.conv_state = torch.zeros(
-            (num_blocks, *self.conv_state_shape), dtype=TORCH_DTYPES[spec.dtype], device=device
-        )
-        self.recurrent_state = torch.zeros(
-            (num_blocks, *self.recurrent_state_shape),
-            dtype=TORCH_DTYPES[spec.state_dtype],
-            device=device,
-        )
-
-    def release_cache(self) -> None:
-        """Drops the pages (the model runner re-allocates after its profiling run)."""
-        self.conv_state = None
-        self.recurrent_state = None
-
-    def poison_cache(self, block_ids: torch.Tensor) -> None:
-        self.conv_state[block_ids] = float("nan")
-        self.recurrent_state[block_ids] = float("nan")
-
-    def copy_cache(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copies whole state pages src[i] -> dst[i] (prefix-cache state checkpoints)."""
-        self.conv_state[dst] = self.conv_state[src]
-        self.recurrent_state[dst] = self.recurrent_state[src]
+        super().allocate_cache(num_blocks, spec, device)
 
     # -- forward ----------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -1,0 +1,41 @@
+"""The state pages of a linear-attention layer (Gated DeltaNet, KDA).
+
+Each block of the one pool holds, per layer, a causal-conv window and a recurrent state:
+a request's live state, or a prefix-cache checkpoint of it. The pages are indexed by pool
+block id, like attention KV blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvloom.workers.dtypes import TORCH_DTYPES
+
+
+class LinearStatePages:
+    conv_state: torch.Tensor | None = None
+    recurrent_state: torch.Tensor | None = None
+
+    def allocate_cache(self, num_blocks: int, spec, device) -> None:
+        self.conv_state = torch.zeros(
+            (num_blocks, *spec.conv_state_shape), dtype=TORCH_DTYPES[spec.dtype], device=device
+        )
+        self.recurrent_state = torch.zeros(
+            (num_blocks, *spec.recurrent_state_shape),
+            dtype=TORCH_DTYPES[spec.state_dtype],
+            device=device,
+        )
+
+    def release_cache(self) -> None:
+        """Drops the pages (the model runner re-allocates after its profiling run)."""
+        self.conv_state = None
+        self.recurrent_state = None
+
+    def poison_cache(self, block_ids: torch.Tensor) -> None:
+        self.conv_state[block_ids] = float("nan")
+        self.recurrent_state[block_ids] = float("nan")
+
+    def copy_cache(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """State checkpoints (prefix caching): page src[i] -> page dst[i]."""
+        self.conv_state[dst] = self.conv_state[src]
+        self.recurrent_state[dst] = self.recurrent_state[src]
