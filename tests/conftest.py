@@ -23,6 +23,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Local Ray started by tests (and subprocesses) on a loaded 2-core CI machine: give its GCS
 # more than Ray's default 30 s to come up (one CI run timed out there).
 os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
+# Tests start private local clusters: a token left in ~/.ray by another Ray on this machine
+# must not switch on token auth for them (it did here, and slowed their start-up).
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 VOCAB = 512
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
