@@ -24,7 +24,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # more than Ray's default 30 s to come up (one CI run timed out there).
 os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 # Tests start private local clusters: a token left in ~/.ray by another Ray on this machine
-# must not switch on token auth for them (it did here, and slowed their start-up).
+# must not switch on token auth for them (it did here; its warning was in one failed run).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 VOCAB = 512
