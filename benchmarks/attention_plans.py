@@ -106,7 +106,8 @@ def main() -> None:
         ms = time_ms(run, repeat)
         results[f"prefill_{name}"] = {"ms": ms, "TFLOPs": flops / ms / 1e9, "rel_err": err}
         print(f"RESULT prefill_{name} ms {ms:.3f} TFLOP/s {flops / ms / 1e9:.1f} err {err:.1e}")
-    for batch, keys in [(1, 40)] if args.tiny else [(1, 128), (1, 640), (1, 4096), (8, 640)]:
+    decode_cases = [(1, 128), (1, 640), (1, 4096), (8, 640), (256, 768), (1024, 768)]
+    for batch, keys in [(1, 40)] if args.tiny else decode_cases:
         kv, table, qsl, lens, tokens = make_batch(
             [keys] * batch, hkv, dim, block, dtype, device, True
         )
@@ -123,8 +124,11 @@ def main() -> None:
             out, _ = run()
             err = ((out.float() - base.float()).norm() / base.float().norm()).item()
             us = time_ms(run, repeat * 10) * 1e3
-            results[f"decode_b{batch}_k{keys}_splits{splits}"] = {"us": us, "rel_err": err}
-            print(f"RESULT decode_b{batch}_k{keys}_splits{splits} us {us:.1f} err {err:.1e}")
+            kv_bytes = 2 * batch * keys * hkv * dim * kv.element_size()
+            gbps = kv_bytes / us / 1e3
+            name = f"decode_b{batch}_k{keys}_splits{splits}"
+            results[name] = {"us": us, "GBps": gbps, "rel_err": err}
+            print(f"RESULT {name} us {us:.1f} GB/s {gbps:.0f} err {err:.1e}")
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
 

@@ -4,7 +4,8 @@
 # root on the device machine, with the wheel bundle carried in .whl/ (see
 # ../shared/tools/device-wheels.sh):
 #
-#   bash benchmarks/gpu_fast_path.sh tests bench-dense|latency-dense [bench-hybrid]
+#   bash benchmarks/gpu_fast_path.sh tests bench-dense|latency-dense [bench-hybrid] [plans]
+#     [profile-dense|profile-hybrid] [latency-hybrid] [plans]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 set -uo pipefail
@@ -34,6 +35,21 @@ for section in "$@"; do
         python3 -m kvloom.cluster.cli bench $kind --shape qwen3-next-24l \
           --out "$OUT/kvloom_qwen3-next-24l_$kind.json" 2>&1 | tail -15 || status=1
       done
+      ;;
+    plans)  # attention tilings: prefill TFLOP/s, decode µs and GB/s per split count
+      python3 benchmarks/attention_plans.py --out "$OUT/attention_plans.json" \
+        2>&1 | grep RESULT || status=1
+      ;;
+    profile-dense|profile-hybrid)  # throughput run: host phases, GPU busy, top kernels
+      shape=qwen3-8b
+      [ "$section" = profile-hybrid ] && shape=qwen3-next-24l
+      python3 benchmarks/throughput_profile.py --shape $shape --profile-at 20 300 \
+        --out "$OUT/throughput_profile_$shape.json" 2>&1 | grep -v "it/s" | tail -45 \
+        || status=1
+      ;;
+    latency-hybrid)
+      python3 -m kvloom.cluster.cli bench latency --shape qwen3-next-24l \
+        --out "$OUT/kvloom_qwen3-next-24l_latency.json" 2>&1 | tail -15 || status=1
       ;;
     *) echo "unknown section $section"; status=2 ;;
   esac

@@ -147,6 +147,8 @@ def make_engine(model: str, args) -> Engine:
         max_num_batched_tokens=args.max_num_batched_tokens,
         executor="inprocess",
         enforce_eager=getattr(args, "enforce_eager", False),
+        max_cuda_graph_batch_size=getattr(args, "max_cuda_graph_batch_size", 1024),
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", False),
         async_scheduling=False if getattr(args, "no_async_scheduling", False) else None,
     )
 

@@ -100,7 +100,9 @@ class ModelConfig:
 class CacheConfig:
     """The paged KV cache: page geometry, pool size, prefix caching, sanitizer."""
 
-    block_size: int = 16
+    # Tokens per KV-cache block. None: 16, or for a model with recurrent state the size at
+    # which an attention page holds as much as one state page (cluster/kv_cache/page_layout.py).
+    block_size: int | None = None
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
@@ -114,7 +116,8 @@ class CacheConfig:
     sanitize: bool | None = None
 
     def __post_init__(self) -> None:
-        require_int("block_size", self.block_size, 1, 4096)
+        if self.block_size is not None:
+            require_int("block_size", self.block_size, 1, 4096)
         if self.num_kv_blocks is not None:
             require_int("num_kv_blocks", self.num_kv_blocks, 2)
         if self.kv_cache_memory_bytes is not None:

@@ -162,6 +162,15 @@ class Engine:
 
         With async scheduling the next step is scheduled and launched before this one's
         output is read back, so the host's work overlaps the device's."""
+        outputs = self._step()
+        if self.scheduler.rejected:
+            for request in self.scheduler.rejected:
+                self.num_finished += 1
+                outputs.append(self.outputs.make_output(request, finished=True))
+            self.scheduler.rejected = []
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         try:
             if self._in_flight is not None:
                 sched, handle = self._in_flight

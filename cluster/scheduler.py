@@ -46,6 +46,7 @@ class Scheduler:
         self._sent_tokens: dict[str, int] = {}
         self._sent_blocks: dict[str, list[int]] = {}
         self._forget: list[str] = []
+        self.rejected: list[Request] = []  # ended by the scheduler itself; the engine reports them
         self.num_preemptions = 0
         self.num_steps = 0
         self.spec_drafted = 0
@@ -181,9 +182,23 @@ class Scheduler:
             scheduled[request.request_id] = num_new
             budget -= num_new
 
+        if not scheduled and not self.running and self.waiting and not preempted:
+            self._reject_unfittable(self.waiting[0])
         out = self._build_output(scheduled, drafts)
         self._advance_scheduled(scheduled, drafts)
         return out
+
+    def _reject_unfittable(self, request: Request) -> None:
+        """The head of the queue cannot get its next chunk's pages even from an idle pool:
+        it would wait forever and block everyone behind it. End it with an error."""
+        total = self.kv_cache.pool.num_blocks - 1  # block 0 is the null block
+        request.stop_reason = (
+            f"the KV cache cannot hold this request: it needs more than the pool's {total} "
+            f"blocks at {request.num_tokens} tokens (raise num_kv_blocks / "
+            "gpu_memory_utilization, or lower max_tokens)"
+        )
+        self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+        self.rejected.append(request)
 
     def _advance_scheduled(self, scheduled: dict[str, int], drafts: dict) -> None:
         """Counts the scheduled tokens as computed now, so a next step can be scheduled

@@ -4,6 +4,8 @@ when chosen, so CPU-only installs never import triton."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvloom.kernels import causal_conv1d as conv_ref
@@ -115,6 +117,58 @@ def recurrent_gated_delta_rule(
     )
 
 
+def chunk_gated_delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    cu_seqlens,
+    initial_state=None,
+    has_initial_state=None,
+    *,
+    scale=None,
+    use_qk_l2norm=False,
+):
+    """Gated DeltaNet prefill: fla-core's chunked kernels on CUDA when installed (set
+    KVLOOM_NO_FLA=1 to force the reference), else the torch reference."""
+    from kvloom.kernels.gated_delta_rule_fla import FLA_DTYPES, fla_available
+
+    if (
+        isinstance(q, torch.Tensor)
+        and q.is_cuda
+        and q.dtype in FLA_DTYPES
+        and fla_available()
+        and os.environ.get("KVLOOM_NO_FLA") != "1"
+    ):
+        from kvloom.kernels.gated_delta_rule_fla import chunk_gated_delta_rule_fla
+
+        return chunk_gated_delta_rule_fla(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            cu_seqlens,
+            initial_state,
+            has_initial_state,
+            scale=scale,
+            use_qk_l2norm=use_qk_l2norm,
+        )
+    return gdn_ref.chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        cu_seqlens,
+        initial_state,
+        has_initial_state,
+        scale=scale,
+        use_qk_l2norm=use_qk_l2norm,
+    )
+
+
 def fused_moe(hidden, w13, w2, topk_weights, topk_ids):
     """The routed experts' sum. Triton on CUDA (no host sync: CUDA-graph safe, one answer
     whatever its route block size); the reference elsewhere."""
@@ -161,3 +215,17 @@ def qk_norm_rope(
     return qk_norm_rope_ref(
         q, k, positions, cos_table, sin_table, q_weight, k_weight, eps, rotary_dim, weight_offset
     )
+
+
+def greedy_argmax(logits):
+    """Per row, the NaN-safe greedy token (NaN never wins, the first +inf does, a row of
+    only -inf/NaN picks 0, ties go to the smallest index), int64 [rows] on the logits'
+    device. One or two launches on CUDA instead of ~10 full-size temporaries; no host sync."""
+    from kvloom.kernels.greedy_argmax import check_greedy_logits, greedy_argmax_ref
+
+    check_greedy_logits(logits)  # first, so a non-tensor is reported as `logits`
+    if use_triton(logits):
+        from kvloom.kernels.greedy_argmax_triton import greedy_argmax_triton
+
+        return greedy_argmax_triton(logits)
+    return greedy_argmax_ref(logits)

@@ -23,6 +23,10 @@ def test_capture_ladder():
     assert capture_sizes(1) == [1]
     assert capture_sizes(6) == [1, 2, 4, 6]
     assert capture_sizes(16) == [1, 2, 4, 8, 16]
+    big = capture_sizes(1024)
+    assert big[:5] == [1, 2, 4, 8, 16] and 256 in big and 264 not in big
+    assert big[-3:] == [960, 992, 1024] and len(big) == 3 + 32 + 24
+    assert capture_sizes(300)[-3:] == [256, 288, 300]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert capture_sizes(256)[-3:] == [240, 248, 256]
 

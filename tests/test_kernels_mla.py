@@ -14,6 +14,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAtten
 from kvloom.cluster.kv_cache.spec import MLASpec
 from kvloom.kernels.mla_attention import mla_attention_ref, write_mla_cache_ref
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
+from kvloom.workers.cache_pages import pages_for
 from kvloom.workers.layers.mla import MultiHeadLatentAttention
 from kvloom.workers.row_kinds import RowClasses, classify_rows
 
@@ -193,7 +194,8 @@ def ours_from(hf: KimiLinearAttention) -> MultiHeadLatentAttention:
 def test_layer_matches_transformers_over_prefill_chunk_and_decodes(q_lora_rank, bias):
     hf = hf_attention(q_lora_rank, bias)
     ours = ours_from(hf)
-    ours.allocate_cache(8, MLASpec(BLOCK, RANK, ROPE, "float32"), torch.device("cpu"))
+    spec = MLASpec(BLOCK, RANK, ROPE, "float32")
+    ours.allocate_cache(pages_for(spec, 8, "cpu"), spec)
     ours.poison_cache(torch.arange(8))
     gen = torch.Generator().manual_seed(2)
     hidden = torch.randn(1, 11, 32, generator=gen)

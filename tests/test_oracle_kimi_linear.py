@@ -29,6 +29,7 @@ from kvloom import LLM, Engine
 from kvloom.cluster.kv_cache.group_manager import LinearStateManager
 from kvloom.cluster.kv_cache.spec import LinearStateSpec, group_layers
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
+from kvloom.workers.cache_pages import pages_for
 from kvloom.workers.distributed.local_ranks import run_local_ranks
 from kvloom.workers.distributed.process_group import (
     ParallelState,
@@ -331,10 +332,16 @@ def test_prefix_cache_hits_give_same_tokens(kimi_dir, alone):
 # ----------------------------------------------------------------------------- seed 000
 
 
-def state_page(engine: Engine, request_id: str) -> int:
+def state_pages(engine: Engine, request_id: str) -> set[int]:
+    """The request's live state page in each KDA group (the tiny model's 3 KDA layers
+    make 3 groups of one layer beside the MLA group: cluster/kv_cache/page_layout.py)."""
     managers = [m for m in engine.kv_cache.managers if isinstance(m, LinearStateManager)]
-    assert len(managers) == 1
-    return managers[0].block_ids(request_id)[0]
+    assert len(managers) == 3
+    return {m.block_ids(request_id)[0] for m in managers}
+
+
+def all_pages(engine: Engine, request_id: str) -> set[int]:
+    return {b for ids in engine.kv_cache.block_ids(request_id) for b in ids}
 
 
 @pytest.mark.parametrize("sanitize", [True, False], ids=["sanitize", "no-sanitize"])
@@ -344,20 +351,23 @@ def test_fresh_one_token_prompt_in_recycled_page_among_decodes(kimi_dir, sanitiz
     prompt_d = [PROMPTS[2][3]]
     expected = tokens(run_to_completion(make_engine(kimi_dir), [prompt_d], greedy(8)))[0]
     # Exactly the pages A (4 + 1 tokens), B and C (5 + 2 each) need, plus the null block:
-    # when A finishes, the free queue holds only A's pages, its state page first.
-    engine = make_engine(kimi_dir, num_kv_blocks=10, enable_prefix_caching=False, sanitize=sanitize)
+    # 2 MLA blocks and 3 state pages each. When A finishes, the free queue holds only A's
+    # pages, so D's state pages are recycled ones (pages share memory across groups).
+    engine = make_engine(kimi_dir, num_kv_blocks=16, enable_prefix_caching=False, sanitize=sanitize)
     engine.add_request("A", {"prompt_token_ids": PROMPTS[3][:4]}, greedy(2))
     engine.add_request("B", {"prompt_token_ids": PROMPTS[4][:5]}, greedy(12))
     engine.add_request("C", {"prompt_token_ids": PROMPTS[5][:5]}, greedy(12))
     engine.step()  # prefills
-    page_a = state_page(engine, "A")
+    state_a = state_pages(engine, "A")
     assert [o.request_id for o in engine.step() if o.finished] == ["A"]
-    assert engine.stats()["num_free_blocks"] == 3  # A's pages only
+    assert engine.stats()["num_free_blocks"] == 5  # A's pages only: every other is B's or C's
+    pages_a = set(range(1, 16)) - all_pages(engine, "B") - all_pages(engine, "C")
 
     engine.add_request("D", {"prompt_token_ids": prompt_d}, greedy(8))
     step_outs = engine.step()
     assert sorted(o.request_id for o in step_outs) == ["B", "C", "D"]
-    assert state_page(engine, "D") == page_a, "D did not get A's freed state page"
+    assert all_pages(engine, "D") <= pages_a, "D did not get A's freed pages"
+    assert state_pages(engine, "D") == state_a, "D did not get A's freed state pages"
     done = {o.request_id: o for o in step_outs if o.finished}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
@@ -407,7 +417,7 @@ def tp_logits(state: ParallelState, model_dir: str, prompt: list[int]) -> torch.
     groups = group_layers(model.kv_cache_specs(4, "float64"))
     for layer in model.cache_layers():
         spec = next(g.spec for g in groups if layer.layer_index in g.layer_names)
-        layer.allocate_cache(16, spec, torch.device("cpu"))
+        layer.allocate_cache(pages_for(spec, 16, "cpu"), spec)
         layer.poison_cache(torch.arange(16))
     pages = list(range(1, 16))
     tokens, logits, done = list(prompt), [], 0

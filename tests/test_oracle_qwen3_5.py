@@ -22,6 +22,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from kvloom import LLM, Engine
+from kvloom.workers.cache_pages import pages_for
 from tests.conftest import TOKENIZER_FILES, VOCAB
 from tests.engine_helpers import PROMPTS, assert_pool_full, greedy, run_to_completion
 from tests.oracle_helpers import assert_batched_greedy_matches, kvloom_prompt_logits
@@ -243,7 +244,8 @@ def load_rank(model_dir, tp) -> torch.nn.Module:
     )
     specs = model.kv_cache_specs(4, "float64")
     for layer in model.cache_layers():
-        layer.allocate_cache(64, specs[layer.layer_index], torch.device("cpu"))
+        spec = specs[layer.layer_index]
+        layer.allocate_cache(pages_for(spec, 64, "cpu"), spec)
     return model
 
 

@@ -28,9 +28,11 @@ from kvloom.workers.row_kinds import RowClasses, RowKind
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
-    """The batch-size ladder: 1, 2, 4, 8, then every multiple of 8 up to the maximum."""
+    """The batch-size ladder: 1, 2, 4, 8, every multiple of 8 up to 256, then every
+    multiple of 32 (padding a large batch by up to 31 rows costs little) up to the maximum."""
     ladder = [s for s in (1, 2, 4) if s < max_batch_size]
-    ladder += list(range(8, max_batch_size + 1, 8))
+    ladder += list(range(8, min(max_batch_size, 256) + 1, 8))
+    ladder += list(range(288, max_batch_size + 1, 32))
     if not ladder or ladder[-1] != max_batch_size:
         ladder.append(max_batch_size)
     return ladder

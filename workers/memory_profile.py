@@ -55,20 +55,21 @@ class MemoryProfile:
 
 
 def _dummy_requests(runner, num_tokens: int, num_rows: int) -> tuple[ProfileStep, int]:
-    """Fresh prompt rows covering `num_tokens`, with pages from a temporary pool; returns
-    the step and the number of blocks that pool needs (block 0 stays the null block)."""
+    """Fresh prompt rows covering `num_tokens`, and the size of the temporary pool they
+    need (block 0 stays the null block). Every row writes the same pages: the values are
+    meaningless, the activation peak is the real one, and the pool stays small (a state
+    page per row would cost gigabytes on a hybrid model at hundreds of rows)."""
     lengths = [num_tokens // num_rows + (i < num_tokens % num_rows) for i in range(num_rows)]
-    next_block = 1
+    block_ids, next_block = [], 1
+    for group in runner.groups:
+        if isinstance(group.spec, LinearStateSpec):
+            count = 1
+        else:
+            count = -(-max(lengths) // group.spec.block_size)
+        block_ids.append(list(range(next_block, next_block + count)))
+        next_block += count
     step = ProfileStep({}, {})
     for i, length in enumerate(lengths):
-        block_ids = []
-        for group in runner.groups:
-            if isinstance(group.spec, LinearStateSpec):
-                count = 1
-            else:
-                count = -(-length // group.spec.block_size)
-            block_ids.append(list(range(next_block, next_block + count)))
-            next_block += count
         rid = f"__profile_{i}"
         runner.input_batch.requests[rid] = CachedRequestState(
             request_id=rid,
@@ -76,7 +77,7 @@ def _dummy_requests(runner, num_tokens: int, num_rows: int) -> tuple[ProfileStep
             num_prompt_tokens=length,
             sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
             sampling_seed=0,
-            block_ids=block_ids,
+            block_ids=[list(ids) for ids in block_ids],
             num_computed_tokens=0,
         )
         step.num_scheduled_tokens[rid] = length

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from kvloom.cluster.config import CacheConfig, EngineConfig
+from kvloom.cluster.kv_cache.page_layout import (
+    align_up,
+    plan_layout,
+    rank_page_bytes,
+    resolve_block_size,
+    split_groups,
+)
 from kvloom.cluster.kv_cache.spec import (
+    PAGE_ALIGN,
     FullAttentionSpec,
     KVCacheGroup,
     LinearStateSpec,
@@ -16,6 +25,7 @@ from kvloom.cluster.kv_cache.spec import (
 )
 from kvloom.cluster.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
+from kvloom.workers.cache_pages import allocate_pages, pages_for
 from kvloom.workers.cuda_graphs import DecodeGraphs, capture_sizes, graph_size_for
 from kvloom.workers.device_copy import to_device
 from kvloom.workers.dtypes import TORCH_DTYPES
@@ -75,6 +85,9 @@ def book_sliding_windows(specs: dict, cache: CacheConfig) -> dict:
     }
 
 
+logger = logging.getLogger(__name__)
+
+
 class ModelRunner:
     def __init__(
         self, config: EngineConfig, device: torch.device, tp: TPGroup | None = None, dcp=None
@@ -118,10 +131,13 @@ class ModelRunner:
             )
         self.model = model.eval()
         # With DCP a scheduler block spans dcp_size ranks: block_size tokens on each.
-        specs = book_sliding_windows(
-            model.kv_cache_specs(self.block_size * self.dcp_size, self.dtype_name),
-            self.config.cache,
+        specs, pool_block_size = resolve_block_size(
+            lambda n: model.kv_cache_specs(n, self.dtype_name),
+            self.config.cache.block_size,
+            self.dcp_size,
         )
+        self.block_size = pool_block_size // self.dcp_size
+        specs = book_sliding_windows(specs, self.config.cache)
         spec_cfg = self.config.speculative
         if spec_cfg.method in ("draft_model", "eagle"):
             if self.dcp is not None:
@@ -150,7 +166,26 @@ class ModelRunner:
             )
         if self.dcp is not None:
             self._attach_dcp(model, specs)
-        self.groups = group_layers(specs)
+        target = {k: v for k, v in specs.items() if k < DRAFT_LAYER_OFFSET}
+        target_groups = split_groups(group_layers(target))
+        self.layout = plan_layout(target_groups, self.dcp_size)
+        padding = self.layout.padding_fraction(target_groups, self.dcp_size)
+        if padding > 0.5:
+            logger.warning(
+                "%.0f%% of each KV-cache block is padding (groups: %s)",
+                100 * padding,
+                ", ".join(f"{type(g.spec).__name__}×{len(g.layer_names)}" for g in target_groups),
+            )
+        # A drafter layer shares the block ids of the first target group with its spec
+        # (its pages are its own: see bytes_per_block), else it gets a group of its own.
+        self.groups = target_groups
+        for key, spec in specs.items():
+            if key >= DRAFT_LAYER_OFFSET:
+                group = next((g for g in self.groups if g.spec == spec), None)
+                if group is None:
+                    group = KVCacheGroup(spec, [])
+                    self.groups.append(group)
+                group.layer_names.append(key)
         self.layer_to_group = {
             layer: g for g, group in enumerate(self.groups) for layer in group.layer_names
         }
@@ -183,13 +218,12 @@ class ModelRunner:
 
     # -- KV cache -------------------------------------------------------------------
     def bytes_per_block(self) -> int:
-        """Bytes one pool block costs on this rank (attention pages are split over DCP)."""
-        total = 0
-        for g in self.groups:
-            page = g.spec.page_size_bytes
-            if not isinstance(g.spec, LinearStateSpec):
-                page //= self.dcp_size
-            total += page * len(g.layer_names)
+        """Bytes one pool block costs on this rank: a page in every shared buffer, plus
+        the drafter's private pages."""
+        total = self.layout.bytes_per_block
+        for key, g in self.layer_to_group.items():
+            if key not in self.layout.buffer_of:
+                total += align_up(rank_page_bytes(self.groups[g].spec, self.dcp_size), PAGE_ALIGN)
         return total
 
     def num_blocks_for_budget(self) -> int:
@@ -205,7 +239,10 @@ class ModelRunner:
         elif budget is None:
             budget, where = DEFAULT_CPU_KV_BYTES, "the CPU default of 64 MiB"
         sched = self.config.scheduler
-        useful = sched.max_num_seqs * -(-sched.max_model_len // self.block_size) * len(self.groups)
+        # More blocks than every sequence could hold at full length would sit unused.
+        useful = sched.max_num_seqs * sum(
+            -(-sched.max_model_len // g.spec.block_size) for g in self.groups
+        )
         num_blocks = min(budget // self.bytes_per_block(), useful)
         if num_blocks < 2:
             raise ValueError(
@@ -219,10 +256,17 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
         """Every cache-owning layer allocates its pages (KV blocks or state slots), indexed
         by block ids of the one shared pool; then decode CUDA graphs are captured."""
+        shared = [
+            allocate_pages(num_blocks, self.layout.page_bytes, self.device)
+            for _ in range(self.layout.num_buffers)
+        ]
         for layer, key in self.cache_layers():
-            layer.allocate_cache(
-                num_blocks, self.groups[self.layer_to_group[key]].spec, self.device
-            )
+            spec = self.groups[self.layer_to_group[key]].spec
+            if key in self.layout.buffer_of:
+                pages = shared[self.layout.buffer_of[key]]
+            else:  # a drafter layer
+                pages = pages_for(spec, num_blocks, self.device)
+            layer.allocate_cache(pages, spec)
         sizes = self._graph_sizes()
         if capture_graphs and sizes:
             self.graphs = DecodeGraphs(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.cluster.sampling_params import SamplingParams
+from kvloom.kernels.ops import greedy_argmax
 from kvloom.workers.device_copy import to_device
 
 _MIX = 0x9E3779B97F4A7C15
@@ -115,9 +116,14 @@ def sample_on_device(
     """Sampled ids [rows] on the logits' device, and the raw log-probabilities when any
     row asks for them. No host sync for greedy and seeded rows alike: a row's keyed noise
     is drawn on the host and copied over, so the step can be read back later."""
+    penalised = any(r.params.reads_token_history or r.params.min_tokens for r in rows)
+    if max_logprobs < 0 and not penalised and all(r.params.greedy for r in rows):
+        # One fused pass over the logits, same rules as below (NaN never wins, first +inf,
+        # token 0 when nothing is selectable): no float copy, no [rows, vocab] temporaries.
+        return greedy_argmax(logits), None
     raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if max_logprobs >= 0 else None
     logits = logits.float()
-    if any(r.params.reads_token_history or r.params.min_tokens for r in rows):
+    if penalised:
         logits = logits.clone()
         apply_penalties(logits, rows)
     # Invariant 5: no NaN reaches an argmax (same rules as the rejection sampler, so a row

@@ -22,8 +22,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(128, 1024))
     parser.add_argument("--output-len", type=int, nargs=2, default=(64, 512))
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    # vLLM's defaults for its offline LLM class on a GPU of >= 70 GiB (H100/H200), so both
+    # engines run the workload under the same limits.
+    parser.add_argument("--max-num-seqs", type=int, default=1024)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument(
+        "--max-cuda-graph-batch-size",
+        type=int,
+        default=1024,
+        help="largest decode graph (vLLM captures up to 512 and runs larger batches eagerly; "
+        "kvloom's eager step costs more host time, so the bench captures every batch size)",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="off by default, as in the peer kit (random prompts share no prefix)",
+    )
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
         "--no-async-scheduling", action="store_true", help="one step at a time (comparisons)"

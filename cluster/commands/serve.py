@@ -24,7 +24,12 @@ def register(subparsers) -> None:
     engine.add_argument("--dcp", type=int, default=1, help="decode context parallel size")
     engine.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, ...")
     engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per KV block (default 16; hybrid models: sized to their state pages)",
+    )
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)

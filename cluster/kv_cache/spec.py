@@ -1,8 +1,7 @@
 """KV-cache specs: what one layer keeps per token (or per request), and its page size.
 
 Layers with equal specs form a KV-cache group with one block table per request. All
-groups draw pages from one block pool, so the worker sizes every page to the largest
-page any group needs.
+groups draw pages from one block pool; `page_layout.py` maps it onto shared buffers.
 """
 
 from __future__ import annotations
@@ -11,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+PAGE_ALIGN = 256  # bytes: every view into a shared page starts aligned for any dtype
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,15 @@ class LinearStateSpec:
     state_dtype: str = "float32"
 
     @property
-    def page_size_bytes(self) -> int:
+    def conv_bytes(self) -> int:
+        """Bytes of the conv window, padded so the recurrent state after it is aligned."""
         conv = math.prod(self.conv_state_shape) * DTYPE_BYTES[self.dtype]
+        return -(-conv // PAGE_ALIGN) * PAGE_ALIGN
+
+    @property
+    def page_size_bytes(self) -> int:
         recurrent = math.prod(self.recurrent_state_shape) * DTYPE_BYTES[self.state_dtype]
-        return conv + recurrent
+        return self.conv_bytes + recurrent
 
 
 KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLASpec | LinearStateSpec

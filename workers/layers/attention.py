@@ -8,6 +8,7 @@ from torch import nn
 from kvloom.kernels.merge_attention_states import merge_attention_states_ref
 from kvloom.kernels.ops import paged_attention, write_kv_cache
 from kvloom.workers.attention_metadata import ForwardBatch
+from kvloom.workers.cache_pages import page_view
 from kvloom.workers.dtypes import TORCH_DTYPES
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -43,10 +44,11 @@ class PagedAttention(nn.Module):
     def dcp_size(self) -> int:
         return 1 if self.dcp is None else self.dcp.world_size
 
-    def allocate_cache(self, num_blocks: int, spec, device: torch.device) -> None:
+    def allocate_cache(self, pages: torch.Tensor, spec) -> None:
+        """Views the pool's pages as [2 (key, value), block, offset, kv head, dim]."""
         local_block_size = spec.block_size // self.dcp_size
-        shape = (2, num_blocks, local_block_size, self.num_kv_heads, self.head_size)
-        self.kv_cache = torch.zeros(shape, dtype=TORCH_DTYPES[spec.dtype], device=device)
+        shape = (2, local_block_size, self.num_kv_heads, self.head_size)
+        self.kv_cache = page_view(pages, TORCH_DTYPES[spec.dtype], shape).transpose(0, 1)
 
     def release_cache(self) -> None:
         """Drops the pages (the model runner re-allocates after its profiling run)."""

@@ -155,13 +155,13 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
     def recurrent_state_shape(self) -> tuple[int, int, int]:
         return (self.num_heads, self.head_dim, self.head_dim)
 
-    def allocate_cache(self, num_blocks: int, spec, device: torch.device) -> None:
+    def allocate_cache(self, pages: torch.Tensor, spec) -> None:
         if (tuple(spec.conv_state_shape), tuple(spec.recurrent_state_shape)) != (
             self.conv_state_shape,
             self.recurrent_state_shape,
         ):
             raise ValueError(f"layer {self.layer_index}: LinearStateSpec does not match the layer")
-        super().allocate_cache(num_blocks, spec, device)
+        super().allocate_cache(pages, spec)
 
     # -- forward ----------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kvloom.workers.cache_pages import page_view
 from kvloom.workers.dtypes import TORCH_DTYPES
 
 
@@ -16,14 +17,11 @@ class LinearStatePages:
     conv_state: torch.Tensor | None = None
     recurrent_state: torch.Tensor | None = None
 
-    def allocate_cache(self, num_blocks: int, spec, device) -> None:
-        self.conv_state = torch.zeros(
-            (num_blocks, *spec.conv_state_shape), dtype=TORCH_DTYPES[spec.dtype], device=device
-        )
-        self.recurrent_state = torch.zeros(
-            (num_blocks, *spec.recurrent_state_shape),
-            dtype=TORCH_DTYPES[spec.state_dtype],
-            device=device,
+    def allocate_cache(self, pages: torch.Tensor, spec) -> None:
+        """Views the pool's pages: the conv window first, the recurrent state after it."""
+        self.conv_state = page_view(pages, TORCH_DTYPES[spec.dtype], spec.conv_state_shape)
+        self.recurrent_state = page_view(
+            pages, TORCH_DTYPES[spec.state_dtype], spec.recurrent_state_shape, spec.conv_bytes
         )
 
     def release_cache(self) -> None:

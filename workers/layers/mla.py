@@ -22,6 +22,7 @@ from torch import nn
 
 from kvloom.kernels.mla_attention import mla_attention_ref, write_mla_cache_ref
 from kvloom.workers.attention_metadata import ForwardBatch
+from kvloom.workers.cache_pages import page_view
 from kvloom.workers.dtypes import TORCH_DTYPES
 from kvloom.workers.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from kvloom.workers.layers.norm import RMSNorm
@@ -86,7 +87,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.latent_cache: torch.Tensor | None = None
 
     # -- cache ------------------------------------------------------------------------
-    def allocate_cache(self, num_blocks: int, spec, device: torch.device) -> None:
+    def allocate_cache(self, pages: torch.Tensor, spec) -> None:
         if (spec.kv_lora_rank, spec.qk_rope_head_dim) != (
             self.kv_lora_rank,
             self.qk_rope_head_dim,
@@ -95,8 +96,8 @@ class MultiHeadLatentAttention(nn.Module):
                 f"layer {self.layer_index}: MLASpec ({spec.kv_lora_rank}, "
                 f"{spec.qk_rope_head_dim}) does not match the layer"
             )
-        shape = (num_blocks, spec.block_size, self.kv_lora_rank + self.qk_rope_head_dim)
-        self.latent_cache = torch.zeros(shape, dtype=TORCH_DTYPES[spec.dtype], device=device)
+        shape = (spec.block_size, self.kv_lora_rank + self.qk_rope_head_dim)
+        self.latent_cache = page_view(pages, TORCH_DTYPES[spec.dtype], shape)
 
     def release_cache(self) -> None:
         """Drops the pages (the model runner re-allocates after its profiling run)."""

@@ -1,0 +1,217 @@
+"""Where the offline-throughput run's time goes (issue 7), in one device call.
+
+Runs `kvloom bench throughput`'s workload on a shape and records, per engine step, the wall
+time, rows and tokens scheduled, and whether the step was decode-only. At the chosen step
+numbers it profiles a window of steps with `torch.profiler` (CPU + CUDA) and reports the
+GPU's busy time against the wall time of the window (host-bound or device-bound) and the
+kernels by GPU time. Host phases (schedule, submit, wait for the device, update, outputs)
+are timed on every step.
+
+    python benchmarks/throughput_profile.py --shape qwen3-8b --max-num-seqs 1024 \
+        --max-num-batched-tokens 16384 --profile-at 40 400 --out $OUT/tp_profile.json
+
+On a CPU, `--shape tiny --num-requests 300` shows the host side alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvloom.cluster.bench import make_engine, offline_workload, shape_dir
+from kvloom.cluster.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from step_profile import report_syncs  # noqa: E402
+
+
+class PhaseTimer:
+    """Accumulates wall time per named phase by wrapping bound methods. Phases inside a
+    `submit` are labelled with the kind of step submitted (decode-only or mixed)."""
+
+    def __init__(self):
+        self.totals = defaultdict(float)
+        self.kind = ""
+
+    def wrap(self, obj, name: str, label: str, tagged: bool = False) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                key = f"{self.kind}/{label}" if tagged else label
+                self.totals[key] += time.perf_counter() - start
+
+        setattr(obj, name, timed)
+
+    def wrap_submit(self, executor, name: str) -> None:
+        inner = getattr(executor, name)
+
+        def tagged_submit(sched):
+            decode = all(n == 1 for n in sched.num_scheduled_tokens.values())
+            self.kind = "decode" if decode else "mixed"
+            return inner(sched)
+
+        setattr(executor, name, tagged_submit)
+        self.wrap(executor, name, name, tagged=True)
+
+
+def kernel_summary(prof, steps: int, top: int) -> dict:
+    """GPU kernel time per step, grouped by kernel name, and the busy time in total."""
+    per_kernel = defaultdict(float)
+    busy = []
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name] += event.device_time_total / 1e3
+            busy.append((event.time_range.start, event.time_range.end))
+    busy.sort()
+    covered, end = 0.0, None
+    for lo, hi in busy:  # union of kernel intervals: time the GPU had work
+        if end is None or lo > end:
+            covered += hi - lo
+            end = hi
+        elif hi > end:
+            covered += hi - end
+            end = hi
+    kernels = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "gpu_busy_ms_per_step": covered / 1e3 / steps,
+        "kernels_ms_per_step": {name[:90]: round(ms / steps, 4) for name, ms in kernels},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="qwen3-8b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-requests", type=int, default=1000)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(128, 1024))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(64, 512))
+    parser.add_argument("--max-num-seqs", type=int, default=1024)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--profile-at", type=int, nargs="*", default=[40, 400])
+    parser.add_argument("--profile-steps", type=int, default=8)
+    parser.add_argument("--max-cuda-graph-batch-size", type=int, default=1024)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    cfg = SimpleNamespace(**vars(args), load_format="dummy", no_async_scheduling=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = make_engine(str(shape_dir(args.shape, Path(tmp))), cfg)
+        workload = offline_workload(cfg, engine.vocab_size)
+        for i, (prompt, out_len) in enumerate(workload):
+            params = SamplingParams(
+                max_tokens=out_len,
+                temperature=0.0,
+                ignore_eos=True,
+                detokenize=False,
+                output_kind="final_only",
+            )
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        timer = PhaseTimer()
+        shapes = []
+        schedule = engine.scheduler.schedule
+
+        def recorded_schedule():
+            out = schedule()
+            decodes = sum(1 for n in out.num_scheduled_tokens.values() if n == 1)
+            shapes.append((len(out.num_scheduled_tokens), out.total_num_scheduled_tokens, decodes))
+            return out
+
+        engine.scheduler.schedule = recorded_schedule
+        timer.wrap(engine.scheduler, "schedule", "schedule")
+        runner = engine.executor.worker.runner
+        for obj, name in (
+            (runner.input_batch, "apply"),
+            (runner, "build_batch"),
+            (runner.model, "forward"),
+            (runner, "_sample_plain"),
+            (runner.graphs, "replay"),
+        ):
+            if obj is not None:
+                timer.wrap(obj, name, name, tagged=True)
+        timer.wrap_submit(engine.executor, "submit")
+        timer.wrap_submit(engine.executor, "execute_model")
+        timer.wrap(engine.scheduler, "update_from_output", "update_from_output")
+        timer.wrap(engine.outputs, "process", "outputs.process")
+        step_ms, profiles = [], {}
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            n = len(step_ms)
+            if n in args.profile_at:
+                # CUDA activity only: tracing CPU ops would slow the host it measures.
+                acts = [
+                    ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
+                ]
+                if torch.cuda.is_available() and n == args.profile_at[0]:
+                    report_syncs(engine, steps=2)
+                    step_ms.extend([float("nan")] * 2)
+                t0 = time.perf_counter()
+                with profile(activities=acts) as prof:
+                    for _ in range(args.profile_steps):
+                        engine.step()
+                wall = (time.perf_counter() - t0) * 1e3 / args.profile_steps
+                summary = kernel_summary(prof, args.profile_steps, top=25)
+                summary["wall_ms_per_step"] = round(wall, 3)
+                summary["rows_tokens_decodes"] = shapes[-args.profile_steps :]
+                profiles[f"step{n}"] = summary
+                print(
+                    f"RESULT profile_step{n} wall_ms {wall:.2f} gpu_busy_ms "
+                    f"{summary['gpu_busy_ms_per_step']:.2f} shapes {shapes[-1]}"
+                )
+                step_ms.extend([wall] * args.profile_steps)
+                continue
+            t0 = time.perf_counter()
+            engine.step()
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+        elapsed = time.perf_counter() - start
+    timed = [(ms, s) for ms, s in zip(step_ms, shapes) if ms == ms]  # sync-report steps: nan
+    decode_only = [ms for ms, s in timed if s[1] == s[2]]
+    mixed = [ms for ms, s in timed if s[1] != s[2]]
+    result = {
+        "shape": args.shape,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "seconds": round(elapsed, 2),
+        "steps": len(step_ms),
+        "mixed_steps": len(mixed),
+        "mixed_seconds": round(sum(mixed) / 1e3, 2),
+        "decode_only_steps": len(decode_only),
+        "decode_only_seconds": round(sum(decode_only) / 1e3, 2),
+        "host_phase_seconds": {k: round(v, 2) for k, v in timer.totals.items()},
+        "max_rows": max(s[0] for s in shapes),
+        "profiles": profiles,
+    }
+    for key in (
+        "seconds",
+        "steps",
+        "mixed_steps",
+        "mixed_seconds",
+        "decode_only_steps",
+        "decode_only_seconds",
+        "host_phase_seconds",
+        "max_rows",
+    ):
+        print(f"RESULT {key} {result[key]}")
+    for name, summary in profiles.items():
+        print(f"== {name}: top kernels (ms/step)")
+        for kernel, ms in list(summary["kernels_ms_per_step"].items())[:15]:
+            print(f"   {ms:8.3f}  {kernel}")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

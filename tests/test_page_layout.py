@@ -1,0 +1,128 @@
+"""The one block pool on shared page buffers (cluster/kv_cache/page_layout.py): groups cut
+to one size, pages sized so attention and recurrent state fit one page, and layers viewing
+the same memory, so a block freed by one group is memory another group can use."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from kvloom import Engine
+from kvloom.cluster.kv_cache.page_layout import (
+    block_size_for_state_pages,
+    plan_layout,
+    resolve_block_size,
+    split_groups,
+)
+from kvloom.cluster.kv_cache.spec import FullAttentionSpec, KVCacheGroup, LinearStateSpec
+from kvloom.workers.layers.attention import PagedAttention
+
+# Qwen3-Next's widths: 2 KV heads of 256 (bf16); 32 value heads of 128x128 float32 state,
+# an 8192-channel conv window of 3 taps.
+ATTN = FullAttentionSpec(16, 2, 256, "bfloat16")
+STATE = LinearStateSpec(16, (8192, 3), (32, 128, 128), "bfloat16")
+
+
+def test_state_page_is_aligned_and_attention_blocks_grow_to_match_it():
+    assert STATE.conv_bytes == 8192 * 3 * 2  # already a multiple of 256
+    assert STATE.page_size_bytes == 49152 + 32 * 128 * 128 * 4
+    specs = {0: STATE, 3: ATTN}
+    # 2,146,304 bytes / 2,048 bytes per token = 1,048 tokens -> the next multiple of 16.
+    assert block_size_for_state_pages(specs, 16, dcp_size=1) == 1056
+    # DCP=2 halves a rank's bytes per token: twice the tokens, a multiple of 16 x 2.
+    at_32 = {0: STATE, 3: FullAttentionSpec(32, 2, 256, "bfloat16")}
+    assert block_size_for_state_pages(at_32, 32, dcp_size=2) == 2112
+    odd = LinearStateSpec(4, (5, 3), (2, 3, 3), "float32")
+    assert odd.conv_bytes == 256 and odd.page_size_bytes == 256 + 72
+
+
+def test_groups_are_cut_to_one_size():
+    gdn = KVCacheGroup(STATE, list(range(18)))
+    attn = KVCacheGroup(ATTN, list(range(18, 24)))
+    groups = split_groups([gdn, attn])
+    assert [len(g.layer_names) for g in groups] == [6, 6, 6, 6]
+    assert [g.layer_names for g in groups[:3]] == [
+        [0, 1, 2, 3, 4, 5],
+        [6, 7, 8, 9, 10, 11],
+        [12, 13, 14, 15, 16, 17],
+    ]
+    # Counts within 25% of each other: pad to the larger instead of cutting.
+    near = split_groups(
+        [KVCacheGroup(STATE, [0, 1, 2, 3, 4]), KVCacheGroup(ATTN, list(range(5, 11)))]
+    )
+    assert [len(g.layer_names) for g in near] == [5, 6]
+    single = [KVCacheGroup(ATTN, list(range(36)))]
+    assert split_groups(single) == single
+
+
+def test_layout_gives_layer_i_of_every_group_buffer_i():
+    groups = split_groups([KVCacheGroup(STATE, list(range(6))), KVCacheGroup(ATTN, [6, 7])])
+    layout = plan_layout(groups, dcp_size=1)
+    assert layout.num_buffers == 2
+    assert layout.page_bytes % 256 == 0 and layout.page_bytes >= STATE.page_size_bytes
+    assert [layout.buffer_of[i] for i in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert layout.bytes_per_block == 2 * layout.page_bytes
+
+
+def test_block_size_is_automatic_unless_set(caplog):
+    def build(n):
+        return {
+            0: LinearStateSpec(n, (8192, 3), (32, 128, 128), "bfloat16"),
+            1: FullAttentionSpec(n, 2, 256, "bfloat16"),
+        }
+
+    specs, size = resolve_block_size(build, None, dcp_size=1)
+    assert size == 1056 and specs[1].block_size == 1056 and specs[0].block_size == 1056
+    with caplog.at_level(logging.WARNING):
+        specs, size = resolve_block_size(build, 16, dcp_size=1)
+    assert size == 16 and specs[1].block_size == 16
+    assert "leave block_size unset" in caplog.text
+    dense = {0: FullAttentionSpec(16, 8, 128, "bfloat16")}
+    assert resolve_block_size(lambda n: dense, None, dcp_size=1)[1] == 16
+
+
+@pytest.fixture(scope="module")
+def eight_layer_hybrid(hybrid_model, tmp_path_factory):
+    """Qwen3-Next's 3:1 layer pattern over 8 layers (dummy weights)."""
+    src = hybrid_model("qwen3_next")
+    out = tmp_path_factory.mktemp("hybrid8")
+    for f in src.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    config = json.loads((out / "config.json").read_text())
+    config["num_hidden_layers"] = 8
+    config["layer_types"] = (["linear_attention"] * 3 + ["full_attention"]) * 2
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+def test_hybrid_engine_shares_pages_across_groups(eight_layer_hybrid):
+    budget = 8 << 20
+    engine = Engine(
+        model=eight_layer_hybrid,
+        dtype="float32",
+        load_format="dummy",
+        progress=False,
+        kv_cache_memory_bytes=budget,
+    )
+    runner = engine.executor.worker.runner
+    kinds = [(type(g.spec).__name__, len(g.layer_names)) for g in runner.groups]
+    assert kinds == [("LinearStateSpec", 2)] * 3 + [("FullAttentionSpec", 2)]
+    # A block costs one page in each of 2 buffers, not a page in all 8 layers.
+    assert runner.bytes_per_block() == 2 * runner.layout.page_bytes
+    assert engine.stats()["num_blocks"] == budget // runner.bytes_per_block() - 1  # null block
+    # The attention layers and the state layers view the same memory.
+    layers = runner.model.cache_layers()
+    attn = next(la for la in layers if isinstance(la, PagedAttention))
+    state = next(la for la in layers if not isinstance(la, PagedAttention))
+    assert {runner.layout.buffer_of[la.layer_index] for la in (attn, state)} == {0}
+    ptr = attn.kv_cache.untyped_storage().data_ptr()
+    assert ptr == state.conv_state.untyped_storage().data_ptr()
+    pointers = {la.layer_index: _storage(la) for la in layers}
+    assert len(set(pointers.values())) == runner.layout.num_buffers
+
+
+def _storage(layer) -> int:
+    tensor = layer.kv_cache if isinstance(layer, PagedAttention) else layer.recurrent_state
+    return tensor.untyped_storage().data_ptr()
