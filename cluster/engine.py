@@ -54,6 +54,9 @@ class Engine:
         num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(num_blocks)
         cache = self.config.cache
+        if cache.block_size is None:  # the workers chose it (page_layout.resolve_block_size)
+            dcp = self.config.parallel.decode_context_parallel_size
+            cache.block_size = self.executor.kv_cache_groups[0].spec.block_size // dcp
         self.kv_cache = KVCacheCoordinator(
             self.executor.kv_cache_groups,
             num_blocks,
@@ -228,6 +231,7 @@ class Engine:
         prefix = self.kv_cache.stats
         return {
             "num_blocks": pool.capacity,
+            "block_size": self.config.cache.block_size,
             "num_free_blocks": pool.num_free_blocks,
             "kv_cache_usage": self.kv_cache.usage,
             "num_running": len(self.scheduler.running),

@@ -64,6 +64,7 @@ def test_not_ready_until_warm_up_then_serving(model_dir):
             starter.join(60)
             assert client.health(READINESS) == "SERVING"
             assert client.server_info().ready is True
+            assert client.server_info().block_size == 4
             # Warm-up ran one short generation before readiness turned SERVING.
             assert server.stats()["num_finished"] == 1
             assert collect(client.generate([5, 6, 7], max_tokens=2)).finish_reason == "length"

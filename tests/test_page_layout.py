@@ -109,6 +109,10 @@ def test_hybrid_engine_shares_pages_across_groups(eight_layer_hybrid):
     runner = engine.executor.worker.runner
     kinds = [(type(g.spec).__name__, len(g.layer_names)) for g in runner.groups]
     assert kinds == [("LinearStateSpec", 2)] * 3 + [("FullAttentionSpec", 2)]
+    # block_size unset: chosen by the workers to match the state page, and reported.
+    chosen = runner.groups[-1].spec.block_size
+    assert chosen > 16 and chosen % 16 == 0
+    assert engine.config.cache.block_size == engine.stats()["block_size"] == chosen
     # A block costs one page in each of 2 buffers, not a page in all 8 layers.
     assert runner.bytes_per_block() == 2 * runner.layout.page_bytes
     assert engine.stats()["num_blocks"] == budget // runner.bytes_per_block() - 1  # null block

@@ -347,7 +347,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if config is not None:
             info.tensor_parallel_size = config.parallel.tensor_parallel_size
             info.decode_context_parallel_size = config.parallel.decode_context_parallel_size
-            info.block_size = config.cache.block_size
+            info.block_size = config.cache.block_size or 0  # 0: chosen when the model loads
             info.max_num_seqs = config.scheduler.max_num_seqs
             info.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
             info.enable_prefix_caching = config.cache.enable_prefix_caching
