@@ -231,6 +231,13 @@ class KVCacheCoordinator:
     def block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple(m.block_ids(request_id) for m in self.managers)
 
+    def new_block_ids(self, request_id: str, sent: list[int]) -> tuple[list[int], ...]:
+        """Per group, the block ids after the first sent[g] (the workers have those)."""
+        return tuple(m.block_ids(request_id, n) for m, n in zip(self.managers, sent))
+
+    def num_blocks(self, request_id: str) -> list[int]:
+        return [m.num_blocks(request_id) for m in self.managers]
+
     @property
     def usage(self) -> float:
         return 1.0 - self.pool.num_free_blocks / self.pool.capacity

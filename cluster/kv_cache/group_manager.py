@@ -55,8 +55,12 @@ class GroupManager:
     def num_hashed_blocks(self, block_hashes: list[bytes]) -> int:
         return len(block_hashes) // self.stride
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block ids from index `start` on (lists only grow at the end)."""
+        return [b.block_id for b in self.req_blocks.get(request_id, ())[start:]]
+
+    def num_blocks(self, request_id: str) -> int:
+        return len(self.req_blocks.get(request_id, ()))
 
     def free(self, request_id: str) -> None:
         blocks = self.req_blocks.pop(request_id, [])

@@ -201,8 +201,9 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
         if prefill:
             token_lists = [range(bounds[i], bounds[i + 1]) for i in prefill]
             index = torch.tensor([t for ts in token_lists for t in ts], device=hidden.device)
-            cu = torch.tensor([0] + [len(ts) for ts in token_lists], device=hidden.device)
-            cu = cu.cumsum(0)
+            # Boundaries stay on the host: the kernels read them as a list, and a device
+            # tensor would make the host wait for the GPU here, once per layer.
+            cu = torch.tensor([0] + [len(ts) for ts in token_lists]).cumsum(0)
             pages = self._pages(slots, prefill)
             has_state = rows.has_initial_state_tensor(prefill, hidden.device)
             x, conv_final = causal_conv1d_varlen(
