@@ -18,57 +18,55 @@ import matplotlib.pyplot as plt  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 
 
+COLORS = {"HBM floor": "#999", "kvloom": "#2a7", "vLLM 0.26": "#37c", "HF static": "#c73"}
+
+
+def bars(ax, values: dict, ylabel: str, title: str, fmt: str) -> None:
+    ax.bar(list(values), list(values.values()), color=[COLORS[n] for n in values])
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    for i, v in enumerate(values.values()):
+        ax.text(i, v, format(v, fmt), ha="center", va="bottom")
+
+
+def figure(out: str, title: str, decode: dict, decode_title: str, offline: dict) -> None:
+    """Batch-1 ms/token on the left, offline output tokens/s on the right."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    bars(left, decode, "ms per token (lower is better)", decode_title, ".2f")
+    bars(right, offline, "output tokens/s (higher is better)", "1000 requests offline", ",.0f")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(ROOT / out, dpi=110)
+
+
 def main() -> None:
     data = json.loads((ROOT / "data" / "gpu_fast_path_h200.json").read_text())
     decode, tput = data["batch1_decode"], data["offline_throughput"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    names = ["HBM floor", "kvloom", "vLLM 0.26", "HF static"]
-    values = [
-        decode["floor_ms_per_token_kvloom_bandwidth"],
-        decode["kvloom_ms_per_token"],
-        decode["vllm_ms_per_token_decode"],
-        decode["hf_static_compiled_ms_per_token"],
-    ]
-    left.bar(names, values, color=["#999", "#2a7", "#37c", "#c73"])
-    left.set_ylabel("ms per token (lower is better)")
-    left.set_title("Qwen3-8B shape, bf16, batch-1 decode")
-    for i, v in enumerate(values):
-        left.text(i, v, f"{v:.2f}", ha="center", va="bottom")
-    names = ["kvloom", "vLLM 0.26"]
-    values = [tput["kvloom_output_tok_s"], tput["vllm_output_tok_s"]]
-    right.bar(names, values, color=["#2a7", "#37c"])
-    right.set_ylabel("output tokens/s (higher is better)")
-    right.set_title("1000 requests offline")
-    for i, v in enumerate(values):
-        right.text(i, v, f"{v:,.0f}", ha="center", va="bottom")
-    fig.suptitle("One H200, same lease (2026-11-29)")
-    fig.tight_layout()
-    fig.savefig(ROOT / "gpu_fast_path.png", dpi=110)
-    plot_hybrid(json.loads((ROOT / "data" / "gpu_fast_path_h200_lease2.json").read_text()))
-
-
-def plot_hybrid(data: dict) -> None:
-    hybrid = data["hybrid_qwen3_next_24l"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    bars = [
-        ("HBM floor", hybrid["floor_ms_per_token"]),
-        ("kvloom", hybrid["kvloom_batch1_ms_per_token"]),
-        ("vLLM 0.26", hybrid["vllm_batch1_ms_per_token_decode"]),
-    ]
-    left.bar([n for n, _ in bars], [v for _, v in bars], color=["#999", "#2a7", "#37c"])
-    left.set_ylabel("ms per token (lower is better)")
-    left.set_title("Qwen3-Next shape (24 layers), batch-1 decode")
-    for i, (_, v) in enumerate(bars):
-        left.text(i, v, f"{v:.2f}", ha="center", va="bottom")
-    values = [hybrid["kvloom_output_tok_s"], hybrid["vllm_output_tok_s"]]
-    right.bar(["kvloom", "vLLM 0.26"], values, color=["#2a7", "#37c"])
-    right.set_ylabel("output tokens/s (higher is better)")
-    right.set_title("1000 requests offline")
-    for i, v in enumerate(values):
-        right.text(i, v, f"{v:,.0f}", ha="center", va="bottom")
-    fig.suptitle("One H200, same lease (2026-11-30)")
-    fig.tight_layout()
-    fig.savefig(ROOT / "gpu_fast_path_hybrid.png", dpi=110)
+    figure(
+        "gpu_fast_path.png",
+        "One H200, same lease (2026-11-29)",
+        {
+            "HBM floor": decode["floor_ms_per_token_kvloom_bandwidth"],
+            "kvloom": decode["kvloom_ms_per_token"],
+            "vLLM 0.26": decode["vllm_ms_per_token_decode"],
+            "HF static": decode["hf_static_compiled_ms_per_token"],
+        },
+        "Qwen3-8B shape, bf16, batch-1 decode",
+        {"kvloom": tput["kvloom_output_tok_s"], "vLLM 0.26": tput["vllm_output_tok_s"]},
+    )
+    lease2 = json.loads((ROOT / "data" / "gpu_fast_path_h200_lease2.json").read_text())
+    hybrid = lease2["hybrid_qwen3_next_24l"]
+    figure(
+        "gpu_fast_path_hybrid.png",
+        "One H200, same lease (2026-11-30)",
+        {
+            "HBM floor": hybrid["floor_ms_per_token"],
+            "kvloom": hybrid["kvloom_batch1_ms_per_token"],
+            "vLLM 0.26": hybrid["vllm_batch1_ms_per_token_decode"],
+        },
+        "Qwen3-Next shape (24 layers), batch-1 decode",
+        {"kvloom": hybrid["kvloom_output_tok_s"], "vLLM 0.26": hybrid["vllm_output_tok_s"]},
+    )
 
 
 if __name__ == "__main__":
