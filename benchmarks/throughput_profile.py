@@ -28,6 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvloom.cluster.bench import make_engine, offline_workload, shape_dir
+from kvloom.cluster.commands.bench import add_workload_args
 from kvloom.cluster.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -94,20 +95,12 @@ def kernel_summary(prof, steps: int, top: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="qwen3-8b")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--num-requests", type=int, default=1000)
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=(128, 1024))
-    parser.add_argument("--output-len", type=int, nargs=2, default=(64, 512))
-    parser.add_argument("--max-num-seqs", type=int, default=1024)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    add_workload_args(parser)
     parser.add_argument("--profile-at", type=int, nargs="*", default=[40, 400])
     parser.add_argument("--profile-steps", type=int, default=8)
-    parser.add_argument("--max-cuda-graph-batch-size", type=int, default=1024)
-    parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    cfg = SimpleNamespace(**vars(args), load_format="dummy", no_async_scheduling=False)
+    cfg = SimpleNamespace(**vars(args), load_format="dummy")
     with tempfile.TemporaryDirectory() as tmp:
         engine = make_engine(str(shape_dir(args.shape, Path(tmp))), cfg)
         workload = offline_workload(cfg, engine.vocab_size)

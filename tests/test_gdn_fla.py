@@ -125,8 +125,15 @@ def test_fla_wrapper_bad_input_names_the_field(field, change):
 # ----------------------------------------------------------------------------- GPU
 
 
+def require_fla() -> None:
+    """GPU runs carry fla-core (the `gpu` extra): its absence is a failure, not a skip,
+    so a GPU run can never pass without testing the fla path."""
+    if not gdn_fla._fla_installed():
+        pytest.fail("fla-core is not installed: pip install 'kvloom[gpu]' (or carry its wheel)")
+
+
 def run_both(dtype, lengths, with_state, *, use_qk_l2norm=True, scale=None, seed=0):
-    pytest.importorskip("fla")
+    require_fla()
     q, k, v, g, beta, cu, state = make_inputs(lengths, dtype, "cuda", seed=seed)
     if not use_qk_l2norm:  # unit keys keep the delta rule stable without in-kernel norm
         q, k = F.normalize(q.float(), dim=-1).to(dtype), F.normalize(k.float(), dim=-1).to(dtype)
@@ -194,7 +201,7 @@ def test_fla_empty_sequence_keeps_its_state_and_zero_tokens():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_dispatcher_on_cuda(monkeypatch):
-    pytest.importorskip("fla")
+    require_fla()
     q, k, v, g, beta, cu, _ = make_inputs([65, 7], torch.bfloat16, "cuda")
     calls = []
     real = gdn_fla.chunk_gated_delta_rule_fla

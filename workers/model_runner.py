@@ -321,13 +321,21 @@ class ModelRunner:
             layer.poison_cache(ids)
 
     def copy_state_pages(self, pairs: list[tuple[int, int]]) -> None:
-        """Copies linear-state pages src -> dst in every linear-state layer."""
+        """Copies linear-state pages src -> dst in every linear-state layer. Layers of
+        equal spec viewing one shared buffer see the same bytes: each buffer is copied
+        once, not once per state group."""
         if not pairs:
             return
         src = to_device([p[0] for p in pairs], torch.long, self.device)
         dst = to_device([p[1] for p in pairs], torch.long, self.device)
+        copied = set()
         for layer, key in self.cache_layers():
-            if isinstance(self.groups[self.layer_to_group[key]].spec, LinearStateSpec):
+            spec = self.groups[self.layer_to_group[key]].spec
+            if not isinstance(spec, LinearStateSpec):
+                continue
+            view = (self.layout.buffer_of.get(key, ("private", key)), spec)
+            if view not in copied:
+                copied.add(view)
                 layer.copy_cache(src, dst)
 
     # -- one step -------------------------------------------------------------------

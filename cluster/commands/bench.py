@@ -13,11 +13,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="checkpoint dir (default: a --shape with dummy weights)")
     source.add_argument("--shape", default="tiny", help="tiny, qwen3-8b or qwen3-next-24l")
-    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--load-format", default=None, choices=("safetensors", "dummy"))
     parser.add_argument(
         "--steps", type=int, default=511, help="latency: decode steps timed (the peer kit's 511)"
     )
+    add_workload_args(parser)
+    parser.add_argument("--out", type=Path, help="write the result as JSON")
+    parser.set_defaults(func=run)
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload and engine limits shared by `kvloom bench` and the profiling scripts
+    in benchmarks/ (so a profile runs exactly what the bench runs)."""
+    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(128, 1024))
     parser.add_argument("--output-len", type=int, nargs=2, default=(64, 512))
@@ -42,8 +50,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--no-async-scheduling", action="store_true", help="one step at a time (comparisons)"
     )
-    parser.add_argument("--out", type=Path, help="write the result as JSON")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
