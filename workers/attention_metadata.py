@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvloom.workers.linear_rows import LinearRows, build_linear_rows
 from kvloom.workers.row_kinds import RowClasses
 
 
@@ -48,3 +49,12 @@ class ForwardBatch:
 
     def group_for(self, layer_index: int) -> GroupMetadata:
         return self.groups[self.layer_to_group[layer_index]]
+
+    def linear_rows(self, device) -> LinearRows:
+        """The row split of linear-state layers, built on first use and shared by every
+        layer of the step."""
+        cache = self.__dict__.setdefault("_linear_rows", {})
+        key = str(device)
+        if key not in cache:
+            cache[key] = build_linear_rows(self.rows, self.query_start_loc_list, device)
+        return cache[key]

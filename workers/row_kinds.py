@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -38,16 +39,17 @@ def classify_rows(num_computed_tokens: list[int], num_scheduled_tokens: list[int
 
 @dataclass
 class RowClasses:
-    """Views of one classification that kernels consume."""
+    """Views of one classification that kernels consume (computed once: every layer of a
+    step asks for them; the classification is not changed after construction)."""
 
     kinds: list[RowKind]
     num_scheduled_tokens: list[int]
 
-    @property
+    @cached_property
     def has_initial_state(self) -> list[bool]:
         return [k == RowKind.RESUME for k in self.kinds]
 
-    @property
+    @cached_property
     def decode_rows(self) -> list[int]:
         """Rows a single-step recurrent kernel may serve: resume rows of one token."""
         return [
@@ -56,13 +58,13 @@ class RowClasses:
             if k == RowKind.RESUME and n == 1
         ]
 
-    @property
+    @cached_property
     def prefill_rows(self) -> list[int]:
         """Rows for the chunked kernel: every fresh row and every multi-token resume row."""
         decode = set(self.decode_rows)
         return [i for i, k in enumerate(self.kinds) if k != RowKind.PADDING and i not in decode]
 
-    @property
+    @cached_property
     def all_decode(self) -> bool:
         """True iff every non-padding row is a true decode (graph dispatch, invariant 3)."""
         real = [i for i, k in enumerate(self.kinds) if k != RowKind.PADDING]

@@ -194,18 +194,12 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
         if batch.decode_only:
             return self.out_proj(self.norm(self._decode_all(mixed, g, beta, slots), z).flatten(1))
         core = hidden.new_zeros(hidden.shape[0], self.num_v_heads, self.head_v_dim)
-        bounds = batch.query_start_loc_list
-        rows = batch.rows
+        split = batch.linear_rows(hidden.device)
         weight = self.conv1d.weight
-        prefill = rows.prefill_rows
-        if prefill:
-            token_lists = [range(bounds[i], bounds[i + 1]) for i in prefill]
-            index = torch.tensor([t for ts in token_lists for t in ts], device=hidden.device)
-            # Boundaries stay on the host: the kernels read them as a list, and a device
-            # tensor would make the host wait for the GPU here, once per layer.
-            cu = torch.tensor([0] + [len(ts) for ts in token_lists]).cumsum(0)
-            pages = self._pages(slots, prefill)
-            has_state = rows.has_initial_state_tensor(prefill, hidden.device)
+        if split.prefill_rows:
+            index, cu = split.prefill_tokens, split.cu_seqlens
+            pages = self._pages(slots, split.prefill_rows_index)
+            has_state = split.has_initial_state
             x, conv_final = causal_conv1d_varlen(
                 mixed[index], weight, None, cu, self.conv_state[pages], has_state, self.activation
             )
@@ -222,12 +216,11 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
                 has_state,
                 use_qk_l2norm=True,
             )
-            self.recurrent_state[pages] = final
+            self.recurrent_state[pages] = final.to(self.recurrent_state.dtype)
             core[index] = out
-        decode = rows.decode_rows
-        if decode:
-            index = torch.tensor([bounds[i] for i in decode], device=hidden.device)
-            pages = self._pages(slots, decode)
+        if split.decode_rows:
+            index = split.decode_tokens
+            pages = self._pages(slots, split.decode_rows_index)
             x = causal_conv1d_update(
                 mixed[index], weight, None, self.conv_state, pages, self.activation
             )
@@ -250,11 +243,12 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
         )
 
     @staticmethod
-    def _pages(slots: torch.Tensor | None, rows: list[int]) -> torch.Tensor:
-        """The state page of each given row; every served row must own one."""
+    def _pages(slots: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+        """The state page of each given row (an index tensor on the device); every served
+        row must own one."""
         if slots is None:
             raise ValueError("state_indices: missing for a linear-state layer's group")
-        pages = slots[rows].to(torch.int64)
+        pages = slots.index_select(0, rows).to(torch.int64)
         # Checked where it is free; on CUDA the check would make the host wait (the CPU
         # suite covers the invariant).
         if not pages.is_cuda and bool((pages < 0).any()):

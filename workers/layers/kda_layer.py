@@ -34,6 +34,7 @@ from kvloom.workers.layers.linear import (
 )
 from kvloom.workers.layers.linear_state_pages import LinearStatePages
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
+from kvloom.workers.linear_rows import LinearRows
 
 
 class GatedRMSNorm(nn.Module):
@@ -174,11 +175,11 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
         beta = torch.sigmoid(self.b_proj(hidden))
 
         core = hidden.new_zeros(heads)
-        prefill, decode = batch.rows.prefill_rows, batch.rows.decode_rows
-        if prefill:
-            self._prefill(mixed, g, beta, batch, prefill, slots, core)
-        if decode:
-            self._decode(mixed, g, beta, batch, decode, slots, core)
+        split = batch.linear_rows(hidden.device)
+        if split.prefill_rows:
+            self._prefill(mixed, g, beta, split, slots, core)
+        if split.decode_rows:
+            self._decode(mixed, g, beta, split, slots, core)
 
         gate = self.g_b_proj(self.g_a_proj(hidden)).view(heads)
         out = self.o_norm(core, gate).reshape(num_tokens, -1)
@@ -189,16 +190,12 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
         shape = (mixed.shape[0], self.num_heads, self.head_dim)
         return q.reshape(shape), k.reshape(shape), v.reshape(shape)
 
-    def _prefill(self, mixed, g, beta, batch, rows, slots, core) -> None:
+    def _prefill(self, mixed, g, beta, split: LinearRows, slots, core) -> None:
         """Chunked kernels over the prefill rows' tokens, from zeros for fresh rows."""
-        starts = batch.query_start_loc_list
-        spans = [(starts[r], starts[r + 1]) for r in rows]
-        device = mixed.device
-        tokens = torch.cat([torch.arange(a, b, device=device) for a, b in spans])
-        lens = torch.tensor([b - a for a, b in spans], dtype=torch.int64)
-        cu_seqlens = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(device)
-        has_state = batch.rows.has_initial_state_tensor(rows, device)
-        row_slots = slots[rows].long()
+        tokens = split.prefill_tokens
+        cu_seqlens = split.cu_seqlens  # on the host: the kernels read it as a list
+        has_state = split.has_initial_state
+        row_slots = slots.index_select(0, split.prefill_rows_index).long()
 
         x, conv_state = causal_conv1d_varlen(
             mixed[tokens],
@@ -225,11 +222,10 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
         self.recurrent_state[row_slots] = state
         core[tokens] = out.to(core.dtype)
 
-    def _decode(self, mixed, g, beta, batch, rows, slots, core) -> None:
+    def _decode(self, mixed, g, beta, split: LinearRows, slots, core) -> None:
         """Single-step kernels, in place on the pools at the rows' own slots."""
-        starts = batch.query_start_loc_list
-        tokens = torch.tensor([starts[r] for r in rows], device=mixed.device)
-        row_slots = slots[rows]
+        tokens = split.decode_tokens
+        row_slots = slots.index_select(0, split.decode_rows_index)
         x = causal_conv1d_update(
             mixed[tokens], self.conv1d.weight, None, self.conv_state, row_slots, self.activation
         )

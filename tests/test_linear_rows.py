@@ -1,0 +1,52 @@
+"""The per-step row split of linear-state layers (workers/linear_rows.py)."""
+
+import torch
+
+from kvloom.workers.attention_metadata import ForwardBatch
+from kvloom.workers.linear_rows import build_linear_rows
+from kvloom.workers.row_kinds import RowClasses, classify_rows
+
+
+def _rows(computed, scheduled):
+    return RowClasses(classify_rows(computed, scheduled), scheduled)
+
+
+def test_split_matches_the_classification_row_by_row():
+    # fresh 3 tokens, resume 1 (decode), padding, resume 4 (chunk), fresh 1 (prefill), resume 1
+    computed = [0, 7, 0, 5, 0, 9]
+    scheduled = [3, 1, 0, 4, 1, 1]
+    starts = [0, 3, 4, 4, 8, 9, 10]
+    split = build_linear_rows(_rows(computed, scheduled), starts, "cpu")
+    assert split.prefill_rows == [0, 3, 4]
+    assert split.decode_rows == [1, 5]
+    assert split.prefill_tokens.tolist() == [0, 1, 2, 4, 5, 6, 7, 8]
+    assert split.cu_seqlens.tolist() == [0, 3, 7, 8]
+    assert split.has_initial_state.tolist() == [False, True, False]
+    assert split.prefill_rows_index.tolist() == [0, 3, 4]
+    assert split.decode_rows_index.tolist() == [1, 5]
+    assert split.decode_tokens.tolist() == [3, 9]
+    assert split.prefill_tokens.dtype == split.decode_tokens.dtype == torch.int64
+
+
+def test_decode_only_and_prefill_only_steps():
+    split = build_linear_rows(_rows([4, 6], [1, 1]), [0, 1, 2], "cpu")
+    assert split.prefill_rows == [] and split.cu_seqlens.tolist() == [0]
+    assert split.prefill_tokens.numel() == 0 and split.decode_tokens.tolist() == [0, 1]
+    split = build_linear_rows(_rows([0], [5]), [0, 5], "cpu")
+    assert split.decode_rows == [] and split.prefill_tokens.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_forward_batch_builds_the_split_once_per_device():
+    scheduled = [2, 1]
+    batch = ForwardBatch(
+        positions=torch.zeros(3, dtype=torch.int64),
+        query_start_loc=torch.tensor([0, 2, 3], dtype=torch.int32),
+        seq_lens=torch.tensor([2, 5]),
+        num_computed_tokens=torch.tensor([0, 4]),
+        query_start_loc_list=[0, 2, 3],
+        seq_lens_list=[2, 5],
+        rows=_rows([0, 4], scheduled),
+    )
+    first = batch.linear_rows("cpu")
+    assert batch.linear_rows("cpu") is first
+    assert first.prefill_tokens.tolist() == [0, 1] and first.decode_tokens.tolist() == [2]

@@ -1,0 +1,56 @@
+"""Which tokens of a mixed step go to the chunked and which to the single-step kernels of a
+linear-state layer (Gated DeltaNet, KDA), built once per step.
+
+Every linear-state layer of a model serves the same rows the same way (the one
+classification, invariant 1), so the index tensors are made once per step and device and
+shared: before, each layer rebuilt them from Python lists, which cost O(tokens) host time
+per layer on long prefill steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvloom.workers.row_kinds import RowClasses
+
+
+@dataclass(frozen=True)
+class LinearRows:
+    """prefill_*: every fresh row and every multi-token resume row (chunked kernels);
+    decode_*: resume rows of one token (single-step kernels, in place on the pool)."""
+
+    prefill_rows: list[int]
+    prefill_rows_index: torch.Tensor  # [P] int64 on the device: rows, for state_indices
+    prefill_tokens: torch.Tensor  # [sum of their lengths] int64 on the device
+    cu_seqlens: torch.Tensor  # [P + 1] int64 on the host: chunk boundaries
+    has_initial_state: torch.Tensor  # [P] bool on the device
+    decode_rows: list[int]
+    decode_rows_index: torch.Tensor  # [D] int64 on the device
+    decode_tokens: torch.Tensor  # [D] int64 on the device: each row's one token
+
+
+def build_linear_rows(rows: RowClasses, query_start_loc: list[int], device) -> LinearRows:
+    prefill, decode = rows.prefill_rows, rows.decode_rows
+    starts = torch.tensor(query_start_loc, dtype=torch.int64)
+    prefill_host = torch.tensor(prefill, dtype=torch.int64)
+    lens = starts[prefill_host + 1] - starts[prefill_host]
+    cu = torch.zeros(len(prefill) + 1, dtype=torch.int64)
+    torch.cumsum(lens, 0, out=cu[1:])
+    # Token t of prefill row r sits at starts[r] + (t - cu[r]).
+    offsets = torch.repeat_interleave(starts[prefill_host] - cu[:-1], lens)
+    tokens = torch.arange(int(cu[-1]), dtype=torch.int64) + offsets
+    flags = rows.has_initial_state
+    has_state = torch.tensor([flags[i] for i in prefill], dtype=torch.bool)
+    decode_host = torch.tensor(decode, dtype=torch.int64)
+    return LinearRows(
+        prefill_rows=prefill,
+        prefill_rows_index=prefill_host.to(device),
+        prefill_tokens=tokens.to(device),
+        cu_seqlens=cu,
+        has_initial_state=has_state.to(device),
+        decode_rows=decode,
+        decode_rows_index=decode_host.to(device),
+        decode_tokens=starts[decode_host].to(device),
+    )
