@@ -150,6 +150,7 @@ def make_engine(model: str, args) -> Engine:
         max_cuda_graph_batch_size=getattr(args, "max_cuda_graph_batch_size", 1024),
         enable_prefix_caching=getattr(args, "enable_prefix_caching", False),
         async_scheduling=False if getattr(args, "no_async_scheduling", False) else None,
+        linear_state_dtype=getattr(args, "linear_state_dtype", "float32"),
     )
 
 
@@ -242,6 +243,7 @@ def run(args) -> dict:
         kind=args.kind,
         model=args.model or args.shape,
         dtype=args.dtype,
+        linear_state_dtype=getattr(args, "linear_state_dtype", "float32"),
         device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
     )
     return result

@@ -114,6 +114,10 @@ class CacheConfig:
     sliding_window_booking: str = "auto"
     # None: on when the environment sets KVLOOM_SANITIZE=1 (the test suite does).
     sanitize: bool | None = None
+    # Dtype of linear-attention recurrent state (Gated DeltaNet, KDA): "float32" (float64
+    # for float64 models) is exact across long decodes; "auto" (the model dtype, vLLM's
+    # default) or "bfloat16"/"float16" halve the state's pages and its per-step traffic.
+    linear_state_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.block_size is not None:
@@ -135,6 +139,13 @@ class CacheConfig:
             "sliding_window_booking",
             f"one of {bookings}",
             self.sliding_window_booking,
+        )
+        state_dtypes = ("float32", "auto", "bfloat16", "float16")
+        require(
+            self.linear_state_dtype in state_dtypes,
+            "linear_state_dtype",
+            f"one of {state_dtypes}",
+            self.linear_state_dtype,
         )
         if self.sanitize is None:
             self.sanitize = os.environ.get("KVLOOM_SANITIZE", "") not in ("", "0")

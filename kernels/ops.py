@@ -10,8 +10,9 @@ import torch
 
 from kvloom.kernels import causal_conv1d as conv_ref
 from kvloom.kernels import gated_delta_rule as gdn_ref
+from kvloom.kernels import kda as kda_ref
 from kvloom.kernels.activation import silu_and_mul_ref
-from kvloom.kernels.dispatch import use_triton
+from kvloom.kernels.dispatch import TRITON_DTYPES, use_triton
 from kvloom.kernels.kv_cache_write import write_kv_cache_ref
 from kvloom.kernels.paged_attention import paged_attention_ref
 from kvloom.kernels.rms_norm import rms_norm_ref
@@ -106,13 +107,28 @@ def causal_conv1d_update(x, weight, bias, conv_state_pool, state_indices, activa
 def recurrent_gated_delta_rule(
     q, k, v, g, beta, state, state_indices, *, scale=None, use_qk_l2norm=False
 ):
-    if use_triton(q) and state.dtype == torch.float32:
+    # The Triton kernel computes in float32 and stores the state back in the pool's dtype
+    # (float32 or, with linear_state_dtype, a half type), as the reference does.
+    if use_triton(q) and state.dtype in TRITON_DTYPES:
         from kvloom.kernels.gated_delta_rule_triton import recurrent_gated_delta_rule_triton
 
         return recurrent_gated_delta_rule_triton(
             q, k, v, g, beta, state, state_indices, scale=scale, use_qk_l2norm=use_qk_l2norm
         )
     return gdn_ref.recurrent_gated_delta_rule(
+        q, k, v, g, beta, state, state_indices, scale=scale, use_qk_l2norm=use_qk_l2norm
+    )
+
+
+def recurrent_kda(q, k, v, g, beta, state, state_indices, *, scale=None, use_qk_l2norm=False):
+    """KDA decode step (per-channel decay), in place on the pool: Triton on CUDA."""
+    if use_triton(q) and state.dtype in TRITON_DTYPES:
+        from kvloom.kernels.gated_delta_rule_triton import recurrent_kda_triton
+
+        return recurrent_kda_triton(
+            q, k, v, g, beta, state, state_indices, scale=scale, use_qk_l2norm=use_qk_l2norm
+        )
+    return kda_ref.recurrent_kda(
         q, k, v, g, beta, state, state_indices, scale=scale, use_qk_l2norm=use_qk_l2norm
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +68,19 @@ def fill_dummy_weights(model: torch.nn.Module, seed: int) -> None:
             param.fill_(1.0)
         else:
             param.zero_()
+
+
+def with_linear_state_dtype(specs: dict, cache: CacheConfig, model_dtype: str) -> dict:
+    """Applies `linear_state_dtype` to the recurrent state of linear-attention layers
+    ("float32" keeps the layers' own choice: float32, or float64 for float64 models)."""
+    setting = cache.linear_state_dtype
+    if setting == "float32":
+        return specs
+    state_dtype = model_dtype if setting == "auto" else setting
+    return {
+        name: replace(spec, state_dtype=state_dtype) if isinstance(spec, LinearStateSpec) else spec
+        for name, spec in specs.items()
+    }
 
 
 def book_sliding_windows(specs: dict, cache: CacheConfig) -> dict:
@@ -144,7 +158,9 @@ class ModelRunner:
         self.model = model.eval()
         # With DCP a scheduler block spans dcp_size ranks: block_size tokens on each.
         specs, pool_block_size = resolve_block_size(
-            lambda n: model.kv_cache_specs(n, self.dtype_name),
+            lambda n: with_linear_state_dtype(
+                model.kv_cache_specs(n, self.dtype_name), self.config.cache, self.dtype_name
+            ),
             self.config.cache.block_size,
             self.dcp_size,
         )
@@ -173,7 +189,12 @@ class ModelRunner:
             # Booked on its own: an all-sliding drafter is cached as full attention.
             specs.update(
                 book_sliding_windows(
-                    self.draft.kv_cache_specs(self.block_size, self.dtype_name), self.config.cache
+                    with_linear_state_dtype(
+                        self.draft.kv_cache_specs(self.block_size, self.dtype_name),
+                        self.config.cache,
+                        self.dtype_name,
+                    ),
+                    self.config.cache,
                 )
             )
         if self.dcp is not None:

@@ -48,6 +48,12 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
+        "--linear-state-dtype",
+        default="float32",
+        choices=("float32", "auto", "bfloat16", "float16"),
+        help="recurrent state of hybrid models (vLLM keeps it in the model dtype: auto)",
+    )
+    parser.add_argument(
         "--no-async-scheduling", action="store_true", help="one step at a time (comparisons)"
     )
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvloom.kernels.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from kvloom.kernels.kda import chunk_kda, kda_log_decay, recurrent_kda
+from kvloom.kernels.causal_conv1d import causal_conv1d_varlen
+from kvloom.kernels.kda import chunk_kda, kda_log_decay
+from kvloom.kernels.ops import causal_conv1d_update, recurrent_kda
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.layers.linear import (
     ColumnParallelLinear,
@@ -219,7 +220,7 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
             has_state,
             use_qk_l2norm=True,
         )
-        self.recurrent_state[row_slots] = state
+        self.recurrent_state[row_slots] = state.to(self.recurrent_state.dtype)
         core[tokens] = out.to(core.dtype)
 
     def _decode(self, mixed, g, beta, split: LinearRows, slots, core) -> None:

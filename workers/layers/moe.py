@@ -25,12 +25,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvloom.kernels.activation import silu_and_mul_ref
-from kvloom.kernels.dispatch import use_triton
+from kvloom.kernels.dispatch import TRITON_DTYPES, use_triton
+from kvloom.kernels.moe_router import softmax_topk_ref
 from kvloom.kernels.ops import fused_moe
 from kvloom.workers.layers.linear import check_shape
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
 
 SUPPORTED_ACTIVATIONS = ("silu",)
+# Rows the fused router kernel holds in registers (its MAX_EXPERTS; kept here so CPU-only
+# installs never import triton); wider routers take the reference.
+MAX_ROUTER_EXPERTS = 8192
 
 # Checkpoint projection name -> (FusedMoE child, part index within that child).
 # Qwen/DeepSeek spell them gate/up/down_proj; Mixtral-style checkpoints (Kimi-Linear) w1/w3/w2.
@@ -72,13 +76,16 @@ def route_softmax_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts (float32, or float64 for float64 logits), the top-k
     probabilities, renormalised to sum to 1 when `renormalize` (norm_topk_prob).
-    Weights come back in the logits' dtype, as transformers' Qwen3-Next router returns them."""
-    _check_logits(router_logits, top_k)
-    probs = torch.softmax(router_logits.to(_routing_dtype(router_logits)), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(router_logits.dtype), ids
+    Weights come back in the logits' dtype, as transformers' Qwen3-Next router returns them;
+    ids are int64. On CUDA one Triton launch (`kernels.moe_router_triton`, same answer;
+    read its docstring for ties and NaN), else `kernels.moe_router.softmax_topk_ref`."""
+    num_experts = _check_logits(router_logits, top_k)
+    if use_triton(router_logits) and num_experts <= MAX_ROUTER_EXPERTS:
+        # One fused launch (no host sync) for the ~6 torch kernels of the reference.
+        from kvloom.kernels.moe_router_triton import softmax_topk_triton
+
+        return softmax_topk_triton(router_logits, top_k, bool(renormalize))
+    return softmax_topk_ref(router_logits, top_k, renormalize)
 
 
 def route_grouped_sigmoid_topk(
@@ -240,7 +247,11 @@ class FusedMoE(nn.Module):
         _check_input("topk_weights", topk_weights, tuple(topk_ids.shape))
         if use_triton(hidden):
             # One fused launch sequence with no host sync (CUDA graphs capture it).
-            out = fused_moe(hidden, self.w13, self.w2, topk_weights.float(), topk_ids)
+            # The kernel reads half-precision weights as float32 itself (exact), so no cast
+            # launch; only a dtype it does not take is converted.
+            if topk_weights.dtype not in TRITON_DTYPES:
+                topk_weights = topk_weights.float()
+            out = fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids)
         else:
             out = self._expert_loop(hidden, topk_weights, topk_ids)
         if self.reduce_results and self.tp.world_size > 1:
