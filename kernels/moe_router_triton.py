@@ -1,0 +1,151 @@
+"""Softmax top-k MoE routing in one launch: the Triton kernel.
+
+Same semantics as `moe_router.softmax_topk_ref` (softmax over experts in float32, the k
+largest probabilities sorted descending, renormalised by their sum when asked, weights in
+the logits' dtype, ids int64). Unfused, torch spends ~6 launches per MoE layer on it
+(cast, softmax, topk, sum, divide, cast); here one program per token holds its whole row
+of logits in registers and writes the k weights and ids.
+
+Choice: top-k of the softmax is top-k of the logits (exp is monotone), so the experts are
+picked on the logits themselves, exactly, in any dtype. Each logit becomes one int64 key,
+its float32 value mapped to an order-preserving integer in the high half and
+(E_PAD - 1 - expert) in the low half, so one max reduction per pick yields the value and,
+on ties, the lowest expert id; the picked lane's key is then knocked out.
+
+Weights follow the reference's rounding points: m = max logit, s = sum_e exp(l_e - m),
+p_j = exp(l_j - m) / s for each pick, and when renormalising p_j / sum_j p_j (the
+reference divides the already-rounded probabilities by their float32 sum), with
+correctly rounded division (`div_rn`) and `gdn_gates_triton.exp_f32` (a few ulps; the
+compiled tl.exp loses up to |x| * 2^-24 relative). Only the order of the two sums and
+exp's last bits differ from torch, so float32 weights agree to a few ulps and
+half-precision ones after their final rounding (rare one-ulp flips).
+
+Defined edge cases (the reference's NaN ordering is torch.topk's and unspecified on ties):
+  * Ties: the lowest expert id comes first.
+  * NaN: a row with any NaN logit gets all-NaN weights (the softmax is NaN, as in torch);
+    its NaN experts rank above every number (as torch.topk ranks NaN), lowest id first.
+    Ids are always distinct and in [0, E): a pick only ever lands on a lane holding a
+    real expert that was not picked yet (k <= E), and the id is clamped besides.
+  * +inf logits make the row's softmax NaN, as in torch; -inf logits are probability 0.
+
+No host synchronisation: the launch is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvloom.kernels.arg_checks_triton import check_dtype, next_power_of_2
+from kvloom.kernels.gdn_gates_triton import exp_f32
+from kvloom.kernels.moe_router import check_router_args
+
+MAX_EXPERTS = 8192  # one program holds a whole row of logits (and its keys) in registers
+KNOCKED_OUT = tl.constexpr(-(2**63))  # below every real key: picked lanes and padding
+
+
+@triton.jit
+def _sortable_key(x):
+    """float32 -> int32 whose signed order is the float order (-0.0 just below +0.0)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _key_value(key):
+    """The inverse of `_sortable_key`."""
+    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _softmax_topk_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_experts,
+    stride_lt,
+    stride_le,
+    stride_wt,
+    stride_it,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, E_PAD)
+    real = experts < num_experts
+    logits = tl.load(
+        logits_ptr + token * stride_lt + experts * stride_le, mask=real, other=float("-inf")
+    ).to(tl.float32)
+    is_nan = logits != logits
+    has_nan = tl.max(is_nan.to(tl.int32), axis=0) > 0
+    # NaN ranks above everything (torch.topk's order); weights of such rows become NaN below.
+    value = tl.where(is_nan, float("inf"), logits)
+    row_max = tl.max(value, axis=0)
+    denom = tl.sum(tl.where(real, exp_f32(logits - row_max), 0.0), axis=0)
+
+    low = (E_PAD - 1 - experts).to(tl.int64)
+    keys = tl.where(real, (_sortable_key(value).to(tl.int64) << 32) | low, KNOCKED_OUT)
+    slots = tl.arange(0, K_PAD)
+    out_w = tl.zeros([K_PAD], dtype=tl.float32)
+    out_id = tl.zeros([K_PAD], dtype=tl.int64)
+    for j in range(TOP_K):
+        best = tl.max(keys, axis=0)
+        # The low half is < E_PAD: truncating to int32 keeps it exactly.
+        expert = (E_PAD - 1) - best.to(tl.int32)
+        expert = tl.minimum(tl.maximum(expert, 0), num_experts - 1)
+        prob = tl.math.div_rn(exp_f32(_key_value((best >> 32).to(tl.int32)) - row_max), denom)
+        out_w = tl.where(slots == j, prob, out_w)
+        out_id = tl.where(slots == j, expert, out_id)
+        keys = tl.where(experts == expert, KNOCKED_OUT, keys)
+    if RENORMALIZE:
+        out_w = tl.math.div_rn(out_w, tl.sum(out_w, axis=0))  # unused slots hold 0
+    out_w = tl.where(has_nan, float("nan"), out_w)
+    used = slots < TOP_K
+    tl.store(
+        weights_ptr + token * stride_wt + slots, out_w.to(weights_ptr.dtype.element_ty), mask=used
+    )
+    tl.store(ids_ptr + token * stride_it + slots, out_id, mask=used)
+
+
+def softmax_topk_triton(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] (float16/bfloat16/float32, any strides, E <= MAX_EXPERTS) ->
+    (weights [T, k] in the logits' dtype, ids [T, k] int64), both contiguous."""
+    num_experts = check_router_args(router_logits, top_k)
+    check_dtype("router_logits", router_logits)
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(
+            f"router_logits: {num_experts} experts exceed the kernel's limit {MAX_EXPERTS}"
+        )
+    if not isinstance(renormalize, bool):
+        raise ValueError(f"renormalize must be a bool, got {renormalize!r}")
+    num_tokens = router_logits.shape[0]
+    device = router_logits.device
+    weights = torch.empty((num_tokens, top_k), dtype=router_logits.dtype, device=device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
+    if num_tokens == 0:
+        return weights, ids
+    e_pad = next_power_of_2(num_experts)
+    _softmax_topk_kernel[(num_tokens,)](
+        router_logits,
+        weights,
+        ids,
+        num_experts,
+        router_logits.stride(0),
+        router_logits.stride(1),
+        weights.stride(0),
+        ids.stride(0),
+        TOP_K=top_k,
+        K_PAD=next_power_of_2(top_k),
+        E_PAD=e_pad,
+        RENORMALIZE=renormalize,
+        # A warp per 1024 experts: small rows reduce with warp shuffles alone.
+        num_warps=max(1, min(8, e_pad // 1024)),
+        enable_fp_fusion=False,  # round as torch does: no fused multiply-adds
+    )
+    return weights, ids
