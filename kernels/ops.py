@@ -13,6 +13,8 @@ from kvloom.kernels import gated_delta_rule as gdn_ref
 from kvloom.kernels import kda as kda_ref
 from kvloom.kernels.activation import silu_and_mul_ref
 from kvloom.kernels.dispatch import TRITON_DTYPES, use_triton
+from kvloom.kernels.gated_rms_norm import gated_rms_norm_ref
+from kvloom.kernels.gdn_gates import gdn_gates_ref
 from kvloom.kernels.kv_cache_write import write_kv_cache_ref
 from kvloom.kernels.paged_attention import paged_attention_ref
 from kvloom.kernels.rms_norm import rms_norm_ref
@@ -118,6 +120,24 @@ def recurrent_gated_delta_rule(
     return gdn_ref.recurrent_gated_delta_rule(
         q, k, v, g, beta, state, state_indices, scale=scale, use_qk_l2norm=use_qk_l2norm
     )
+
+
+def gdn_gates(ba, A_log, dt_bias, group_v_heads):
+    """Gated DeltaNet's decay g (float32) and beta from the in_proj_ba output, read in place."""
+    if use_triton(ba):
+        from kvloom.kernels.gdn_gates_triton import gdn_gates_triton
+
+        return gdn_gates_triton(ba, A_log, dt_bias, group_v_heads)
+    return gdn_gates_ref(ba, A_log, dt_bias, group_v_heads)
+
+
+def gated_rms_norm(x, gate, weight, eps):
+    """RMSNorm per head times silu(gate); the gate may be a strided [T, Hk, r, D] view."""
+    if use_triton(x):
+        from kvloom.kernels.gated_rms_norm_triton import gated_rms_norm_triton
+
+        return gated_rms_norm_triton(x, gate, weight, eps)
+    return gated_rms_norm_ref(x, gate, weight, eps)
 
 
 def recurrent_kda(q, k, v, g, beta, state, state_indices, *, scale=None, use_qk_l2norm=False):

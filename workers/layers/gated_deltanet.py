@@ -24,7 +24,6 @@ Tensor parallelism splits key-head groups (and with them their value heads) over
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvloom.cluster.kv_cache.spec import LinearStateSpec
@@ -32,6 +31,8 @@ from kvloom.kernels.causal_conv1d import causal_conv1d_varlen
 from kvloom.kernels.ops import (
     causal_conv1d_update,
     chunk_gated_delta_rule,
+    gated_rms_norm,
+    gdn_gates,
     recurrent_gated_delta_rule,
 )
 from kvloom.workers.attention_metadata import ForwardBatch
@@ -58,11 +59,8 @@ class GatedRMSNorm(nn.Module):
         self.weight.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        acc = _compute_dtype(x.dtype)
-        h = x.to(acc)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(x.dtype)
-        return (h * F.silu(gate.to(acc))).to(x.dtype)
+        """x [T, H, D]; gate [T, H, D] or a strided [T, Hk, r, D] view (one kernel)."""
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class ShardedDepthwiseConv(nn.Module):
@@ -159,22 +157,19 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
 
     # -- forward --------------------------------------------------------------------
     def _split_projections(self, hidden: torch.Tensor):
-        """-> mixed_qkv [T, C] (conv input, channels [q | k | v]), z [T, Hv, Dv],
-        b and a [T, Hv]."""
+        """-> mixed_qkv [T, C] (conv input, channels [q | k | v]), z as a [T, Hk, r, Dv]
+        view of the projection (no copy), and the raw in_proj_ba output [T, Hk * 2r]."""
         tokens = hidden.shape[0]
         dk, dv, r = self.head_k_dim, self.head_v_dim, self.group_v_heads
         qkvz = self.in_proj_qkvz(hidden).view(tokens, self.num_k_heads, -1)
         q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
-        ba = self.in_proj_ba(hidden).view(tokens, self.num_k_heads, 2 * r)
-        b, a = ba.split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)], -1)
-        z = z.reshape(tokens, self.num_v_heads, dv)
-        return mixed, z, b.reshape(tokens, self.num_v_heads), a.reshape(tokens, self.num_v_heads)
+        return mixed, z.view(tokens, self.num_k_heads, r, dv), self.in_proj_ba(hidden)
 
-    def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        acc = _compute_dtype(a.dtype)
-        g = -self.A_log.to(acc).exp() * F.softplus(a.to(acc) + self.dt_bias.to(acc))
-        return g, b.sigmoid()
+    def _gates(self, ba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """g = -exp(A_log) * softplus(a + dt_bias) (float32), beta = sigmoid(b), one kernel
+        reading b and a where the projection put them."""
+        return gdn_gates(ba, self.A_log, self.dt_bias, self.group_v_heads)
 
     def _split_heads(self, mixed: torch.Tensor):
         key_dim = self.num_k_heads * self.head_k_dim
@@ -188,8 +183,8 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """hidden [T, H] -> [T, H]; reads and writes each row's state page."""
-        mixed, z, b, a = self._split_projections(hidden)
-        g, beta = self._gates(a, b)
+        mixed, z, ba = self._split_projections(hidden)
+        g, beta = self._gates(ba)
         slots = batch.group_for(self.layer_index).state_indices
         if batch.decode_only:
             return self.out_proj(self.norm(self._decode_all(mixed, g, beta, slots), z).flatten(1))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from kvloom.kernels.ops import gdn_gates
 from kvloom.workers.layers.gated_deltanet import GatedDeltaNet
 from kvloom.workers.layers.linear import ColumnParallelLinear, check_shape
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
@@ -59,9 +60,13 @@ class GatedDeltaNetSplit(GatedDeltaNet):
         self.in_proj_a = ColumnParallelLinear(hidden, [num_v], tp=tp, dtype=dtype)
 
     def _split_projections(self, hidden: torch.Tensor):
-        """-> mixed_qkv [T, C] (conv input, channels [q | k | v]), z [T, Hv, Dv],
-        b and a [T, Hv]."""
+        """-> mixed_qkv [T, C] (conv input, channels [q | k | v]), z [T, Hv, Dv], and
+        [b | a] [T, 2 * Hv]: the parent's gate layout with all value heads in one group."""
         tokens = hidden.shape[0]
         mixed = self.in_proj_qkv(hidden)
         z = self.in_proj_z(hidden).view(tokens, self.num_v_heads, self.head_v_dim)
-        return mixed, z, self.in_proj_b(hidden), self.in_proj_a(hidden)
+        ba = torch.cat([self.in_proj_b(hidden), self.in_proj_a(hidden)], dim=-1)
+        return mixed, z, ba
+
+    def _gates(self, ba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return gdn_gates(ba, self.A_log, self.dt_bias, self.num_v_heads)
