@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvloom.kernels.ops import linear
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -73,7 +74,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset : offset + end - start].copy_(loaded[start:end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         return self.tp.all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -165,7 +166,7 @@ class RowParallelLinear(nn.Module):
             y = self.tp.all_reduce(linear_float32_out(x, self.weight))
             y = y + self.bias if self.bias is not None else y
             return y.to(x.dtype)
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.reduce_results and self.tp.world_size > 1:
             y = self.tp.all_reduce(y)
         # Bias once, after the reduction, so it is not counted world_size times.
@@ -186,4 +187,4 @@ class ReplicatedLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)

@@ -1,0 +1,36 @@
+"""Small-M linear layer y = x @ W^T (+ bias): the pure-torch reference of `gemv_triton`.
+
+Rounding, exactly where it happens (the Triton kernel does the same):
+1. every product and partial sum is float32 (float64 inputs stay float64);
+2. the bias, if any, is added to the float32 sum, in float32;
+3. the result is rounded once, to x's dtype.
+Only the order of the K-sum differs between the two (see gemv_triton's module docstring),
+so the kernel's result is within a few float32 ulps of this one before the final rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvloom.kernels.paged_attention import compute_dtype
+
+GEMV_MAX_M = 8  # most rows the Triton GEMV serves; more rows use cuBLAS (F.linear)
+
+
+def gemv_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K], weight [N, K] (nn.Linear layout), bias [N] or None -> [M, N] in x's dtype."""
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-D [M, K] tensor, got shape {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"weight: expected shape [N, {x.shape[1]}] (x's K), got {tuple(weight.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    acc = compute_dtype(x.dtype)
+    y = x.to(acc) @ weight.to(acc).t()
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y.to(x.dtype)

@@ -1,0 +1,417 @@
+"""Small-M linear layer y = x @ W^T (+ bias) for decode: a weight-streaming Triton GEMV.
+
+At batch 1..8 a linear layer reads its whole weight once and does M multiply-adds per
+weight element, so it is bound by HBM bandwidth. One program owns BLOCK_N output features
+for all M rows: it streams its [BLOCK_N, K] weight slab once, BLOCK_K columns per loop
+step (num_stages > 1: software-pipelined through shared memory by `tl.range`; 1: plain
+loads, all chunks of a step in flight at once), and each weight tile is converted to
+float32 once and used by every row. No tensor cores: with
+M <= 8 the CUDA cores keep up with HBM, and the summation order stays ours to define.
+
+Summation order (the same for every M and every plan with the same `split_k`):
+  the K axis is cut into LANES = 64 interleaved lanes (lane j holds k = j, j + 64, ...).
+  Each lane accumulates its terms in increasing k with a float32 fused multiply-add;
+  the 64 lane sums are then added by a fixed pairwise tree ((0+1), (2+3), ... and so on
+  up). A row's arithmetic never touches another row, and BLOCK_N / BLOCK_K / num_warps /
+  num_stages only change how the same operations are scheduled, so:
+  - row t of a batch-M launch is bitwise equal to a batch-1 launch on that row, and
+  - every plan with the same `split_k` gives bitwise the same output (invariant 7).
+  With split_k = S > 1 the K axis is first cut into S contiguous ranges (multiples of
+  LANES); each range is summed as above into a float32 workspace [S, M, N], and a second
+  launch adds the S partials in order 0..S-1. That is a different order from S = 1, so
+  `choose_gemv_plan` keeps S a function of the shape only, never of M.
+Rounding is the reference's (`gemv.gemv_ref`): float32 sum, + bias in float32, one
+rounding to x's dtype.
+
+Deterministic (no atomics) and CUDA-graph capturable: no host sync; it allocates only the
+output and, with split_k > 1, a float32 workspace of S * M * N elements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kvloom.kernels.arg_checks_triton import check_dtype, check_same_device
+from kvloom.kernels.gemv import GEMV_MAX_M
+
+LANES = 64  # fixes the summation order; never depends on a plan
+_LANES = tl.constexpr(LANES)  # the same, readable inside kernels
+_HOPPER_SMS = 132  # H100 / H200 SXM; the default plan aims at >= 1.5 programs per SM
+_REDUCE_BLOCK = 1024  # features per program of the split-K reduce launch
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvPlan:
+    """Tiling of one gemv launch; it changes speed only, never results (same split_k)."""
+
+    block_n: int  # output features per program (power of 2)
+    block_k: int  # K columns per loop step (a multiple of LANES)
+    num_warps: int
+    num_stages: int  # software-pipelining depth of the K loop (1: none)
+    split_k: int = 1  # > 1: K split over programs, partials reduced by a second launch
+
+    def __post_init__(self) -> None:
+        def bad(field: str, value: int, want: str) -> ValueError:
+            return ValueError(f"plan.{field}: {value!r} is not {want}")
+
+        for field in ("block_n", "block_k", "num_warps", "num_stages", "split_k"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise bad(field, value, "an int")
+        if not (1 <= self.block_n <= 256 and _is_pow2(self.block_n)):
+            raise bad("block_n", self.block_n, "a power of 2 in [1, 256]")
+        if not (LANES <= self.block_k <= 4096 and self.block_k % LANES == 0):
+            raise bad("block_k", self.block_k, f"a multiple of {LANES} in [{LANES}, 4096]")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise bad("num_warps", self.num_warps, "one of 1, 2, 4, 8, 16")
+        if not 1 <= self.num_stages <= 8:
+            raise bad("num_stages", self.num_stages, "in [1, 8]")
+        if not 1 <= self.split_k <= 64:
+            raise bad("split_k", self.split_k, "in [1, 64]")
+
+    @property
+    def name(self) -> str:
+        return (
+            f"n{self.block_n}_k{self.block_k}_w{self.num_warps}_s{self.num_stages}_sk{self.split_k}"
+        )
+
+
+# Measured plans for 16-bit weights, keyed by (N, K), then by the largest M each plan
+# serves (a launch with m rows takes the smallest key >= m). benchmarks/gemv_plans.py
+# prints entries in this form. All plans of one shape must share split_k (checked below),
+# so the output of a row never depends on how many rows share its launch.
+GEMV_PLAN_TABLE: dict[tuple[int, int], dict[int, GemvPlan]] = {}
+
+
+def check_plan_table(table: dict[tuple[int, int], dict[int, GemvPlan]]) -> None:
+    """Every shape's entry covers M up to GEMV_MAX_M with plans of one split_k."""
+    for shape, by_m in table.items():
+        if not by_m or max(by_m) < GEMV_MAX_M or min(by_m) < 1:
+            raise ValueError(
+                f"GEMV_PLAN_TABLE[{shape}]: M keys {sorted(by_m)} must lie in "
+                f"[1, {GEMV_MAX_M}] and include {GEMV_MAX_M}"
+            )
+        splits = {plan.split_k for plan in by_m.values()}
+        if len(splits) != 1:
+            raise ValueError(
+                f"GEMV_PLAN_TABLE[{shape}]: plans mix split_k {sorted(splits)}; one split_k "
+                "per shape keeps results independent of M"
+            )
+
+
+check_plan_table(GEMV_PLAN_TABLE)
+
+
+def default_gemv_plan(n: int, k: int) -> GemvPlan:
+    """A Hopper default: the widest block_n that still gives >= 1.5 programs per SM, 8
+    elements (16 bytes of bf16) per thread per 64-lane chunk, and memory parallelism from
+    a 6-stage pipeline of 128-column steps (5 steps, 5 * block_n * 256 bytes, in flight
+    per program). Plain loads (num_stages = 1) keep only about two 16-byte loads in flight
+    per thread (ptxas does not hoist the next chunk's loads), too few for HBM; deeper
+    steps (more chunks per step) multiply the pipelined loads and the compile time."""
+    block_n = 4
+    for candidate in (32, 16, 8):
+        if triton.cdiv(n, candidate) * 2 >= 3 * _HOPPER_SMS:
+            block_n = candidate
+            break
+    return GemvPlan(block_n, 128, max(1, block_n // 4), 6, 1)
+
+
+def choose_gemv_plan(m: int, n: int, k: int, dtype: torch.dtype) -> GemvPlan:
+    """The plan for an [m, k] x [n, k]^T launch: the measured table for 16-bit dtypes,
+    else the default. The split_k it returns depends on (n, k, dtype) only."""
+    if not 1 <= m <= GEMV_MAX_M:
+        raise ValueError(f"m: {m} rows is outside [1, GEMV_MAX_M={GEMV_MAX_M}]")
+    if n < 1 or k < 0:
+        raise ValueError(f"n, k: expected n >= 1 and k >= 0, got n={n}, k={k}")
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"dtype: {dtype} is not float16, bfloat16 or float32")
+    by_m = GEMV_PLAN_TABLE.get((n, k)) if dtype != torch.float32 else None
+    if by_m:
+        return by_m[min(key for key in by_m if key >= m)]
+    return default_gemv_plan(n, k)
+
+
+def split_k_len(k: int, split_k: int) -> int:
+    """Columns per K range with split_k ranges: a multiple of LANES (the last may be short)."""
+    return triton.cdiv(triton.cdiv(k, LANES), split_k) * LANES
+
+
+def is_even_k(k: int, plan: GemvPlan) -> bool:
+    """Whether every K range is whole loop steps (the kernel then loads without masks);
+    one of the compile-time switches, with M and the plan's fields."""
+    split_len = split_k_len(k, plan.split_k)
+    return split_len % plan.block_k == 0 and split_len * plan.split_k == k
+
+
+@triton.jit
+def _pair_sum(v, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """[BLOCK_N, 2 * HALF] -> [BLOCK_N, HALF]: lane i becomes lanes 2i + (2i + 1)."""
+    even, odd = tl.split(tl.reshape(v, [BLOCK_N, HALF, 2]))
+    return even + odd
+
+
+@triton.jit
+def _lane_tree_sum(acc, BLOCK_N: tl.constexpr):
+    """Adds the 64 lane sums of each feature in a fixed pairwise order (layout-free)."""
+    v = _pair_sum(acc, BLOCK_N, 32)
+    v = _pair_sum(v, BLOCK_N, 16)
+    v = _pair_sum(v, BLOCK_N, 8)
+    v = _pair_sum(v, BLOCK_N, 4)
+    v = _pair_sum(v, BLOCK_N, 2)
+    v = _pair_sum(v, BLOCK_N, 1)
+    return tl.reshape(v, [BLOCK_N])
+
+
+@triton.jit
+def _row_fma(acc, w, x_row, kk, lanes, k_end, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc[n, j] = fma(w[n, j], x[kk + j], acc[n, j]) for one row's 64-lane chunk."""
+    if EVEN_K:
+        x = tl.load(x_row + kk + lanes)
+    else:
+        x = tl.load(x_row + kk + lanes, mask=kk + lanes < k_end, other=0.0)
+    x = tl.broadcast_to(x.to(tl.float32)[None, :], (BLOCK_N, _LANES))
+    return tl.fma(w, x, acc)
+
+
+@triton.jit
+def _store_row(acc, bias, out_row, n_offs, n_mask, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+    y = _lane_tree_sum(acc, BLOCK_N)
+    if HAS_BIAS:
+        y = y + bias
+    tl.store(out_row + n_offs, y.to(out_row.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    stride_os,
+    split_len,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """Program (i, s): features [i * BLOCK_N, (i + 1) * BLOCK_N) of all ROWS rows over K
+    range s. Rows are unrolled by hand (one accumulator each, ROWS <= 8) so every row
+    runs the same arithmetic whatever ROWS is; rows past ROWS are compiled out."""
+    tl.static_assert(_LANES == 64)  # _lane_tree_sum is written for 64 lanes
+    tl.static_assert(ROWS <= 8)
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n_offs < N
+    # Tail features re-read feature N - 1 (in bounds, so weight loads need no mask); their
+    # results are never stored.
+    n_rows = tl.minimum(n_offs, N - 1).to(tl.int64)
+    lanes = tl.arange(0, _LANES)
+    w_tile = w_ptr + n_rows[:, None] * K + lanes[None, :]
+    k_start = pid_s * split_len
+    k_end = tl.minimum(k_start + split_len, K)
+    out_base = out_ptr + pid_s * stride_os
+
+    acc0 = tl.zeros([BLOCK_N, _LANES], dtype=tl.float32)
+    if ROWS > 1:
+        acc1 = tl.zeros([BLOCK_N, _LANES], dtype=tl.float32)
+    if ROWS > 2:
+        acc2 = tl.zeros([BLOCK_N, _LANES], dtype=tl.float32)
+    if ROWS > 3:
+        acc3 = tl.zeros([BLOCK_N, _LANES], dtype=tl.float32)
+    if ROWS > 4:
+        acc4 = tl.zeros([BLOCK_N, _LANES], dtype=tl.float32)
+    if ROWS > 5:
+        acc5 = tl.zeros([BLOCK_N, _LANES], dtype=tl.float32)
+    if ROWS > 6:
+        acc6 = tl.zeros([BLOCK_N, _LANES], dtype=tl.float32)
+    if ROWS > 7:
+        acc7 = tl.zeros([BLOCK_N, _LANES], dtype=tl.float32)
+
+    for k0 in tl.range(k_start, k_start + split_len, CHUNKS * _LANES, num_stages=NUM_STAGES):
+        for c in tl.static_range(CHUNKS):
+            kk = k0 + c * _LANES
+            if EVEN_K:
+                w = tl.load(w_tile + kk, eviction_policy="evict_first")
+            else:
+                k_ok = (kk + lanes < k_end)[None, :]
+                w = tl.load(w_tile + kk, mask=k_ok, other=0.0, eviction_policy="evict_first")
+            w = w.to(tl.float32)
+            acc0 = _row_fma(acc0, w, x_ptr, kk, lanes, k_end, BLOCK_N, EVEN_K)
+            if ROWS > 1:
+                acc1 = _row_fma(acc1, w, x_ptr + stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K)
+            if ROWS > 2:
+                acc2 = _row_fma(acc2, w, x_ptr + 2 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K)
+            if ROWS > 3:
+                acc3 = _row_fma(acc3, w, x_ptr + 3 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K)
+            if ROWS > 4:
+                acc4 = _row_fma(acc4, w, x_ptr + 4 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K)
+            if ROWS > 5:
+                acc5 = _row_fma(acc5, w, x_ptr + 5 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K)
+            if ROWS > 6:
+                acc6 = _row_fma(acc6, w, x_ptr + 6 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K)
+            if ROWS > 7:
+                acc7 = _row_fma(acc7, w, x_ptr + 7 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K)
+
+    bias = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + n_rows).to(tl.float32)
+    _store_row(acc0, bias, out_base, n_offs, n_mask, BLOCK_N, HAS_BIAS)
+    if ROWS > 1:
+        _store_row(acc1, bias, out_base + stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS)
+    if ROWS > 2:
+        _store_row(acc2, bias, out_base + 2 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS)
+    if ROWS > 3:
+        _store_row(acc3, bias, out_base + 3 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS)
+    if ROWS > 4:
+        _store_row(acc4, bias, out_base + 4 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS)
+    if ROWS > 5:
+        _store_row(acc5, bias, out_base + 5 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS)
+    if ROWS > 6:
+        _store_row(acc6, bias, out_base + 6 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS)
+    if ROWS > 7:
+        _store_row(acc7, bias, out_base + 7 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS)
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    ws_ptr,
+    b_ptr,
+    out_ptr,
+    N,
+    stride_ws_split,
+    stride_om,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    """out[row, n] = round(((p_0 + p_1) + ...) + p_{S-1} (+ bias)), partials in order."""
+    row = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    part = ws_ptr + row * N + cols
+    y = tl.load(part, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        y = y + tl.load(part + s * stride_ws_split, mask=mask, other=0.0)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gemv_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    plan: GemvPlan | None = None,
+) -> torch.Tensor:
+    """y = x @ weight^T (+ bias) as [M, N] in x's dtype, for 0 <= M <= GEMV_MAX_M.
+
+    x: [M, K], last dim contiguous (rows may be strided); weight: contiguous [N, K] of
+    x's dtype (nn.Linear layout); bias: [N] of x's dtype or None. `plan` overrides
+    `choose_gemv_plan`.
+    """
+    _check_args(x, weight, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > GEMV_MAX_M:
+        raise ValueError(f"x: {m} rows exceed GEMV_MAX_M={GEMV_MAX_M}; use F.linear")
+    if plan is None:
+        plan = choose_gemv_plan(max(m, 1), n, k, x.dtype)
+    elif not isinstance(plan, GemvPlan):
+        raise ValueError(f"plan: expected a GemvPlan or None, got {type(plan).__name__}")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+
+    split_len = split_k_len(k, plan.split_k)
+    even_k = is_even_k(k, plan)
+    grid = (triton.cdiv(n, plan.block_n), plan.split_k)
+    common = dict(
+        ROWS=m,
+        BLOCK_N=plan.block_n,
+        CHUNKS=plan.block_k // LANES,
+        NUM_STAGES=plan.num_stages,
+        EVEN_K=even_k,
+        num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
+    )
+    b = bias if bias is not None else weight  # placeholder pointer when there is no bias
+    if plan.split_k == 1:
+        _gemv_kernel[grid](
+            x,
+            weight,
+            b,
+            out,
+            n,
+            k,
+            x.stride(0),
+            out.stride(0),
+            0,
+            split_len,
+            HAS_BIAS=bias is not None,
+            **common,
+        )
+        return out
+    ws = torch.empty((plan.split_k, m, n), dtype=torch.float32, device=x.device)
+    _gemv_kernel[grid](
+        x, weight, b, ws, n, k, x.stride(0), n, m * n, split_len, HAS_BIAS=False, **common
+    )
+    _split_k_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
+        ws,
+        b,
+        out,
+        n,
+        m * n,
+        out.stride(0),
+        SPLIT_K=plan.split_k,
+        BLOCK=_REDUCE_BLOCK,
+        HAS_BIAS=bias is not None,
+        num_warps=4,
+    )
+    return out
+
+
+def _check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-D [M, K] tensor, got shape {tuple(x.shape)}")
+    check_dtype("x", x)
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError("x: the last dim must be contiguous (stride 1)")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"weight: expected shape [N, {x.shape[1]}] (x's K), got {tuple(weight.shape)}"
+        )
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight: dtype {weight.dtype} differs from x's {x.dtype}")
+    if not weight.is_contiguous():
+        raise ValueError("weight: must be contiguous [N, K]")
+    if bias is not None:
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        if bias.shape[0] > 1 and bias.stride(0) != 1:
+            raise ValueError("bias: must be contiguous")
+        if bias.dtype != x.dtype:
+            raise ValueError(f"bias: dtype {bias.dtype} differs from x's {x.dtype}")
+    check_same_device(x=x, weight=weight, bias=bias)
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"x: the Triton kernel needs a CUDA tensor, got device {x.device}")
+
+
+def _is_pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
