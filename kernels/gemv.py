@@ -15,6 +15,10 @@ import torch
 from kvloom.kernels.paged_attention import compute_dtype
 
 GEMV_MAX_M = 8  # most rows the Triton GEMV serves; more rows use cuBLAS (F.linear)
+# Rows up to which the linear layers use it: on an H200 it beat cuBLAS by 1.04-1.31x at
+# one and two rows on the Qwen3-8B and Qwen3-Next shapes, and lost at four (0.71-0.98x on
+# all but the smallest shapes; benchmarks/gemv_plans.py, docs/benchmarks/gpu_fast_path.md).
+GEMV_DISPATCH_MAX_M = 2
 
 
 def gemv_ref(

@@ -45,6 +45,10 @@ _HOPPER_SMS = 132  # H100 / H200 SXM; the default plan aims at >= 1.5 programs p
 _REDUCE_BLOCK = 1024  # features per program of the split-K reduce launch
 
 
+def _is_pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
 @dataclasses.dataclass(frozen=True)
 class GemvPlan:
     """Tiling of one gemv launch; it changes speed only, never results (same split_k)."""
@@ -85,7 +89,65 @@ class GemvPlan:
 # serves (a launch with m rows takes the smallest key >= m). benchmarks/gemv_plans.py
 # prints entries in this form. All plans of one shape must share split_k (checked below),
 # so the output of a row never depends on how many rows share its launch.
-GEMV_PLAN_TABLE: dict[tuple[int, int], dict[int, GemvPlan]] = {}
+# Measured on an H200 (torch 2.11, Triton 3.6) by benchmarks/gemv_plans.py, each plan
+# timed inside a CUDA graph over weights that do not fit in L2 (2026-11-30); the
+# comments give its time and its speed against cuBLAS at that M.
+GEMV_PLAN_TABLE: dict[tuple[int, int], dict[int, GemvPlan]] = {
+    (6144, 4096): {  # N, K
+        1: GemvPlan(4, 128, 1, 6, 1),  # 13.7 us, 3668 GB/s, 1.10x cuBLAS
+        2: GemvPlan(16, 128, 4, 6, 1),  # 14.7 us, 3425 GB/s, 1.05x cuBLAS
+        4: GemvPlan(32, 128, 4, 6, 1),  # 19.4 us, 2592 GB/s, 0.82x cuBLAS
+        8: GemvPlan(32, 128, 4, 6, 1),  # 32.9 us, 1528 GB/s, 0.47x cuBLAS
+    },
+    (4096, 4096): {  # N, K
+        1: GemvPlan(16, 128, 4, 8, 1),  # 10.6 us, 3179 GB/s, 1.27x cuBLAS
+        2: GemvPlan(4, 128, 1, 6, 1),  # 11.2 us, 3004 GB/s, 1.17x cuBLAS
+        4: GemvPlan(32, 128, 4, 6, 1),  # 13.4 us, 2512 GB/s, 0.98x cuBLAS
+        8: GemvPlan(32, 128, 4, 6, 1),  # 20.3 us, 1650 GB/s, 0.64x cuBLAS
+    },
+    (24576, 4096): {  # N, K
+        1: GemvPlan(64, 128, 8, 4, 1),  # 47.4 us, 4246 GB/s, 1.01x cuBLAS
+        2: GemvPlan(64, 128, 8, 4, 1),  # 49.3 us, 4082 GB/s, 0.97x cuBLAS
+        4: GemvPlan(64, 128, 8, 4, 1),  # 54.3 us, 3706 GB/s, 0.88x cuBLAS
+        8: GemvPlan(32, 128, 4, 6, 1),  # 92.5 us, 2175 GB/s, 0.57x cuBLAS
+    },
+    (4096, 12288): {  # N, K
+        1: GemvPlan(16, 128, 4, 8, 1),  # 25.2 us, 4000 GB/s, 1.19x cuBLAS
+        2: GemvPlan(16, 256, 4, 4, 1),  # 26.5 us, 3794 GB/s, 1.14x cuBLAS
+        4: GemvPlan(32, 128, 4, 6, 1),  # 33.4 us, 3010 GB/s, 0.90x cuBLAS
+        8: GemvPlan(32, 128, 4, 6, 1),  # 53.5 us, 1882 GB/s, 0.56x cuBLAS
+    },
+    (12288, 2048): {  # N, K
+        1: GemvPlan(16, 128, 4, 4, 1),  # 13.8 us, 3656 GB/s, 1.11x cuBLAS
+        2: GemvPlan(32, 128, 4, 6, 1),  # 14.5 us, 3480 GB/s, 1.04x cuBLAS
+        4: GemvPlan(32, 128, 4, 6, 1),  # 16.8 us, 3004 GB/s, 0.90x cuBLAS
+        8: GemvPlan(32, 128, 4, 6, 1),  # 27.3 us, 1842 GB/s, 0.56x cuBLAS
+    },
+    (2048, 4096): {  # N, K
+        1: GemvPlan(16, 128, 4, 8, 1),  # 7.1 us, 2360 GB/s, 1.31x cuBLAS
+        2: GemvPlan(4, 128, 1, 6, 1),  # 7.8 us, 2161 GB/s, 1.23x cuBLAS
+        4: GemvPlan(16, 256, 4, 4, 1),  # 10.4 us, 1610 GB/s, 0.90x cuBLAS
+        8: GemvPlan(16, 256, 4, 4, 1),  # 15.4 us, 1088 GB/s, 0.61x cuBLAS
+    },
+    (9216, 2048): {  # N, K
+        1: GemvPlan(16, 128, 4, 4, 1),  # 11.1 us, 3411 GB/s, 1.06x cuBLAS
+        2: GemvPlan(16, 128, 4, 4, 1),  # 12.1 us, 3118 GB/s, 0.96x cuBLAS
+        4: GemvPlan(32, 128, 4, 6, 1),  # 16.2 us, 2333 GB/s, 0.71x cuBLAS
+        8: GemvPlan(32, 128, 4, 6, 1),  # 27.0 us, 1399 GB/s, 0.43x cuBLAS
+    },
+    (1024, 2048): {  # N, K
+        1: GemvPlan(4, 128, 1, 6, 1),  # 4.1 us, 1021 GB/s, 3.08x cuBLAS
+        2: GemvPlan(4, 128, 1, 6, 1),  # 4.6 us, 920 GB/s, 2.26x cuBLAS
+        4: GemvPlan(16, 256, 4, 4, 1),  # 6.2 us, 673 GB/s, 1.75x cuBLAS
+        8: GemvPlan(16, 128, 4, 4, 1),  # 8.9 us, 469 GB/s, 0.65x cuBLAS
+    },
+    (2048, 512): {  # N, K
+        1: GemvPlan(4, 128, 1, 6, 1),  # 2.6 us, 800 GB/s, 1.37x cuBLAS
+        2: GemvPlan(4, 128, 1, 6, 1),  # 2.9 us, 729 GB/s, 1.26x cuBLAS
+        4: GemvPlan(16, 128, 4, 4, 1),  # 3.5 us, 603 GB/s, 1.04x cuBLAS
+        8: GemvPlan(16, 128, 4, 4, 1),  # 4.3 us, 490 GB/s, 0.84x cuBLAS
+    },
+}
 
 
 def check_plan_table(table: dict[tuple[int, int], dict[int, GemvPlan]]) -> None:
@@ -411,7 +473,3 @@ def _check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     check_same_device(x=x, weight=weight, bias=bias)
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"x: the Triton kernel needs a CUDA tensor, got device {x.device}")
-
-
-def _is_pow2(v: int) -> bool:
-    return v > 0 and v & (v - 1) == 0

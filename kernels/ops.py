@@ -16,7 +16,7 @@ from kvloom.kernels.activation import silu_and_mul_ref
 from kvloom.kernels.dispatch import TRITON_DTYPES, use_triton
 from kvloom.kernels.gated_rms_norm import gated_rms_norm_ref
 from kvloom.kernels.gdn_gates import gdn_gates_ref
-from kvloom.kernels.gemv import GEMV_MAX_M
+from kvloom.kernels.gemv import GEMV_DISPATCH_MAX_M
 from kvloom.kernels.kv_cache_write import write_kv_cache_ref
 from kvloom.kernels.paged_attention import paged_attention_ref
 from kvloom.kernels.rms_norm import rms_norm_ref
@@ -125,9 +125,9 @@ def recurrent_gated_delta_rule(
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """y = x W^T (+ bias). Half-precision decode-size inputs on CUDA (at most GEMV_MAX_M
-    rows) take the weight-streaming Triton GEMV, which reads the weight at HBM speed in one
-    launch where cuBLAS picks split-K kernels plus a reduce launch; everything else (and
+    """y = x W^T (+ bias). Half-precision inputs of at most GEMV_DISPATCH_MAX_M rows on CUDA
+    take the weight-streaming Triton GEMV, which reads the weight in one launch where
+    cuBLAS picks split-K kernels plus a reduce launch; everything else (and
     KVLOOM_NO_GEMV=1) uses F.linear."""
     if (
         x.dtype in (torch.bfloat16, torch.float16)
@@ -135,7 +135,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and weight.dtype == x.dtype
         and weight.is_contiguous()
         and x.stride(-1) == 1
-        and 1 <= x.numel() // max(x.shape[-1], 1) <= GEMV_MAX_M
+        and 1 <= x.numel() // max(x.shape[-1], 1) <= GEMV_DISPATCH_MAX_M
         and os.environ.get("KVLOOM_NO_GEMV") != "1"
     ):
         from kvloom.kernels.gemv_triton import gemv_triton

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from benchmarks import gemv_plans
 from kvloom.kernels import gemv_triton as gt
-from kvloom.kernels.gemv import gemv_ref
+from kvloom.kernels.gemv import GEMV_DISPATCH_MAX_M, gemv_ref
 from kvloom.kernels.gemv_triton import (
     GEMV_MAX_M,
     GemvPlan,
@@ -498,10 +498,10 @@ def _linear_inputs(rows: int, dtype=torch.bfloat16):
     )
 
 
-@pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_M, GEMV_MAX_M + 1])
+@pytest.mark.parametrize("rows", [1, GEMV_DISPATCH_MAX_M, GEMV_DISPATCH_MAX_M + 1, GEMV_MAX_M])
 def test_ops_linear_routes_decode_sizes_to_the_gemv(monkeypatch, rows):
-    """`ops.linear` (what the linear layers call) takes the GEMV for 1..GEMV_MAX_M rows of
-    a half type where Triton runs, F.linear otherwise and under KVLOOM_NO_GEMV=1."""
+    """`ops.linear` (what the linear layers call) takes the GEMV for 1..GEMV_DISPATCH_MAX_M
+    rows of a half type where Triton runs, F.linear otherwise and under KVLOOM_NO_GEMV=1."""
     from kvloom.kernels import ops
 
     monkeypatch.setattr(ops, "use_triton", lambda t: True)
@@ -511,7 +511,7 @@ def test_ops_linear_routes_decode_sizes_to_the_gemv(monkeypatch, rows):
     monkeypatch.setattr(gt, "gemv_triton", lambda *a, **k: calls.append(a) or real(*a, **k))
     out = ops.linear(x.view(rows, 1, 96), w, b)
     assert out.shape == (rows, 1, 40)
-    if rows <= GEMV_MAX_M:
+    if rows <= GEMV_DISPATCH_MAX_M:
         assert len(calls) == 1
         assert torch.equal(out.view(rows, 40), gemv_triton(x, w, b))
     else:
