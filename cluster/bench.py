@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from kvloom.cluster.engine import Engine
+from kvloom.cluster.gc_freeze import freeze_startup_objects
 from kvloom.cluster.sampling_params import SamplingParams
 
 SHAPES = {
@@ -137,7 +138,7 @@ def decode_weight_bytes(model) -> int:
 
 
 def make_engine(model: str, args) -> Engine:
-    return Engine(
+    engine = Engine(
         model=model,
         dtype=args.dtype,
         load_format=args.load_format,
@@ -152,6 +153,8 @@ def make_engine(model: str, args) -> Engine:
         async_scheduling=False if getattr(args, "no_async_scheduling", False) else None,
         linear_state_dtype=getattr(args, "linear_state_dtype", "float32"),
     )
+    freeze_startup_objects()  # as `kvloom serve` does: the run is this engine's
+    return engine
 
 
 def latency(model: str, args) -> dict:

@@ -26,8 +26,10 @@ POLL_TIMEOUT_S = 0.05
 class SchedulerActor:
     def __init__(self, engine_kwargs: dict[str, Any]):
         from kvloom.cluster.engine import Engine
+        from kvloom.cluster.gc_freeze import freeze_startup_objects
 
         self.engine = Engine(**engine_kwargs)
+        freeze_startup_objects()  # the actor's process serves this one engine
         self._inbox: queue.Queue = queue.Queue()
         self._outputs: list[RequestOutput] = []
         self._cond = threading.Condition()

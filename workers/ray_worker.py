@@ -14,6 +14,7 @@ import socket
 import torch
 
 from kvloom.cluster.config import EngineConfig
+from kvloom.cluster.gc_freeze import freeze_startup_objects
 from kvloom.cluster.scheduler_output import SchedulerOutput
 from kvloom.cluster.step_channel import ChannelClosed, ResultSender, StepSubscriber
 from kvloom.workers.distributed.process_group import RankLayout, init_parallel_state
@@ -59,6 +60,7 @@ class WorkerActor:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
+        freeze_startup_objects()  # the worker process is fully built now
 
     def health(self) -> bool:
         return self.worker is not None

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvloom.cluster.engine import Engine
+from kvloom.cluster.gc_freeze import freeze_startup_objects
 
 
 def build_engine(progress: bool = True, **engine_kwargs: Any):
@@ -26,7 +27,9 @@ def build_engine(progress: bool = True, **engine_kwargs: Any):
         from kvloom.cluster.scheduler_actor import RemoteEngine
 
         return RemoteEngine(dict(engine_kwargs, progress=progress))
-    return Engine(progress=progress, **engine_kwargs)
+    engine = Engine(progress=progress, **engine_kwargs)
+    freeze_startup_objects()  # a serving process: one engine for its whole life
+    return engine
 
 
 def engine_factory(progress: bool = True, **engine_kwargs: Any) -> Callable[[], Engine]:

@@ -1,0 +1,34 @@
+"""Keeps Python's cyclic garbage collector off the objects that live for the whole run.
+
+After start-up the process holds hundreds of thousands of long-lived container objects
+(modules, torch and Triton objects, the block pool's blocks). Every full collection walks
+them all, and the engine's steady trickle of small per-step objects triggers collections
+often: at 512 running requests a full step of host work took 21.4 ms with the default
+collector and 18.4 ms with the start-up objects frozen (measured on the CPU with the model
+stubbed out). Freezing moves them to a permanent generation the collector skips; objects
+made later (requests, outputs) are still collected as usual.
+
+Called where a process serves one engine for its life (`kvloom serve`, the Ray scheduler
+and worker actors, `kvloom bench`), not from `Engine` itself: a frozen object is never
+collected, so a program that builds and drops engines (tests, notebooks) would keep any
+cyclic garbage of the old ones.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+
+_registered = False
+
+
+def freeze_startup_objects() -> None:
+    """Collects once, then freezes what is left (call after the engine is built)."""
+    global _registered
+    gc.collect()
+    gc.freeze()
+    if not _registered:
+        # Frozen objects are never freed at exit; native bindings (nanobind) then report
+        # them as leaks. Handing them back to the collector first keeps exit quiet.
+        atexit.register(gc.unfreeze)
+        _registered = True
