@@ -8,6 +8,8 @@
 #     [profile-dense|profile-hybrid] [latency-hybrid] [plans]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
+# HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
+# state dtype vLLM uses).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -32,7 +34,7 @@ for section in "$@"; do
       ;;
     bench-hybrid)
       for kind in latency throughput; do
-        python3 -m kvloom.cluster.cli bench $kind --shape qwen3-next-24l \
+        python3 -m kvloom.cluster.cli bench $kind --shape qwen3-next-24l ${HYBRID_ARGS:-} \
           --out "$OUT/kvloom_qwen3-next-24l_$kind.json" 2>&1 | tail -15 || status=1
       done
       ;;
