@@ -1,6 +1,6 @@
-"""Draws docs/benchmarks/gpu_fast_path.png from docs/benchmarks/data/gpu_fast_path_h200.json
-and gpu_fast_path_hybrid.png from gpu_fast_path_h200_lease2.json (needs matplotlib, which
-the engine itself does not):
+"""Draws docs/benchmarks/gpu_fast_path.png from docs/benchmarks/data/gpu_fast_path_h200.json,
+gpu_fast_path_hybrid.png from gpu_fast_path_h200_lease2.json and gpu_fast_path_lease3.png
+from gpu_fast_path_h200_lease3.json (needs matplotlib, which the engine itself does not):
 
     python benchmarks/plot_gpu_fast_path.py
 """
@@ -66,6 +66,19 @@ def main() -> None:
         },
         "Qwen3-Next shape (24 layers), batch-1 decode",
         {"kvloom": hybrid["kvloom_output_tok_s"], "vLLM 0.26": hybrid["vllm_output_tok_s"]},
+    )
+    lease3 = json.loads((ROOT / "data" / "gpu_fast_path_h200_lease3.json").read_text())
+    dense, vllm = lease3["dense_qwen3_8b"], lease3["dense_qwen3_8b"]["vllm_same_lease"]
+    figure(
+        "gpu_fast_path_lease3.png",
+        "One H200, same lease (2026-11-30, third lease)",
+        {
+            "HBM floor": dense["floor_ms_per_token"],
+            "kvloom": dense["kvloom_batch1_ms_per_token"],
+            "vLLM 0.26": vllm["batch1_ms_per_token_decode"],
+        },
+        "Qwen3-8B shape, bf16, batch-1 decode",
+        {"kvloom": dense["kvloom_output_tok_s"], "vLLM 0.26": vllm["output_tok_s"]},
     )
 
 
