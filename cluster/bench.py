@@ -5,13 +5,17 @@ benchmark needs only a config. Workloads follow the GPU issue's definitions:
 - latency: one request, 128-token prompt, N decode steps; ms per token, tokens/s, achieved
   GB/s = bytes of weights read per step (embedding table excluded) / step time, and its
   ratio to the device's copy bandwidth measured in the same run;
-- throughput: 1000 requests, prompts U[128, 1024], outputs U[64, 512], seed 0, ignore_eos.
+- throughput: 1000 requests, prompts U[128, 1024], outputs U[64, 512], seed 0, ignore_eos;
+- load: the same requests arriving as a Poisson process at `--request-rate` per second;
+  time to first token (from each request's arrival) and time per output token after the
+  first (its mean inter-token latency), as percentiles over the requests.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -237,10 +241,75 @@ def throughput(model: str, args) -> dict:
     }
 
 
+def percentiles(values: list[float], name: str) -> dict:
+    """{name_p50, name_p90, name_p99, name_mean} in milliseconds (nearest-rank)."""
+    if not values:
+        return {}
+    ordered = sorted(values)
+    out = {}
+    for q in (50, 90, 99):
+        rank = max(1, -(-q * len(ordered) // 100))  # ceil(q% of n), at least the first
+        out[f"{name}_p{q}_ms"] = round(ordered[rank - 1] * 1e3, 2)
+    out[f"{name}_mean_ms"] = round(statistics.fmean(ordered) * 1e3, 2)
+    return out
+
+
+def load(model: str, args) -> dict:
+    """The offline requests arriving at `request_rate` per second (exponential gaps, seed
+    0): TTFT and time per output token under that load."""
+    if not args.request_rate or args.request_rate <= 0:
+        raise ValueError(f"--request-rate must be > 0 for a load run, got {args.request_rate}")
+    engine = make_engine(model, args)
+    requests = offline_workload(args, engine.vocab_size)
+    gaps = random.Random(0)
+    offsets, t = [], 0.0
+    for _ in requests:
+        offsets.append(t)
+        t += gaps.expovariate(args.request_rate)
+    start = time.monotonic()
+    ttft, tpot, out_tokens, next_up = [], [], 0, 0
+    while next_up < len(requests) or engine.has_unfinished_requests():
+        now = time.monotonic()
+        while next_up < len(requests) and start + offsets[next_up] <= now:
+            prompt, out_len = requests[next_up]
+            params = SamplingParams(
+                max_tokens=out_len,
+                temperature=0.0,
+                ignore_eos=True,
+                detokenize=False,
+                output_kind="final_only",
+            )
+            engine.add_request(
+                str(next_up),
+                {"prompt_token_ids": prompt},
+                params,
+                arrival_time=start + offsets[next_up],
+            )
+            next_up += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, start + offsets[next_up] - time.monotonic()))
+            continue
+        for out in engine.step():
+            if out.finished:
+                out_tokens += len(out.outputs[0].token_ids)
+                ttft.append(out.metrics["ttft_s"])
+                if "tpot_s" in out.metrics:
+                    tpot.append(out.metrics["tpot_s"])
+    elapsed = time.monotonic() - start
+    return {
+        "requests": len(requests),
+        "request_rate": args.request_rate,
+        "seconds": round(elapsed, 2),
+        "output_tokens_per_s": round(out_tokens / elapsed, 1),
+        **percentiles(ttft, "ttft"),
+        **percentiles(tpot, "tpot"),
+    }
+
+
 def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(shape_dir(args.shape, Path(tmp)))
-        fn = latency if args.kind == "latency" else throughput
+        fn = {"latency": latency, "throughput": throughput, "load": load}[args.kind]
         result = fn(model, args)
     result.update(
         kind=args.kind,

@@ -117,7 +117,10 @@ class Engine:
         prompt: PromptInput,
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        arrival_time: float | None = None,
     ) -> None:
+        """Queues a request. `arrival_time` (time.monotonic(); default now) is when it
+        reached the caller: its time to first token counts from there."""
         if self.failure is not None:
             raise RuntimeError(f"engine is down: {self.failure}")
         params = params or SamplingParams()
@@ -132,6 +135,10 @@ class Engine:
                 f"prompt is {len(token_ids)} tokens, at or over max_model_len ({max_len}); "
                 "it must leave room for at least one generated token"
             )
+        if arrival_time is not None and (
+            isinstance(arrival_time, bool) or not isinstance(arrival_time, int | float)
+        ):
+            raise ValueError(f"arrival_time must be a time.monotonic() value, got {arrival_time!r}")
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = replace(params, eos_token_ids=self.tokenizer.eos_token_ids)
@@ -142,6 +149,8 @@ class Engine:
             prompt=text,
             cache_salt=cache_salt or salt,
         )
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
         self.scheduler.add_request(request)
         self.outputs.add(request)
 

@@ -85,8 +85,21 @@ class OutputProcessor:
             outputs=[completion],
             finished=finished,
             num_cached_tokens=max(request.num_cached_tokens, 0),
-            metrics=spec_metrics(request),
+            metrics={**latency_metrics(request), **spec_metrics(request)},
         )
+
+
+def latency_metrics(request: Request) -> dict:
+    """ttft_s: arrival to the first output token; tpot_s: mean time per output token after
+    the first (the request's inter-token latency). Measured where the engine receives the
+    tokens, so they include queueing and scheduling, not the network."""
+    if request.first_token_time is None:
+        return {}
+    metrics = {"ttft_s": request.first_token_time - request.arrival_time}
+    if request.num_output_tokens > 1:
+        span = request.last_token_time - request.first_token_time
+        metrics["tpot_s"] = span / (request.num_output_tokens - 1)
+    return metrics
 
 
 def spec_metrics(request: Request) -> dict:

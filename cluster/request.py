@@ -49,6 +49,10 @@ class Request:
     num_drafted_tokens: int = 0
     num_accepted_tokens: int = 0
     num_spec_steps: int = 0
+    # When the scheduler received the first and the latest output token (time.monotonic):
+    # time to first token and time per output token in `RequestOutput.metrics`.
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -69,9 +73,12 @@ class Request:
     def extra_hash_key(self) -> bytes:
         return self.cache_salt.encode() if self.cache_salt else b""
 
-    def append_output_token(self, token_id: int) -> None:
+    def append_output_token(self, token_id: int, now: float | None = None) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        self.last_token_time = time.monotonic() if now is None else now
+        if self.first_token_time is None:
+            self.first_token_time = self.last_token_time
 
     @property
     def finish_reason(self) -> str | None:

@@ -10,6 +10,7 @@ returns to the front of the queue, keeping its outputs.
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 
 from kvloom.cluster.config import SchedulerConfig, SpeculativeConfig
@@ -278,6 +279,7 @@ class Scheduler:
     ) -> tuple[list[Request], list[Request]]:
         """Advances requests by what was computed; returns (advanced, newly finished)."""
         advanced, finished = [], []
+        now = time.monotonic()  # one clock read for every token of this step
         for request_id, num_tokens in sched_out.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -301,7 +303,7 @@ class Scheduler:
             request.spec_token_ids = []
             self.kv_cache.publish_computed_blocks(request)
             for token_id in new_tokens:
-                request.append_output_token(token_id)
+                request.append_output_token(token_id, now)
                 status = self._check_stop(request, token_id)
                 if status is not None:
                     request.status = status

@@ -130,3 +130,31 @@ def test_serve_flags_reach_the_engine_config(tiny_model):
     flags = ["serve", "--model", path, "--enforce-eager", "--no-async-scheduling"]
     config = EngineConfig.from_kwargs(**engine_kwargs(build_parser().parse_args(flags)))
     assert config.model.enforce_eager is True and config.scheduler.async_scheduling is False
+
+
+def test_bench_load_reports_ttft_and_tpot_percentiles(tmp_path):
+    out = tmp_path / "load.json"
+    args = ["bench", "load", "--shape", "tiny", "--dtype", "float32", "--num-requests", "6"]
+    args += ["--request-rate", "40", "--prompt-len", "8", "16", "--output-len", "4", "8"]
+    assert main([*args, "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["requests"] == 6 and result["request_rate"] == 40
+    for name in ("ttft", "tpot"):
+        p50, p90, p99 = (result[f"{name}_p{q}_ms"] for q in (50, 90, 99))
+        assert 0 < p50 <= p90 <= p99
+    # Six arrivals at 40/s span about 0.15 s: the run cannot end before the last arrives.
+    assert result["seconds"] > 0
+
+
+def test_load_needs_a_request_rate():
+    with pytest.raises(ValueError, match="request-rate"):
+        main(["bench", "load", "--shape", "tiny", "--num-requests", "2"])
+
+
+def test_percentiles_are_nearest_rank_in_ms():
+    from kvloom.cluster.bench import percentiles
+
+    values = [i / 1000 for i in range(1, 101)]  # 1..100 ms
+    got = percentiles(values, "x")
+    assert (got["x_p50_ms"], got["x_p90_ms"], got["x_p99_ms"]) == (50.0, 90.0, 99.0)
+    assert got["x_mean_ms"] == 50.5 and percentiles([], "x") == {}

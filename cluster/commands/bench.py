@@ -1,4 +1,4 @@
-"""`kvloom bench latency|throughput`: see kvloom/cluster/bench.py for the workloads."""
+"""`kvloom bench latency|throughput|load`: see kvloom/cluster/bench.py for the workloads."""
 
 from __future__ import annotations
 
@@ -8,14 +8,22 @@ from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("bench", help="decode latency and offline throughput")
-    parser.add_argument("kind", choices=("latency", "throughput"))
+    parser = subparsers.add_parser(
+        "bench", help="decode latency, offline throughput, latency under load"
+    )
+    parser.add_argument("kind", choices=("latency", "throughput", "load"))
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="checkpoint dir (default: a --shape with dummy weights)")
     source.add_argument("--shape", default="tiny", help="tiny, qwen3-8b or qwen3-next-24l")
     parser.add_argument("--load-format", default=None, choices=("safetensors", "dummy"))
     parser.add_argument(
         "--steps", type=int, default=511, help="latency: decode steps timed (the peer kit's 511)"
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="load: requests per second (Poisson arrivals); use with --num-requests",
     )
     add_workload_args(parser)
     parser.add_argument("--out", type=Path, help="write the result as JSON")
