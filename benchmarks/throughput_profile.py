@@ -27,9 +27,8 @@ from types import SimpleNamespace
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvloom.cluster.bench import make_engine, offline_workload, shape_dir
+from kvloom.cluster.bench import make_engine, offline_workload, shape_dir, workload_params
 from kvloom.cluster.commands.bench import add_workload_args
-from kvloom.cluster.sampling_params import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
 from step_profile import report_syncs  # noqa: E402
@@ -105,14 +104,7 @@ def main() -> None:
         engine = make_engine(str(shape_dir(args.shape, Path(tmp))), cfg)
         workload = offline_workload(cfg, engine.vocab_size)
         for i, (prompt, out_len) in enumerate(workload):
-            params = SamplingParams(
-                max_tokens=out_len,
-                temperature=0.0,
-                ignore_eos=True,
-                detokenize=False,
-                output_kind="final_only",
-            )
-            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, workload_params(out_len))
         timer = PhaseTimer()
         shapes = []
         schedule = engine.scheduler.schedule

@@ -210,21 +210,23 @@ def offline_workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
     return list(zip(prompts, (int(n) for n in output_lens)))
 
 
+def workload_params(max_tokens: int) -> SamplingParams:
+    """A workload request's sampling: greedy, exactly `max_tokens` (ignore_eos), token ids
+    only, one output at the end."""
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        detokenize=False,
+        output_kind="final_only",
+    )
+
+
 def throughput(model: str, args) -> dict:
     engine = make_engine(model, args)
     requests = offline_workload(args, engine.vocab_size)
     for i, (prompt, out_len) in enumerate(requests):
-        engine.add_request(
-            str(i),
-            {"prompt_token_ids": prompt},
-            SamplingParams(
-                max_tokens=out_len,
-                temperature=0.0,
-                ignore_eos=True,
-                detokenize=False,
-                output_kind="final_only",
-            ),
-        )
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, workload_params(out_len))
     start = time.perf_counter()
     out_tokens = 0
     while engine.has_unfinished_requests():
@@ -272,17 +274,10 @@ def load(model: str, args) -> dict:
         now = time.monotonic()
         while next_up < len(requests) and start + offsets[next_up] <= now:
             prompt, out_len = requests[next_up]
-            params = SamplingParams(
-                max_tokens=out_len,
-                temperature=0.0,
-                ignore_eos=True,
-                detokenize=False,
-                output_kind="final_only",
-            )
             engine.add_request(
                 str(next_up),
                 {"prompt_token_ids": prompt},
-                params,
+                workload_params(out_len),
                 arrival_time=start + offsets[next_up],
             )
             next_up += 1

@@ -20,7 +20,6 @@ none at all.
 
 from __future__ import annotations
 
-import os
 import types
 import zlib
 
@@ -34,16 +33,8 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 
 from kvloom.kernels.gated_rms_norm import gated_rms_norm_ref
 from kvloom.kernels.gated_rms_norm_triton import gated_rms_norm_triton
+from tests.kernel_env import DEVICE, gpu, needs_cuda
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton_interpret.conftest import round_bfloat16_like_the_gpu
-
-    round_bfloat16_like_the_gpu()
-
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 MAX_ULPS = {torch.bfloat16: 4, torch.float16: 4, torch.float32: 32}
 MIN_EXPONENT = {torch.bfloat16: -126, torch.float16: -14, torch.float32: -126}

@@ -15,7 +15,6 @@ last-bit float32 difference can flip one rounding).
 
 from __future__ import annotations
 
-import os
 import types
 import zlib
 
@@ -28,16 +27,8 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDel
 
 from kvloom.kernels.gdn_gates import gdn_gates_ref
 from kvloom.kernels.gdn_gates_triton import exp_f32, gdn_gates_triton
+from tests.kernel_env import CUDA, DEVICE, gpu, needs_cuda
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton_interpret.conftest import round_bfloat16_like_the_gpu
-
-    round_bfloat16_like_the_gpu()
-
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 NAN = float("nan")
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 MIN_EXPONENT = {torch.bfloat16: -126, torch.float16: -14, torch.float32: -126}

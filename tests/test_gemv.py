@@ -19,7 +19,6 @@ helper makes it round, so the half-ulp term holds in both.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -36,16 +35,8 @@ from kvloom.kernels.gemv_triton import (
     default_gemv_plan,
     gemv_triton,
 )
+from tests.kernel_env import CUDA, DEVICE, gpu, needs_cuda
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton_interpret.conftest import round_bfloat16_like_the_gpu
-
-    round_bfloat16_like_the_gpu()
-
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 
 # Plan variants at small shapes: block_n 1..32, one to three 64-lane chunks per step, one

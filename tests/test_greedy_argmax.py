@@ -23,11 +23,7 @@ from kvloom.kernels import ops
 from kvloom.kernels.greedy_argmax import greedy_argmax_ref
 from kvloom.kernels.greedy_argmax_triton import SEGMENT, greedy_argmax_triton
 from kvloom.workers.sampler import sanitize_logits
-
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+from tests.kernel_env import DEVICE, gpu, needs_cuda
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NAN, INF = float("nan"), float("inf")

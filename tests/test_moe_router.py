@@ -13,7 +13,6 @@ place of the reference (a last-bit float32 difference can flip one rounding).
 
 from __future__ import annotations
 
-import os
 import zlib
 
 import pytest
@@ -23,16 +22,8 @@ from kvloom.kernels.fused_moe_triton import fused_moe_triton
 from kvloom.kernels.moe_router import softmax_topk_ref
 from kvloom.kernels.moe_router_triton import MAX_EXPERTS, softmax_topk_triton
 from kvloom.workers.layers import moe
+from tests.kernel_env import DEVICE, gpu, needs_cuda
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton_interpret.conftest import round_bfloat16_like_the_gpu
-
-    round_bfloat16_like_the_gpu()
-
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
 NAN, INF = float("nan"), float("inf")
 

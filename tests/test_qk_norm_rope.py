@@ -19,7 +19,6 @@ nearest even; the tests/triton_interpret helper makes it round, so both mean the
 from __future__ import annotations
 
 import itertools
-import os
 import zlib
 
 import pytest
@@ -27,16 +26,7 @@ import torch
 
 from kvloom.kernels.qk_norm_rope import qk_norm_rope_ref
 from kvloom.kernels.qk_norm_rope_triton import qk_norm_rope_triton
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton_interpret.conftest import round_bfloat16_like_the_gpu
-
-    round_bfloat16_like_the_gpu()
-
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
-gpu = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+from tests.kernel_env import DEVICE, gpu, needs_cuda
 
 ROW_TOL = {torch.float32: 2e-6, torch.bfloat16: 2.0**-6, torch.float16: 2.0**-9}
 MAX_POS = 512
