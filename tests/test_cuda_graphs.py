@@ -203,7 +203,8 @@ def test_profiling_step_leaves_nothing_behind(tiny_model):
 
 # -- on the GPU ----------------------------------------------------------------------------
 
-GPU_ARCHS = ["llama", "qwen3", "qwen3_next"]
+GPU_ARCHS = ["llama", "qwen3", "qwen3_next", "kimi_linear"]
+HYBRIDS = ("qwen3_next", "kimi_linear")
 
 
 def _gpu_engine(path, **kwargs):
@@ -211,7 +212,7 @@ def _gpu_engine(path, **kwargs):
 
 
 def _model_path(tiny_model, hybrid_model, arch):
-    return hybrid_model(arch) if arch == "qwen3_next" else tiny_model(arch)
+    return hybrid_model(arch) if arch in HYBRIDS else tiny_model(arch)
 
 
 @pytest.mark.gpu
