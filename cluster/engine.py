@@ -154,13 +154,19 @@ class Engine:
         self.scheduler.add_request(request)
         self.outputs.add(request)
 
-    def abort_request(self, request_id: str | list[str]) -> None:
+    def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]:
+        """Ends the given requests (unknown or finished ids are ignored) and frees their
+        blocks. Returns each aborted request's final output (finish_reason "abort", text
+        with the detokenizer's hold-back flushed)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        finals = []
         for rid in ids:
             request = self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
             if request is not None:
-                self.outputs.states.pop(rid, None)
+                final = self.outputs.abort_output(request)
+                finals += [final] if final is not None else []
                 self.num_aborted += 1
+        return finals
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -65,6 +65,22 @@ class OutputProcessor:
             state.text, state.stop_string = match
         return state.stop_string
 
+    def abort_output(self, request: Request) -> RequestOutput | None:
+        """The final output of an aborted request: the detokenizer's UTF-8 hold-back is
+        flushed (and the text cut at a stop string, should the flushed tail complete one),
+        so no character is lost (invariant 8). Drops the request's text state; None when
+        its final output was already made."""
+        state = self.states.get(request.request_id)
+        if state is None:
+            return None
+        if state.stop_string is None and request.sampling_params.detokenize:
+            state.detokenizer.flush()
+            state.text = state.detokenizer.text
+            match = state.stops.check(state.text)
+            if match is not None:
+                state.text, state.stop_string = match
+        return self.make_output(request, finished=True)
+
     def make_output(self, request: Request, finished: bool) -> RequestOutput:
         state = self.states[request.request_id]
         completion = CompletionOutput(

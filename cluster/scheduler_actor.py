@@ -45,7 +45,7 @@ class SchedulerActor:
         """Raises the engine's ValueError (naming the field) for a bad request."""
         return self._call("add", request_id, prompt, params)
 
-    def abort_request(self, request_ids: list[str]) -> None:
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         return self._call("abort", request_ids)
 
     def stats(self) -> dict[str, Any]:
@@ -141,10 +141,11 @@ class RemoteEngine:
         self._get(self.actor.add_request.remote(request_id, prompt, params))
         self._live.add(request_id)
 
-    def abort_request(self, request_id: str | list[str]) -> None:
+    def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self._get(self.actor.abort_request.remote(ids))
+        finals = self._get(self.actor.abort_request.remote(ids))
         self._live.difference_update(ids)
+        return finals
 
     def step(self) -> list[RequestOutput]:
         outputs = [o for o in self._get(self.actor.poll.remote()) if o.request_id in self._live]

@@ -18,7 +18,7 @@ from kvloom.cluster.frontend.responses import ChatResponder, TokenTexts, positio
 from kvloom.cluster.output_processor import OutputProcessor
 from kvloom.cluster.outputs import CompletionOutput, Logprob, RequestOutput
 from kvloom.cluster.parsers import ChatOutputParser, make_reasoning_parser, make_tool_call_parser
-from kvloom.cluster.request import Request
+from kvloom.cluster.request import Request, RequestStatus
 from kvloom.cluster.tokenizer import Tokenizer
 from kvloom.protos.kvloom.v1 import generation_pb2 as pb
 
@@ -116,14 +116,18 @@ def test_abort_output_flushes_the_detokenizers_utf8_hold_back(demo_tokenizer_dir
         processor.process(request, None)
     last = processor.make_output(request, finished=False)
     assert last.outputs[0].text == " 5"  # the half character is held back
-
-    class EngineWithOutputs:
-        outputs = processor
-
-    final = _abort_output(EngineWithOutputs(), "r", last, request.prompt_token_ids)
+    request.status = RequestStatus.FINISHED_ABORTED
+    final = processor.abort_output(request)
     assert final.finished and final.outputs[0].finish_reason == "abort"
     assert final.outputs[0].text.startswith(" 5") and len(final.outputs[0].text) > 2
     assert final.outputs[0].token_ids == last.outputs[0].token_ids
+    assert "r" not in processor.states and processor.abort_output(request) is None
+    # The front door ends the stream with the engine's final output when there is one...
+    assert _abort_output([final], last, "r", request.prompt_token_ids) is final
+    # ...else with the last output it delivered, marked aborted.
+    fallback = _abort_output([], last, "r", request.prompt_token_ids)
+    assert fallback.finished and fallback.outputs[0].finish_reason == "abort"
+    assert fallback.outputs[0].text == " 5"
 
 
 class CountingEngine:

@@ -33,7 +33,7 @@ class EngineLike(Protocol):
     config: Any
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None: ...
-    def abort_request(self, request_id: str | list[str]) -> None: ...
+    def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> dict[str, Any]: ...
@@ -94,39 +94,18 @@ class RequestStream:
 
 
 def _abort_output(
-    engine: EngineLike, request_id: str, last: RequestOutput | None, prompt_ids: list[int]
+    finals: list[RequestOutput], last: RequestOutput | None, request_id: str, prompt_ids: list[int]
 ) -> RequestOutput:
-    """The final output of an aborted request, with every held-back character flushed
-    (invariant 8). Must run before `engine.abort_request`, which drops the text state."""
-    text = _flushed_text(engine, request_id)
+    """The stream's last output: the engine's final output of the abort (text flushed,
+    invariant 8), or, where the engine made none, the last output marked aborted."""
+    for final in finals:
+        if final.request_id == request_id:
+            return final
     if last is None:
-        completion = CompletionOutput(index=0, text=text or "", token_ids=[])
+        completion = CompletionOutput(index=0, text="", token_ids=[])
         last = RequestOutput(request_id, None, list(prompt_ids), [completion], finished=False)
-    completion = last.outputs[0]
-    completion = replace(
-        completion,
-        text=completion.text if text is None else text,
-        finish_reason="abort",
-        stop_reason=None,
-    )
+    completion = replace(last.outputs[0], finish_reason="abort", stop_reason=None)
     return replace(last, outputs=[completion], finished=True)
-
-
-def _flushed_text(engine: EngineLike, request_id: str) -> str | None:
-    """The request's text with the detokenizer's UTF-8 hold-back flushed (and cut at a stop
-    string, should the flushed tail complete one). The Engine has no API for this yet, so
-    this reads its output processor's per-request state; None where that is not there."""
-    states = getattr(getattr(engine, "outputs", None), "states", None)
-    state = states.get(request_id) if isinstance(states, dict) else None
-    if state is None:
-        return None
-    if state.stop_string is None:
-        state.detokenizer.flush()
-        state.text = state.detokenizer.text
-        match = state.stops.check(state.text)
-        if match is not None:
-            state.text, state.stop_string = match
-    return state.text
 
 
 class AsyncEngine:
@@ -365,9 +344,8 @@ class AsyncEngine:
                 if request_id not in live:
                     continue  # finished meanwhile: its final output is on its way
                 last, prompt_ids = live.pop(request_id)
-                final = _abort_output(engine, request_id, last, prompt_ids)
-                engine.abort_request(request_id)
-                batch.append((request_id, final))
+                finals = engine.abort_request(request_id) or []
+                batch.append((request_id, _abort_output(finals, last, request_id, prompt_ids)))
         elif kind == "stats":
             self._send(_set_result, command[1], engine.stats())
         else:
