@@ -16,12 +16,17 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/kvsite .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/kvsite:$PWD GRPC_VERBOSITY=ERROR RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
+# Every `gpu` test of the fast path (about 6 minutes on an H200); GPU_TESTS narrows it.
+FAST_PATH_TESTS="tests/test_cuda_graphs.py tests/test_async_scheduling.py tests/test_gdn_fla.py
+  tests/test_linear_decode_triton.py tests/test_greedy_argmax.py tests/test_gemv.py
+  tests/test_moe_router.py tests/test_gdn_gates.py tests/test_gated_rms_norm.py
+  tests/test_fused_moe.py tests/test_qk_norm_rope.py"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
 status=0
 for section in "$@"; do
   case $section in
     tests)
-      python3 -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-tests/test_cuda_graphs.py} \
+      python3 -m pytest -m gpu -q -p no:cacheprovider ${GPU_TESTS:-$FAST_PATH_TESTS} \
         2>&1 | tee "$OUT/gpu_tests.log" | tail -40 || status=1
       ;;
     bench-dense|latency-dense)
