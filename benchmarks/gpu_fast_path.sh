@@ -16,7 +16,8 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/kvsite .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/kvsite:$PWD GRPC_VERBOSITY=ERROR RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
-# Every `gpu` test of the fast path (about 6 minutes on an H200); GPU_TESTS narrows it.
+# Every `gpu` test of the fast path; GPU_TESTS narrows it (on an H200 the first five files
+# took 246 s in one run and the four kernel files after test_greedy_argmax 87 s).
 FAST_PATH_TESTS="tests/test_cuda_graphs.py tests/test_async_scheduling.py tests/test_gdn_fla.py
   tests/test_linear_decode_triton.py tests/test_greedy_argmax.py tests/test_gemv.py
   tests/test_moe_router.py tests/test_gdn_gates.py tests/test_gated_rms_norm.py
