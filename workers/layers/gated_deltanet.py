@@ -41,10 +41,6 @@ from kvloom.workers.layers.linear_state_pages import LinearStatePages
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 class GatedRMSNorm(nn.Module):
     """out = (w * rmsnorm(x)) * silu(gate): normalise first, then gate (transformers'
     Qwen3NextRMSNormGated; its weight is plain w, not 1 + w)."""

@@ -26,7 +26,7 @@ from torch import nn
 
 from kvloom.kernels.activation import silu_and_mul_ref
 from kvloom.kernels.dispatch import TRITON_DTYPES, use_triton
-from kvloom.kernels.moe_router import softmax_topk_ref
+from kvloom.kernels.moe_router import check_router_args, softmax_topk_ref
 from kvloom.kernels.ops import fused_moe
 from kvloom.workers.layers.linear import check_shape
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
@@ -61,16 +61,6 @@ def _routing_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-def _check_logits(router_logits: torch.Tensor, top_k: int) -> int:
-    if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2:
-        shape = getattr(router_logits, "shape", None)
-        raise ValueError(f"router_logits: expected a [tokens, experts] tensor, got {shape}")
-    num_experts = router_logits.shape[1]
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be an int in [1, {num_experts}], got {top_k!r}")
-    return num_experts
-
-
 def route_softmax_topk(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +69,7 @@ def route_softmax_topk(
     Weights come back in the logits' dtype, as transformers' Qwen3-Next router returns them;
     ids are int64. On CUDA one Triton launch (`kernels.moe_router_triton`, same answer;
     read its docstring for ties and NaN), else `kernels.moe_router.softmax_topk_ref`."""
-    num_experts = _check_logits(router_logits, top_k)
+    num_experts = check_router_args(router_logits, top_k)
     if use_triton(router_logits) and num_experts <= MAX_ROUTER_EXPERTS:
         # One fused launch (no host sync) for the ~6 torch kernels of the reference.
         from kvloom.kernels.moe_router_triton import softmax_topk_triton
@@ -103,7 +93,7 @@ def route_grouped_sigmoid_topk(
     the *unbiased* scores of those experts, renormalised (+1e-20) when `renormalize`, then
     times `routed_scaling_factor`. Computed and returned in float32 (float64 for float64
     logits), as transformers' Kimi-Linear router does."""
-    num_experts = _check_logits(router_logits, top_k)
+    num_experts = check_router_args(router_logits, top_k)
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
         raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
     if num_experts % num_groups:
