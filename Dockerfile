@@ -58,6 +58,9 @@ USER ${KVLOOM_UID}:${KVLOOM_GID}
 WORKDIR /home/kvloom
 ENV HOME=/home/kvloom
 
+# `kvloom serve` listens on 127.0.0.1 unless told otherwise; in a container that is
+# unreachable from outside, so the image listens on every interface (--host overrides).
+ENV KVLOOM_HOST=0.0.0.0
 EXPOSE 50051 9090
 ENTRYPOINT ["kvloom"]
 CMD ["--help"]

@@ -4,6 +4,7 @@ from setuptools import find_packages, setup
 
 ROOTS = {
     "kvloom": "kvloom",
+    "kvloom.contracts": "contracts",
     "kvloom.cluster": "cluster",
     "kvloom.workers": "workers",
     "kvloom.kernels": "kernels",

@@ -28,7 +28,8 @@ import msgspec
 import ray
 import zmq
 
-from kvloom.cluster.step_channel import (
+from kvloom.cluster.ray_local import connect_ray, shutdown_ray
+from kvloom.contracts.step_channel import (
     ChannelClosed,
     ResultChannel,
     ResultSender,
@@ -228,9 +229,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # Actors import this module by name to unpickle the Worker class and the message types.
     here = os.path.dirname(os.path.abspath(__file__))
-    ray.init(
-        num_cpus=args.num_cpus,
-        include_dashboard=False,
+    connect_ray(  # an embedded Ray on loopback, as kvloom serve starts it
+        args.num_cpus,
         log_to_driver=False,
         job_config=ray.job_config.JobConfig(code_search_path=[here]),
     )
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         results["ray/object"] = summarize(bench_ray_calls(workers, steps, args.warmup, False))
         results["ray/bytes"] = summarize(bench_ray_calls(workers, steps, args.warmup, True))
     finally:
-        ray.shutdown()
+        shutdown_ray()
 
     report = {
         "benchmark": "step_channel_overhead",

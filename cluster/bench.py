@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from kvloom.cluster.engine import Engine
-from kvloom.cluster.gc_freeze import freeze_startup_objects
-from kvloom.cluster.sampling_params import SamplingParams
+from kvloom.contracts.gc_freeze import freeze_startup_objects
+from kvloom.contracts.sampling_params import SamplingParams
 
 SHAPES = {
     "tiny": {
@@ -150,7 +150,7 @@ def make_engine(model: str, args) -> Engine:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        executor="inprocess",
+        executor=getattr(args, "executor", "inprocess"),
         enforce_eager=getattr(args, "enforce_eager", False),
         max_cuda_graph_batch_size=getattr(args, "max_cuda_graph_batch_size", 1024),
         enable_prefix_caching=getattr(args, "enable_prefix_caching", False),
@@ -162,6 +162,8 @@ def make_engine(model: str, args) -> Engine:
 
 
 def latency(model: str, args) -> dict:
+    if getattr(args, "executor", "inprocess") != "inprocess":
+        raise ValueError("--executor: latency runs in-process (it reads the weights' bytes)")
     engine = make_engine(model, args)
     device = engine.executor.worker.device
     rng = random.Random(0)
@@ -234,8 +236,10 @@ def throughput(model: str, args) -> dict:
             if out.finished:
                 out_tokens += len(out.outputs[0].token_ids)
     elapsed = time.perf_counter() - start
+    engine.shutdown()  # a Ray executor's actors and placement group
     prompt_tokens = sum(len(p) for p, _ in requests)
     return {
+        "executor": getattr(args, "executor", "inprocess"),
         "requests": args.num_requests,
         "seconds": round(elapsed, 2),
         "output_tokens_per_s": round(out_tokens / elapsed, 1),
@@ -291,7 +295,9 @@ def load(model: str, args) -> dict:
                 if "tpot_s" in out.metrics:
                     tpot.append(out.metrics["tpot_s"])
     elapsed = time.monotonic() - start
+    engine.shutdown()
     return {
+        "executor": getattr(args, "executor", "inprocess"),
         "requests": len(requests),
         "request_rate": args.request_rate,
         "seconds": round(elapsed, 2),

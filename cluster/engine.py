@@ -6,15 +6,18 @@ import itertools
 from dataclasses import replace
 from typing import Any
 
-from kvloom.cluster.config import EngineConfig
 from kvloom.cluster.executor import Executor, make_executor
 from kvloom.cluster.kv_cache.coordinator import KVCacheCoordinator
+from kvloom.cluster.kv_cache.planner import num_blocks_for_memory, plan_kv_cache
 from kvloom.cluster.output_processor import OutputProcessor
 from kvloom.cluster.outputs import RequestOutput
+from kvloom.cluster.prompt_checks import check_prompt_token_ids
+from kvloom.cluster.ray_executor import WorkerFailure
 from kvloom.cluster.request import Request, RequestStatus
-from kvloom.cluster.sampling_params import SamplingParams
 from kvloom.cluster.scheduler import Scheduler
 from kvloom.cluster.tokenizer import Tokenizer
+from kvloom.contracts.config import EngineConfig
+from kvloom.contracts.sampling_params import SamplingParams
 
 PromptInput = str | list[int] | dict[str, Any]
 
@@ -33,16 +36,23 @@ def _nothing_to_run(sched) -> bool:
 
 
 def _use_async_scheduling(config: EngineConfig, executor) -> bool:
-    """On when asked; by default on for one CUDA rank in this process (the steps it
-    overlaps run on the device). Speculative decoding needs each step's tokens first."""
+    """On when asked; by default on where the device is CUDA (the steps it overlaps run
+    on the device), with either executor: both launch a step ahead (`submit`).
+    Speculative decoding needs each step's tokens first."""
     wanted = config.scheduler.async_scheduling
-    supported = hasattr(executor, "submit") and not config.speculative.method
-    if wanted and not supported:
+    if wanted and config.speculative.method:
+        raise ValueError("async_scheduling does not support speculative_config yet")
+    if wanted and not hasattr(executor, "submit"):
         raise ValueError(
-            "async_scheduling needs the in-process executor (one rank) and no speculative_config"
+            f"async_scheduling needs an executor that launches steps ahead; "
+            f"{type(executor).__name__} does not"
         )
     if wanted is None:
-        return supported and executor.device_type == "cuda"
+        return (
+            hasattr(executor, "submit")
+            and not config.speculative.method
+            and executor.device_type == "cuda"
+        )
     return wanted
 
 
@@ -51,14 +61,22 @@ class Engine:
         self.config = EngineConfig.from_kwargs(**kwargs)
         self.tokenizer = Tokenizer(self.config.model.model)
         self.executor: Executor = make_executor(self.config, progress=progress)
-        num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_kv_cache(num_blocks)
+        try:
+            self._build()
+        except BaseException:  # a refused setting must not leak the workers (or a Ray PG)
+            self.executor.shutdown()
+            raise
+
+    def _build(self) -> None:
+        """Everything after the workers exist: KV cache, scheduler, output processing."""
+        self.kv_cache_plan, num_blocks = self._plan_kv_cache()
+        self.executor.initialize_kv_cache(self.kv_cache_plan, num_blocks)
         cache = self.config.cache
-        if cache.block_size is None:  # the workers chose it (page_layout.resolve_block_size)
+        if cache.block_size is None:  # chosen by the plan (planner.resolve_block_size)
             dcp = self.config.parallel.decode_context_parallel_size
-            cache.block_size = self.executor.kv_cache_groups[0].spec.block_size // dcp
+            cache.block_size = self.kv_cache_plan.block_size // dcp
         self.kv_cache = KVCacheCoordinator(
-            self.executor.kv_cache_groups,
+            self.kv_cache_plan.groups,
             num_blocks,
             enable_caching=cache.enable_prefix_caching,
             sanitize=cache.sanitize,
@@ -83,6 +101,22 @@ class Engine:
         self._in_flight = None
         self.async_scheduling = _use_async_scheduling(self.config, self.executor)
 
+    def _plan_kv_cache(self):
+        """The KV-cache plan and pool size, made here from what the workers report (as
+        vLLM's engine core does): their layers' specs, then the memory they can give the
+        cache under the plan (unless `num_kv_blocks` fixes the size)."""
+        config = self.config
+        plan = plan_kv_cache(
+            self.executor.kv_cache_specs(),
+            config.cache,
+            config.model.torch_dtype_name,
+            config.parallel.decode_context_parallel_size,
+        )
+        if config.cache.num_kv_blocks is not None:
+            return plan, config.cache.num_kv_blocks
+        memory = self.executor.available_kv_memory(plan)
+        return plan, num_blocks_for_memory(plan, memory, config.scheduler)
+
     # -- requests -------------------------------------------------------------------
     def _prompt_ids(self, prompt: PromptInput) -> tuple[list[int], str | None, str | None]:
         cache_salt = None
@@ -100,15 +134,6 @@ class Engine:
             if not prompt:
                 raise ValueError("prompt must not be empty")
             return self.tokenizer.encode(prompt), prompt, cache_salt
-        if not isinstance(prompt, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
         return prompt, None, cache_salt
 
     def add_request(
@@ -127,14 +152,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         token_ids, text, salt = self._prompt_ids(prompt)
-        if not token_ids:
-            raise ValueError("prompt must not be empty (it has no tokens)")
-        max_len = self.config.scheduler.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(
-                f"prompt is {len(token_ids)} tokens, at or over max_model_len ({max_len}); "
-                "it must leave room for at least one generated token"
-            )
+        check_prompt_token_ids(token_ids, self.vocab_size, self.config.scheduler.max_model_len)
         if arrival_time is not None and (
             isinstance(arrival_time, bool) or not isinstance(arrival_time, int | float)
         ):
@@ -207,7 +225,8 @@ class Engine:
             runner_out = handle.result()
         except Exception as err:  # a worker died or raised: end everything, loudly
             self._in_flight = None
-            return self._fail_all(f"{type(err).__name__}: {err}")
+            reason = str(err) if isinstance(err, WorkerFailure) else f"{type(err).__name__}: {err}"
+            return self._fail_all(reason)
         return self._finish_step(sched, runner_out)
 
     def _finish_step(self, sched, runner_out) -> list[RequestOutput]:

@@ -5,17 +5,22 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kvloom.cluster.config import EngineConfig
-from kvloom.cluster.kv_cache.spec import KVCacheGroup
-from kvloom.cluster.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvloom.contracts.config import EngineConfig
+from kvloom.contracts.kv_cache_plan import KVCacheMemory, KVCachePlan, KVCacheSpecs
+from kvloom.contracts.runner_output import ModelRunnerOutput
+from kvloom.contracts.scheduler_output import SchedulerOutput
 
 
 class Executor(Protocol):
-    kv_cache_groups: list[KVCacheGroup]
+    """KV cache set-up (the engine plans it, cluster/kv_cache/planner.py): the workers
+    report their layers' specs, then the memory they can give the cache under the plan;
+    then they allocate the plan's pages for `num_blocks` blocks."""
 
-    def determine_num_blocks(self) -> int: ...
+    def kv_cache_specs(self) -> KVCacheSpecs: ...
 
-    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+    def available_kv_memory(self, plan: KVCachePlan) -> KVCacheMemory: ...
+
+    def initialize_kv_cache(self, plan: KVCachePlan, num_blocks: int) -> None: ...
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
 
@@ -27,13 +32,15 @@ class InProcessExecutor:
         from kvloom.workers.worker import Worker  # data plane, imported only here
 
         self.worker = Worker(config, progress=progress)
-        self.kv_cache_groups = self.worker.kv_cache_groups
 
-    def determine_num_blocks(self) -> int:
-        return self.worker.determine_num_blocks()
+    def kv_cache_specs(self) -> KVCacheSpecs:
+        return self.worker.kv_cache_specs()
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_kv_cache(num_blocks)
+    def available_kv_memory(self, plan: KVCachePlan) -> KVCacheMemory:
+        return self.worker.available_kv_memory(plan)
+
+    def initialize_kv_cache(self, plan: KVCachePlan, num_blocks: int) -> None:
+        self.worker.initialize_kv_cache(plan, num_blocks)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched)

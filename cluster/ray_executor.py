@@ -5,8 +5,14 @@ supervises them and carries control calls (setup, KV sizing, health). Each step 
 published once on the step channel and the driver worker's result comes back on the result
 channel (ARCHITECTURE §2: a Ray call round trip costs more than a small decode step).
 
+Async scheduling: `submit` publishes a step and returns at once; the handle's `result()`
+reads that step's output back. The workers pipeline (workers/ray_worker.py `run_loop`): a
+step is read back once the step after it was launched behind it, or once a flush marker
+arrives, which `result()` publishes when nothing went out after the step it waits for.
+So the engine can publish step N+1 before it reads N, and results come back in order.
+
 A worker that dies ends every in-flight step with `WorkerFailure` within seconds (its
-`run_loop` call fails, which `execute_model` watches while it waits); the engine then fails
+`run_loop` call fails, which `result()` watches while it waits); the engine then fails
 its requests and refuses new ones — it never hangs.
 """
 
@@ -16,9 +22,12 @@ import os
 import re
 import time
 
-from kvloom.cluster.config import EngineConfig
-from kvloom.cluster.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from kvloom.cluster.step_channel import ResultChannel, StepPublisher
+from kvloom.cluster.ray_local import connect_ray  # lives with the embedded Ray; re-exported
+from kvloom.contracts.config import EngineConfig
+from kvloom.contracts.kv_cache_plan import KVCacheMemory, KVCachePlan, KVCacheSpecs
+from kvloom.contracts.runner_output import ModelRunnerOutput
+from kvloom.contracts.scheduler_output import SchedulerOutput
+from kvloom.contracts.step_channel import ResultChannel, StepPublisher
 
 POLL_S = 0.2
 PLACEMENT_TIMEOUT_S = float(os.environ.get("KVLOOM_PLACEMENT_TIMEOUT_S", "120"))
@@ -31,24 +40,6 @@ class WorkerFailure(RuntimeError):
 def _first_line(err: Exception) -> str:
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()
     return text.splitlines()[0] if text else type(err).__name__
-
-
-def connect_ray(num_cpus_for_local: int) -> None:
-    """Joins RAY_ADDRESS's cluster, or starts an embedded local Ray."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = os.environ.get("RAY_ADDRESS")
-    # gRPC's C core logs at INFO when Ray forks under a live channel; keep it quiet.
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    if address:
-        ray.init(address=address, log_to_driver=True)
-    else:
-        # Ray gives its GCS 30 s to bind a port; a busy small machine (CI's 2 cores under a
-        # test run) was seen to need more. The variable stays the operator's to set.
-        os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
-        ray.init(num_cpus=num_cpus_for_local, include_dashboard=False, log_to_driver=True)
 
 
 class RayExecutor:
@@ -95,11 +86,20 @@ class RayExecutor:
         except Exception:
             self.shutdown()
             raise
-        self.kv_cache_groups = ray.get(self.actors[0].kv_cache_groups.remote())
         host = ray.util.get_node_ip_address()
         self.publisher = StepPublisher(world, host=host)
         self.results = ResultChannel(msg_type=ModelRunnerOutput, host=host)
         self.failure: str | None = None
+        # Steps published and results read back, each counted from 0; results read ahead
+        # of the handle that claims them; whether anything went out after the newest step.
+        self._num_submitted = 0
+        self._num_received = 0
+        self._unclaimed: dict[int, ModelRunnerOutput] = {}
+        self._newest_followed = True
+
+    @property
+    def device_type(self) -> str:
+        return "cuda" if self.use_gpu else "cpu"
 
     def _call_all(self, method: str, *args):
         import ray
@@ -113,11 +113,21 @@ class RayExecutor:
         except ray.exceptions.RayError as err:
             raise WorkerFailure(f"worker call {method} failed: {_first_line(err)}") from err
 
-    def determine_num_blocks(self) -> int:
-        return min(self._call_all("determine_num_blocks"))
+    def kv_cache_specs(self) -> KVCacheSpecs:
+        """The ranks' layer specs. Every rank of the grid holds the same shard shapes, so
+        they must agree; the plan made from them serves all."""
+        specs = self._call_all("kv_cache_specs")
+        differ = [rank for rank, s in enumerate(specs) if s != specs[0]]
+        if differ:
+            raise RuntimeError(f"worker ranks {differ} report other KV-cache specs than rank 0")
+        return specs[0]
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self._call_all("initialize_kv_cache", num_blocks)
+    def available_kv_memory(self, plan: KVCachePlan) -> KVCacheMemory:
+        """The smallest memory any rank can give the cache (every rank holds every block)."""
+        return min(self._call_all("available_kv_memory", plan), key=lambda m: m.available_bytes)
+
+    def initialize_kv_cache(self, plan: KVCachePlan, num_blocks: int) -> None:
+        self._call_all("initialize_kv_cache", plan, num_blocks)
         self.loop_refs = [
             a.run_loop.remote(self.publisher.address, self.results.address) for a in self.actors
         ]
@@ -145,14 +155,44 @@ class RayExecutor:
         raise WorkerFailure(self.failure)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.submit(sched).result()
+
+    def submit(self, sched: SchedulerOutput) -> RayPendingStep:
+        """Publishes the step to every worker and returns at once; the handle's `result()`
+        waits for its output. Steps run in the order they are submitted."""
         if self.failure:
             raise WorkerFailure(self.failure)
         self.publisher.publish(sched)
+        index = self._num_submitted
+        self._num_submitted += 1
+        self._newest_followed = False
+        return RayPendingStep(self, index)
+
+    def _result(self, index: int) -> ModelRunnerOutput:
+        """Step `index`'s output. Results arrive in step order; any read before the one
+        asked for wait in `_unclaimed` for their own handle."""
+        if self.failure:
+            raise WorkerFailure(self.failure)
+        if index in self._unclaimed:
+            return self._unclaimed.pop(index)
+        if index < self._num_received:
+            raise RuntimeError(f"the result of step {index} was already read")
+        if index == self._num_submitted - 1 and not self._newest_followed:
+            # The workers keep the newest step open for the next one to queue behind it;
+            # none is coming before this read, so tell them to send it now.
+            self.publisher.publish_flush()
+            self._newest_followed = True
         while True:
             try:
-                return self.results.recv(timeout=POLL_S)
+                out = self.results.recv(timeout=POLL_S)
             except TimeoutError:
                 self._check_workers()
+                continue
+            received = self._num_received
+            self._num_received += 1
+            if received == index:
+                return out
+            self._unclaimed[received] = out
 
     def shutdown(self) -> None:
         import ray
@@ -174,3 +214,18 @@ class RayExecutor:
             for actor in self.actors:
                 ray.kill(actor)
             remove_placement_group(self.placement_group)
+
+
+class RayPendingStep:
+    """A step published to the workers; `result()` waits for its ModelRunnerOutput (and
+    raises WorkerFailure within seconds if a worker dies meanwhile)."""
+
+    def __init__(self, executor: RayExecutor, index: int):
+        self.executor = executor
+        self.index = index
+        self._out: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._out is None:
+            self._out = self.executor._result(self.index)
+        return self._out

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from kvloom.cluster.sampling_params import SamplingParams
+from kvloom.contracts.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -13,15 +13,11 @@ import random
 import time
 from collections import deque
 
-from kvloom.cluster.config import SchedulerConfig, SpeculativeConfig
 from kvloom.cluster.kv_cache.coordinator import KVCacheCoordinator
 from kvloom.cluster.request import Request, RequestStatus
-from kvloom.cluster.scheduler_output import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from kvloom.contracts.config import SchedulerConfig, SpeculativeConfig
+from kvloom.contracts.runner_output import ModelRunnerOutput
+from kvloom.contracts.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class Scheduler:

@@ -1,117 +1,154 @@
 """The scheduler as a Ray actor, and the engine-like proxy the front door drives.
 
 `SchedulerActor` owns the Engine: scheduler, KV-cache coordinator and (through the Ray
-executor it creates) the worker actors. It steps in its own thread; requests come in and
-outputs go out over async Ray calls: `poll` returns every output produced since the last
-poll (blocking briefly while there is none), so one call carries many steps' outputs.
+executor it creates) the worker actors. Its `serve` call is the engine loop, the same one
+the in-process engine runs: take every command that arrived, step, send the step's output
+deltas. Commands and outputs travel over the zmq channels of `engine_channel` (set up once
+through Ray), so a burst of requests costs one message per loop turn, not one blocking Ray
+call each, and each step's tokens leave as soon as the step ends.
 
 `RemoteEngine` has the synchronous Engine's interface (`add_request`, `abort_request`,
 `step`, `has_unfinished_requests`, `stats`, `shutdown`), so the front door's AsyncEngine
-runs unchanged on top of it.
+runs unchanged on top of it. Its `add_request` and `abort_request` do not wait: an add the
+engine refuses comes back from `step` as a `RequestError`, and an abort's final output
+comes back from `step` like any other. A dead scheduler actor raises `ReplicaFailed` from
+`step` within a poll interval of Ray noticing it.
 """
 
 from __future__ import annotations
 
 import itertools
-import queue
+import logging
 import threading
+import time
 from typing import Any
 
+from kvloom.cluster.engine_channel import (
+    AbortRequests,
+    AddRequest,
+    AskStats,
+    Commands,
+    Events,
+    OutputDecoder,
+    OutputEncoder,
+    Rejection,
+    RequestError,
+)
 from kvloom.cluster.outputs import RequestOutput
-from kvloom.cluster.sampling_params import SamplingParams
+from kvloom.cluster.prompt_checks import check_prompt_token_ids
+from kvloom.contracts.sampling_params import SamplingParams
+from kvloom.contracts.step_channel import ResultChannel, ResultSender
 
-POLL_TIMEOUT_S = 0.05
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.02  # RemoteEngine.step: longest wait for events before checking the actor
+IDLE_WAIT_S = 0.5  # the actor's loop with nothing to run: longest wait for a command
+STATS_TIMEOUT_S = 60.0
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+class ReplicaFailed(RuntimeError):
+    """The scheduler actor of this replica died or stopped; the message is for clients."""
+
+
+def _node_host() -> str:
+    """This process's address as Ray knows it (127.0.0.1 for an embedded local Ray)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
 
 
 class SchedulerActor:
-    def __init__(self, engine_kwargs: dict[str, Any]):
+    """Built empty; `start` builds the engine, so a failure there reaches the caller as
+    its own exception (a failing actor constructor would be wrapped in Ray's texts)."""
+
+    def __init__(self) -> None:
+        self.engine = None
+        self._commands: ResultChannel | None = None
+        self._stop = threading.Event()
+        self._served = threading.Event()
+
+    # -- control calls (Ray) -----------------------------------------------------------
+    def start(self, engine_kwargs: dict[str, Any]):
+        """Builds the engine; returns (config, command address, placement group or None)."""
         from kvloom.cluster.engine import Engine
-        from kvloom.cluster.gc_freeze import freeze_startup_objects
+        from kvloom.contracts.gc_freeze import freeze_startup_objects
 
         self.engine = Engine(**engine_kwargs)
         freeze_startup_objects()  # the actor's process serves this one engine
-        self._inbox: queue.Queue = queue.Queue()
-        self._outputs: list[RequestOutput] = []
-        self._cond = threading.Condition()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="kvloom-scheduler", daemon=True)
-        self._thread.start()
+        self._commands = ResultChannel(msg_type=Commands, host=_node_host())
+        placement_group = getattr(self.engine.executor, "placement_group", None)
+        return self.engine.config, self._commands.address, placement_group
 
-    # -- called by the front door (Ray calls, from several threads) -----------------
-    def config(self):
-        return self.engine.config
-
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
-        """Raises the engine's ValueError (naming the field) for a bad request."""
-        return self._call("add", request_id, prompt, params)
-
-    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
-        return self._call("abort", request_ids)
-
-    def stats(self) -> dict[str, Any]:
-        return self._call("stats")
-
-    def poll(self, timeout_s: float = POLL_TIMEOUT_S) -> list[RequestOutput]:
-        with self._cond:
-            if not self._outputs and not self._stopped:
-                self._cond.wait(timeout_s)
-            out, self._outputs = self._outputs, []
-        return out
+    def serve(self, events_address: str) -> None:
+        """The engine loop; returns after `shutdown`. The only thread touching the engine."""
+        sender = ResultSender(events_address)
+        encoder = OutputEncoder()
+        failure_sent = False
+        try:
+            while not self._stop.is_set():
+                engine = self.engine
+                events = Events()
+                wait = 0.0 if engine.has_unfinished_requests() else IDLE_WAIT_S
+                for command in self._take_commands(wait):
+                    self._apply(command, events, encoder)
+                if engine.has_unfinished_requests():
+                    events.deltas += [encoder.delta(out) for out in engine.step()]
+                if engine.failure is not None and not failure_sent:
+                    events.failure = engine.failure
+                    failure_sent = True
+                if events.deltas or events.rejections or events.stats or events.failure:
+                    sender.send(events)
+        finally:
+            sender.close()
+            self._served.set()
 
     def shutdown(self) -> None:
-        self._call("stop")
-        self._thread.join(timeout=30)
+        self._stop.set()
+        self._served.wait(timeout=SHUTDOWN_TIMEOUT_S)
+        if self._commands is not None:
+            self._commands.close()
+        if self.engine is not None:
+            self.engine.shutdown()
 
-    # -- the scheduler thread (the only one touching the engine) ---------------------
-    def _call(self, *command):
-        done: queue.Queue = queue.Queue(maxsize=1)
-        self._inbox.put((command, done))
-        ok, value = done.get()
-        if not ok:
-            raise value
-        return value
+    # -- the loop's parts --------------------------------------------------------------
+    def _take_commands(self, wait: float) -> list:
+        commands = []
+        try:
+            commands += self._commands.recv(timeout=wait).items
+            while True:
+                commands += self._commands.recv(timeout=0).items
+        except TimeoutError:
+            pass
+        return commands
 
-    def _apply(self, command: tuple):
-        kind, *args = command
-        if kind == "add":
-            return self.engine.add_request(*args)
-        if kind == "abort":
-            return self.engine.abort_request(*args)
-        if kind == "stats":
-            return self.engine.stats()
-        if kind == "stop":
-            self._stopped = True
-            return self.engine.shutdown()
-        raise ValueError(f"unknown scheduler command {kind!r}")
-
-    def _loop(self) -> None:
-        while not self._stopped:
-            block = not self.engine.has_unfinished_requests()
+    def _apply(self, command, events: Events, encoder: OutputEncoder) -> None:
+        engine = self.engine
+        if isinstance(command, AddRequest):
+            prompt = {"prompt_token_ids": command.prompt_token_ids}
+            arrival = time.monotonic() - command.age_s
             try:
-                command, done = self._inbox.get(block=block, timeout=1.0 if block else None)
-            except queue.Empty:
-                command = None
-            while command is not None:
-                try:
-                    done.put((True, self._apply(command)))
-                except Exception as err:  # handed back to the caller
-                    done.put((False, err))
-                try:
-                    command, done = self._inbox.get_nowait()
-                except queue.Empty:
-                    command = None
-            if not self._stopped and self.engine.has_unfinished_requests():
-                outputs = self.engine.step()
-                if outputs:
-                    with self._cond:
-                        self._outputs.extend(outputs)
-                        self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
+                engine.add_request(
+                    command.request_id,
+                    prompt,
+                    command.params,
+                    cache_salt=command.cache_salt,
+                    arrival_time=arrival,
+                )
+            except ValueError as err:
+                events.rejections.append(Rejection(command.request_id, str(err)))
+            except RuntimeError as err:  # the engine is down (a worker died)
+                events.rejections.append(Rejection(command.request_id, str(err), True))
+        elif isinstance(command, AbortRequests):
+            for out in engine.abort_request(command.request_ids):
+                events.deltas.append(encoder.delta(out))
+        elif isinstance(command, AskStats):
+            events.stats[command.ask_id] = engine.stats()
 
 
 class RemoteEngine:
-    """Engine-like proxy of a SchedulerActor (what the front door's AsyncEngine drives)."""
+    """Engine-like proxy of a SchedulerActor (what the front door's AsyncEngine drives).
+    Use it from one thread (its zmq sockets are not thread-safe)."""
 
     def __init__(self, engine_kwargs: dict[str, Any]):
         import ray
@@ -119,54 +156,191 @@ class RemoteEngine:
         from kvloom.cluster.ray_executor import connect_ray
 
         connect_ray(num_cpus_for_local=16)
-        actor_class = ray.remote(num_cpus=0, max_concurrency=8)(SchedulerActor)
-        self.actor = actor_class.remote(engine_kwargs)
-        self.config = self._get(self.actor.config.remote())
+        # The actor needs four threads: serve (the loop), start, shutdown, and one spare.
+        actor_class = ray.remote(num_cpus=0, max_concurrency=4)(SchedulerActor)
+        self.actor = actor_class.remote()
+        self._placement_group = None
+        self._events: ResultChannel | None = None
+        self._commands: ResultSender | None = None
+        try:
+            self.config, command_address, self._placement_group = self._get(
+                self.actor.start.remote(engine_kwargs)
+            )
+            self._events = ResultChannel(msg_type=Events, host=_node_host())
+            self._commands = ResultSender(command_address)
+            self._serve_ref = self.actor.serve.remote(self._events.address)
+        except BaseException:
+            self._release()
+            raise
+        self.vocab_size = int(self.config.model.text_config["vocab_size"])
+        self._pending: list = []
+        self._decoder = OutputDecoder()
         self._live: set[str] = set()
+        self._ready: list[RequestOutput | RequestError] = []
+        self._stats: dict[int, dict[str, Any]] = {}
+        self._ask_ids = itertools.count()
         self._counter = itertools.count()
+        self.failure: str | None = None
 
     @staticmethod
-    def _get(ref):
+    def _get(ref, timeout: float | None = None):
+        """ray.get that raises the actor's own exception for a failed call (not Ray's
+        wrapping of it)."""
         import ray
 
         try:
-            return ray.get(ref)
+            return ray.get(ref, timeout=timeout)
         except ray.exceptions.RayTaskError as err:
-            cause = err.as_instanceof_cause()
-            if isinstance(cause, ValueError):
-                raise ValueError(str(err.cause)) from None
+            if isinstance(err.cause, Exception):
+                raise err.cause from None
             raise
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
-        self._get(self.actor.add_request.remote(request_id, prompt, params))
+    # -- the Engine interface ------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queues the request for the next `step` (raises ValueError for a bad one that can
+        be told here; the engine's own refusals come back from `step`)."""
+        if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
+            raise ValueError("prompt: the Ray-served engine takes {'prompt_token_ids': [...]}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        request_id = str(request_id)
+        if request_id in self._live:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        max_len = int(self.config.scheduler.max_model_len)
+        ids = check_prompt_token_ids(list(prompt["prompt_token_ids"]), self.vocab_size, max_len)
+        cache_salt = prompt.get("cache_salt")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        now = time.monotonic()
+        age = 0.0 if arrival_time is None else max(0.0, now - arrival_time)
+        self._pending.append(AddRequest(request_id, ids, params, cache_salt, age))
         self._live.add(request_id)
+        self._decoder.start(request_id, ids)
 
-    def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]:
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Ends the requests; their final outputs (finish_reason "abort") come from `step`.
+        Returns None (not a list): nothing is final until the engine has answered."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        finals = self._get(self.actor.abort_request.remote(ids))
-        self._live.difference_update(ids)
-        return finals
+        ids = [rid for rid in ids if rid in self._live]
+        if ids:
+            self._pending.append(AbortRequests(ids))
 
-    def step(self) -> list[RequestOutput]:
-        outputs = [o for o in self._get(self.actor.poll.remote()) if o.request_id in self._live]
-        for out in outputs:
-            if out.finished:
-                self._live.discard(out.request_id)
-        return outputs
+    def step(self) -> list[RequestOutput | RequestError]:
+        """Sends what was queued, then returns the outputs (and refusals) that arrived,
+        waiting up to POLL_S for the first. Raises ReplicaFailed if the actor is gone."""
+        self._flush()
+        results, self._ready = self._ready, []
+        if not self._read_events(results, 0.0 if results else POLL_S):
+            self._check_alive()
+        return results
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._live)
+        return bool(self._live or self._ready or self._pending)
 
     def next_request_id(self) -> str:
         return str(next(self._counter))
 
     def stats(self) -> dict[str, Any]:
-        return self._get(self.actor.stats.remote())
+        """The engine's stats, taken in order with the commands sent before."""
+        ask_id = next(self._ask_ids)
+        self._pending.append(AskStats(ask_id))
+        self._flush()
+        deadline = time.monotonic() + STATS_TIMEOUT_S
+        while ask_id not in self._stats:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the scheduler did not answer stats in {STATS_TIMEOUT_S} s")
+            if not self._read_events(self._ready, POLL_S):
+                self._check_alive()
+        return self._stats.pop(ask_id)
 
     def shutdown(self) -> None:
+        try:
+            if self._check_alive(raise_error=False):
+                self._get(self.actor.shutdown.remote(), timeout=SHUTDOWN_TIMEOUT_S)
+        except Exception as err:  # the actor is going away regardless
+            logger.warning("scheduler actor shutdown: %s", err)
+        finally:
+            self._release()
+
+    # -- internals ---------------------------------------------------------------------
+    def _flush(self) -> None:
+        if self._pending:
+            self._commands.send(Commands(self._pending))
+            self._pending = []
+
+    def _read_events(self, results: list, wait: float) -> bool:
+        """Reads every Events message that arrived (waiting up to `wait` for the first)
+        into `results`; returns whether any did."""
+        got = False
+        try:
+            self._take(self._events.recv(timeout=wait), results)
+            got = True
+            while True:
+                self._take(self._events.recv(timeout=0), results)
+        except TimeoutError:
+            pass
+        return got
+
+    def _take(self, events: Events, results: list) -> None:
+        for delta in events.deltas:
+            out = self._decoder.apply(delta)
+            if out is None:
+                continue
+            if out.finished:
+                self._live.discard(out.request_id)
+            results.append(out)
+        for rejection in events.rejections:
+            if rejection.request_id in self._live:
+                self._live.discard(rejection.request_id)
+                self._decoder.forget(rejection.request_id)
+                results.append(
+                    RequestError(rejection.request_id, rejection.message, rejection.engine_down)
+                )
+        self._stats.update(events.stats)
+        if events.failure is not None:
+            self.failure = events.failure
+
+    def _check_alive(self, raise_error: bool = True) -> bool:
+        """Whether the actor's loop still runs; raises ReplicaFailed (if asked) when not."""
         import ray
 
+        done, _ = ray.wait([self._serve_ref], timeout=0)
+        if not done:
+            return True
         try:
-            self._get(self.actor.shutdown.remote())
-        finally:
+            ray.get(done[0])
+            reason = "the scheduler of this replica stopped"
+        except ray.exceptions.RayTaskError as err:
+            logger.error("the scheduler loop raised: %s", err)
+            reason = f"the scheduler of this replica failed: {type(err.cause).__name__}"
+        except ray.exceptions.RayError as err:
+            logger.error("the scheduler actor died: %s", err)
+            reason = "the scheduler of this replica died"
+        if raise_error:
+            raise ReplicaFailed(reason)
+        return False
+
+    def _release(self) -> None:
+        """Kills the actor and frees what it held (its workers die with it; its placement
+        group outlives it unless removed here)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for channel in (self._commands, self._events):
+            if channel is not None:
+                channel.close()
+        try:
             ray.kill(self.actor)
+        except Exception as err:
+            logger.debug("ray.kill of the scheduler actor: %s", err)
+        if self._placement_group is not None:
+            try:
+                remove_placement_group(self._placement_group)
+            except Exception as err:  # removed by the actor's own shutdown already
+                logger.debug("remove_placement_group: %s", err)

@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from kvloom.cluster.engine import Engine, PromptInput
 from kvloom.cluster.outputs import RequestOutput
-from kvloom.cluster.sampling_params import SamplingParams
+from kvloom.contracts.sampling_params import SamplingParams
 
 
 class LLM:

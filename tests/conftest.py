@@ -140,3 +140,16 @@ def hybrid_model(tmp_path_factory):
         return cache[arch]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """An embedded local Ray on loopback (kvloom's own start: 127.0.0.1, free ports), for a
+    module's Ray tests; stopped with every process it started."""
+    import ray
+
+    from kvloom.cluster.ray_local import connect_ray, shutdown_ray
+
+    connect_ray(num_cpus_for_local=16, log_to_driver=False)
+    yield ray
+    shutdown_ray()

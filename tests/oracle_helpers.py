@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from kvloom import LLM
-from kvloom.cluster.kv_cache.spec import LinearStateSpec
-from kvloom.cluster.sampling_params import SamplingParams
-from kvloom.cluster.scheduler_output import NewRequestData, SchedulerOutput
+from kvloom.contracts.kv_cache_spec import LinearStateSpec
+from kvloom.contracts.sampling_params import SamplingParams
+from kvloom.contracts.scheduler_output import NewRequestData, SchedulerOutput
 from tests.engine_helpers import greedy
 
 MARGIN_TOL = 1e-4

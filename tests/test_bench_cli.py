@@ -36,13 +36,16 @@ def test_bench_latency_reports_bandwidth_fraction(tmp_path):
     assert 0 < result["fraction_of_floor"] < 1.5
 
 
-def test_bench_throughput(tmp_path):
+@pytest.mark.parametrize("executor", ["inprocess", "ray"])
+def test_bench_throughput(tmp_path, executor):
     out = tmp_path / "throughput.json"
     assert (
         main(
             [
                 "bench",
                 "throughput",
+                "--executor",
+                executor,
                 "--shape",
                 "tiny",
                 "--dtype",
@@ -63,6 +66,11 @@ def test_bench_throughput(tmp_path):
     )
     result = json.loads(out.read_text())
     assert result["requests"] == 4 and result["output_tokens_per_s"] > 0
+    assert result["executor"] == executor
+    if executor == "ray":
+        from kvloom.cluster.ray_local import shutdown_ray
+
+        shutdown_ray()  # the embedded Ray this run started: later modules start their own
 
 
 def test_unknown_shape_is_refused():
@@ -121,7 +129,7 @@ def test_decode_bytes_count_active_experts_only():
 def test_serve_flags_reach_the_engine_config(tiny_model):
     from kvloom.cluster.cli import build_parser
     from kvloom.cluster.commands.serve import engine_kwargs
-    from kvloom.cluster.config import EngineConfig
+    from kvloom.contracts.config import EngineConfig
 
     path = str(tiny_model("llama"))
     args = build_parser().parse_args(["serve", "--model", path])

@@ -1,10 +1,10 @@
-"""Start-up objects are frozen out of the cyclic collector (cluster/gc_freeze.py)."""
+"""Start-up objects are frozen out of the cyclic collector (contracts/gc_freeze.py)."""
 
 import gc
 from types import SimpleNamespace
 
 from kvloom.cluster.bench import make_engine
-from kvloom.cluster.gc_freeze import freeze_startup_objects
+from kvloom.contracts.gc_freeze import freeze_startup_objects
 
 
 def test_freeze_skips_objects_alive_at_the_call_only():

@@ -16,12 +16,12 @@ import pytest
 
 from kvloom import LLM, SamplingParams
 from kvloom.client import ChatDelta, Client, GenerateDelta, ServerError, collect
-from kvloom.cluster.config import EngineConfig
 from kvloom.cluster.frontend import BackgroundServer, ServerOptions, engine_factory
 from kvloom.cluster.outputs import CompletionOutput, RequestOutput
 from kvloom.cluster.parsers import ChatOutputParser, make_reasoning_parser, make_tool_call_parser
 from kvloom.cluster.parsers import collect as collect_parsed
 from kvloom.cluster.tokenizer import Tokenizer
+from kvloom.contracts.config import EngineConfig
 
 # A Qwen2.5-style template, written for this test: tools listed in the system turn, calls as
 # <tool_call> JSON, tool results in a user turn. It prints arguments with `tojson`, so
@@ -201,8 +201,9 @@ class ScriptedEngine:
             time.sleep(0.002)  # only hanging requests: do not spin
         return outputs
 
-    def abort_request(self, request_id) -> None:
+    def abort_request(self, request_id) -> list[RequestOutput]:
         self.active.pop(request_id, None)
+        return []  # no final output made here: the front door makes it from the last one
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.active)

@@ -10,7 +10,6 @@ import time
 import pytest
 
 from kvloom import SamplingParams
-from kvloom.cluster.config import EngineConfig
 from kvloom.cluster.frontend.async_engine import AsyncEngine, _abort_output
 from kvloom.cluster.frontend.errors import EngineDead, QueueFull, RequestIdInUse
 from kvloom.cluster.frontend.output_deltas import OutputDeltaTracker
@@ -20,6 +19,7 @@ from kvloom.cluster.outputs import CompletionOutput, Logprob, RequestOutput
 from kvloom.cluster.parsers import ChatOutputParser, make_reasoning_parser, make_tool_call_parser
 from kvloom.cluster.request import Request, RequestStatus
 from kvloom.cluster.tokenizer import Tokenizer
+from kvloom.contracts.config import EngineConfig
 from kvloom.protos.kvloom.v1 import generation_pb2 as pb
 
 
@@ -160,6 +160,7 @@ class CountingEngine:
 
     def abort_request(self, request_id):
         self.requests.pop(request_id, None)
+        return []  # no final output: the front door makes it from the last one
 
     def has_unfinished_requests(self):
         return bool(self.requests)

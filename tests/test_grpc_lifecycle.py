@@ -1,7 +1,8 @@
 """Server life cycle over real gRPC: readiness NOT_SERVING while the model loads and
 SERVING after warm-up; draining (NOT_SERVING, UNAVAILABLE for new requests, in-flight
 requests finish); an unexpected error is INTERNAL and the server keeps serving; an engine
-that fails takes the server out of service; metrics over HTTP."""
+that fails ends its streams UNAVAILABLE and takes the server out of service, then is
+rebuilt (policy "restart") or stops the server (policy "exit"); metrics over HTTP."""
 
 from __future__ import annotations
 
@@ -187,7 +188,7 @@ def test_metrics_endpoint(server):
 
 
 class FailingEngine:
-    """A real engine whose step raises once `fail` is set (a device lost mid-flight)."""
+    """A real engine whose step raises once after `fail` is set (a device lost mid-flight)."""
 
     def __init__(self, engine, fail: threading.Event) -> None:
         self._engine = engine
@@ -198,27 +199,55 @@ class FailingEngine:
 
     def step(self):
         if self._fail.is_set():
+            self._fail.clear()
             raise RuntimeError("the device fell off the bus")
         return self._engine.step()
 
 
-def test_engine_failure_fails_in_flight_and_takes_the_server_out(model_dir):
+def fail_mid_stream(client: Client, fail: threading.Event) -> ServerError:
+    stream = client.generate([5, 6, 7], max_tokens=1000, ignore_eos=True)
+    armed = False
+    with pytest.raises(ServerError) as info:
+        for event in stream:
+            if isinstance(event, GenerateDelta) and not armed:
+                fail.set()  # once: the engine fails at its next step
+                armed = True
+    return info.value
+
+
+def failing_factory(model_dir: str, fail: threading.Event):
+    return lambda: FailingEngine(build_engine(model=model_dir, progress=False, **ENGINE), fail)
+
+
+def test_engine_failure_with_policy_exit_fails_in_flight_and_stops_the_server(model_dir):
     fail = threading.Event()
-    factory = lambda: FailingEngine(build_engine(model=model_dir, progress=False, **ENGINE), fail)  # noqa: E731
-    server = BackgroundServer(factory, options(model_dir)).start()
+    server = BackgroundServer(
+        failing_factory(model_dir, fail), options(model_dir, on_worker_failure="exit")
+    ).start()
     try:
         with Client(server.address, timeout=60) as client:
-            stream = client.generate([5, 6, 7], max_tokens=1000, ignore_eos=True)
-            with pytest.raises(ServerError) as info:
-                for event in stream:
-                    if isinstance(event, GenerateDelta):
-                        fail.set()
-            assert info.value.code == grpc.StatusCode.INTERNAL
-            assert "the device fell off the bus" in info.value.details
-            assert wait_for(lambda: client.health(READINESS) == "NOT_SERVING")
-            assert client.health("") == "NOT_SERVING"  # liveness too: restart the process
-            with pytest.raises(ServerError) as info:
-                collect(client.generate([5, 6], max_tokens=2))
-            assert info.value.code == grpc.StatusCode.UNAVAILABLE
+            error = fail_mid_stream(client, fail)
+            assert error.code == grpc.StatusCode.UNAVAILABLE  # retry on another replica
+            assert "the device fell off the bus" in error.details
+            assert wait_for(lambda: server.server.stopping, 10)
+        assert "the device fell off the bus" in server.server.failure  # kvloom serve: exit 1
+    finally:
+        server.stop()
+
+
+def test_engine_failure_with_policy_restart_serves_again(model_dir):
+    fail = threading.Event()
+    server = BackgroundServer(failing_factory(model_dir, fail), options(model_dir)).start()
+    try:
+        with Client(server.address, timeout=60) as client:
+            expected = collect(client.generate([5, 6], max_tokens=4, ignore_eos=True)).token_ids
+            error = fail_mid_stream(client, fail)
+            assert error.code == grpc.StatusCode.UNAVAILABLE
+            assert not server.server.ready  # readiness NOT_SERVING at once
+            assert wait_for(lambda: client.health(READINESS) == "SERVING", 60)
+            assert client.health("") == "SERVING"  # liveness never dropped
+            again = collect(client.generate([5, 6], max_tokens=4, ignore_eos=True))
+            assert again.token_ids == expected
+            assert server.server.num_restarts == 1 and server.server.failure is None
     finally:
         server.stop()

@@ -101,6 +101,7 @@ def test_dockerignore_keeps_the_package_and_drops_the_rest():
         "setup.py",
         "README.md",
         "kvloom",
+        "contracts",
         "cluster",
         "workers",
         "kernels",

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kvloom import Engine
-from kvloom.cluster.kv_cache.spec import LinearStateSpec
-from kvloom.cluster.sampling_params import SamplingParams
-from kvloom.cluster.scheduler_output import NewRequestData, SchedulerOutput
+from kvloom.contracts.kv_cache_spec import LinearStateSpec
+from kvloom.contracts.sampling_params import SamplingParams
+from kvloom.contracts.scheduler_output import NewRequestData, SchedulerOutput
 from kvloom.workers.row_kinds import RowKind
 from tests.engine_helpers import assert_pool_full, greedy, run_to_completion
 

@@ -11,7 +11,7 @@ import torch
 from transformers import KimiLinearConfig
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearAttention
 
-from kvloom.cluster.kv_cache.spec import MLASpec
+from kvloom.contracts.kv_cache_spec import MLASpec
 from kvloom.kernels.mla_attention import mla_attention_ref, write_mla_cache_ref
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
 from kvloom.workers.cache_pages import pages_for

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kvloom import Engine
-from kvloom.cluster.config import CacheConfig
-from kvloom.cluster.kv_cache.spec import LinearStateSpec
-from kvloom.cluster.sampling_params import SamplingParams
+from kvloom.contracts.config import CacheConfig
+from kvloom.contracts.kv_cache_spec import LinearStateSpec
+from kvloom.contracts.sampling_params import SamplingParams
 from tests.engine_helpers import assert_pool_full, run_to_completion
 
 PROMPTS = [[5, 17, 230, 44, 9, 301, 12], [88, 7, 150]]

@@ -27,7 +27,8 @@ import transformers
 
 from kvloom import LLM, Engine
 from kvloom.cluster.kv_cache.group_manager import LinearStateManager
-from kvloom.cluster.kv_cache.spec import LinearStateSpec, group_layers
+from kvloom.cluster.kv_cache.planner import group_layers
+from kvloom.contracts.kv_cache_spec import LinearStateSpec
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
 from kvloom.workers.cache_pages import pages_for
 from kvloom.workers.distributed.local_ranks import run_local_ranks
@@ -334,7 +335,7 @@ def test_prefix_cache_hits_give_same_tokens(kimi_dir, alone):
 
 def state_pages(engine: Engine, request_id: str) -> set[int]:
     """The request's live state page in each KDA group (the tiny model's 3 KDA layers
-    make 3 groups of one layer beside the MLA group: cluster/kv_cache/page_layout.py)."""
+    make 3 groups of one layer beside the MLA group: cluster/kv_cache/planner.py)."""
     managers = [m for m in engine.kv_cache.managers if isinstance(m, LinearStateManager)]
     assert len(managers) == 3
     return {m.block_ids(request_id)[0] for m in managers}

@@ -21,7 +21,7 @@ import torch
 import transformers
 
 from kvloom import LLM, Engine
-from kvloom.cluster.kv_cache.spec import LinearStateSpec
+from kvloom.contracts.kv_cache_spec import LinearStateSpec
 from kvloom.workers.cache_pages import pages_for
 from kvloom.workers.row_kinds import RowKind
 from tests.conftest import TOKENIZER_FILES, VOCAB
@@ -362,7 +362,7 @@ def load_rank(model_dir, tp) -> torch.nn.Module:
 def forward_batch(model, rows: list[tuple[list[int], int, int]]):
     """rows: (new token ids, tokens computed before, request slot). Request slot s owns
     attention blocks 8s..8s+7 (block size 4) and state page 40 + s."""
-    from kvloom.cluster.kv_cache.spec import group_layers
+    from kvloom.cluster.kv_cache.planner import group_layers
     from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
     from kvloom.workers.row_kinds import RowClasses, classify_rows
 

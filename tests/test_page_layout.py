@@ -1,6 +1,7 @@
-"""The one block pool on shared page buffers (cluster/kv_cache/page_layout.py): groups cut
-to one size, pages sized so attention and recurrent state fit one page, and layers viewing
-the same memory, so a block freed by one group is memory another group can use."""
+"""The one block pool on shared page buffers, as the control plane plans it from the specs
+the workers report (cluster/kv_cache/planner.py): groups cut to one size, pages sized so
+attention and recurrent state fit one page, and layers viewing the same memory, so a block
+freed by one group is memory another group can use."""
 
 from __future__ import annotations
 
@@ -10,13 +11,22 @@ import logging
 import pytest
 
 from kvloom import Engine
-from kvloom.cluster.kv_cache.page_layout import (
+from kvloom.cluster.kv_cache.planner import (
     block_size_for_state_pages,
+    num_blocks_for_memory,
+    plan_kv_cache,
     plan_layout,
     resolve_block_size,
     split_groups,
 )
-from kvloom.cluster.kv_cache.spec import FullAttentionSpec, KVCacheGroup, LinearStateSpec
+from kvloom.contracts.config import CacheConfig, SchedulerConfig
+from kvloom.contracts.kv_cache_plan import REPORTED_BLOCK_SIZE, KVCacheMemory, KVCacheSpecs
+from kvloom.contracts.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheGroup,
+    LinearStateSpec,
+    SlidingWindowSpec,
+)
 from kvloom.workers.layers.attention import PagedAttention
 
 # Qwen3-Next's widths: 2 KV heads of 256 (bf16); 32 value heads of 128x128 float32 state,
@@ -83,6 +93,78 @@ def test_block_size_is_automatic_unless_set(caplog):
     assert resolve_block_size(lambda n: dense, None, dcp_size=1)[1] == 16
 
 
+def reported(spec, keys):
+    return {key: spec for key in keys}
+
+
+def test_the_plan_from_reported_specs():
+    """Reported specs (block size a placeholder) -> settings applied, block size chosen,
+    groups cut and laid out, drafter layers added with private pages."""
+    state = LinearStateSpec(REPORTED_BLOCK_SIZE, (8192, 3), (32, 128, 128), "bfloat16")
+    attn = FullAttentionSpec(REPORTED_BLOCK_SIZE, 2, 256, "bfloat16")
+    draft_attn = FullAttentionSpec(REPORTED_BLOCK_SIZE, 1, 64, "bfloat16")
+    specs = KVCacheSpecs(
+        target={**reported(state, range(6)), **reported(attn, [6, 7])},
+        draft={1000: attn, 1001: draft_attn},
+    )
+    plan = plan_kv_cache(specs, CacheConfig(linear_state_dtype="bfloat16"), "bfloat16")
+    # bf16 state: (49,152 + 1,048,576) bytes / 2,048 bytes per token = 536 -> 544 tokens.
+    assert plan.block_size == 544
+    kinds = [(type(g.spec).__name__, g.layer_names) for g in plan.groups]
+    assert kinds == [
+        ("LinearStateSpec", [0, 1]),
+        ("LinearStateSpec", [2, 3]),
+        ("LinearStateSpec", [4, 5]),
+        ("FullAttentionSpec", [6, 7, 1000]),  # the drafter layer with the target's spec
+        ("FullAttentionSpec", [1001]),
+    ]
+    assert all(g.spec.block_size == 544 for g in plan.groups)
+    assert plan.groups[0].spec.state_dtype == "bfloat16"
+    layout = plan.layout
+    assert layout.num_buffers == 2 and sorted(layout.buffer_of) == list(range(8))
+    assert layout.private_page_bytes == {
+        1000: attn.page_size_bytes * 544,
+        1001: -(-draft_attn.page_size_bytes * 544 // 256) * 256,
+    }
+    assert plan.bytes_per_block == 2 * layout.page_bytes + sum(layout.private_page_bytes.values())
+    assert plan.layer_to_group[1000] == 3 and plan.layer_to_group[1001] == 4
+
+
+def test_the_plan_applies_the_cache_settings(caplog):
+    window = SlidingWindowSpec(REPORTED_BLOCK_SIZE, 2, 64, "float32", sliding_window=8)
+    specs = KVCacheSpecs(target=reported(window, range(4)))
+    # All sliding and prefix caching on: booked as full attention.
+    booked = plan_kv_cache(specs, CacheConfig(), "float32")
+    assert booked.block_size == 16 and type(booked.groups[0].spec) is FullAttentionSpec
+    kept = plan_kv_cache(specs, CacheConfig(sliding_window_booking="window"), "float32")
+    assert kept.groups[0].spec == SlidingWindowSpec(16, 2, 64, "float32", sliding_window=8)
+    # DCP: a pool block spans the ranks.
+    assert plan_kv_cache(specs, CacheConfig(block_size=8), "float32", dcp_size=2).block_size == 16
+    # A fixed block size far below the state page: planned as asked, with a warning.
+    state = LinearStateSpec(REPORTED_BLOCK_SIZE, (8192, 3), (32, 128, 128), "bfloat16")
+    attn = FullAttentionSpec(REPORTED_BLOCK_SIZE, 2, 256, "bfloat16")
+    hybrid = KVCacheSpecs(target={0: state, **reported(attn, [1, 2, 3])})
+    with caplog.at_level(logging.WARNING):
+        plan = plan_kv_cache(hybrid, CacheConfig(block_size=16), "bfloat16")
+    assert plan.block_size == 16
+    assert "leave block_size unset" in caplog.text and "is padding" in caplog.text
+    with pytest.raises(ValueError, match="clash"):
+        plan_kv_cache(KVCacheSpecs({0: attn}, {0: attn}), CacheConfig(), "bfloat16")
+
+
+def test_num_blocks_from_the_reported_memory():
+    specs = KVCacheSpecs(target={0: FullAttentionSpec(REPORTED_BLOCK_SIZE, 2, 64, "float32")})
+    plan = plan_kv_cache(specs, CacheConfig(), "float32")
+    assert plan.bytes_per_block == 2 * 16 * 2 * 64 * 4
+    sched = SchedulerConfig(max_num_seqs=4, max_model_len=64)
+    memory = KVCacheMemory(10 * plan.bytes_per_block + 5, "a test budget")
+    assert num_blocks_for_memory(plan, memory, sched) == 10
+    # No more than every sequence could hold at full length: 4 × 64 / 16.
+    assert num_blocks_for_memory(plan, KVCacheMemory(1 << 30, "lots"), sched) == 16
+    with pytest.raises(ValueError, match=r"does not fit.*a test budget; one block needs 16384"):
+        num_blocks_for_memory(plan, KVCacheMemory(plan.bytes_per_block, "a test budget"), sched)
+
+
 @pytest.fixture(scope="module")
 def eight_layer_hybrid(hybrid_model, tmp_path_factory):
     """Qwen3-Next's 3:1 layer pattern over 8 layers (dummy weights)."""
@@ -107,10 +189,15 @@ def test_hybrid_engine_shares_pages_across_groups(eight_layer_hybrid):
         kv_cache_memory_bytes=budget,
     )
     runner = engine.executor.worker.runner
+    # The engine planned the cache; the runner follows that plan.
+    plan = engine.kv_cache_plan
+    assert runner.groups == plan.groups and runner.layout == plan.layout
+    assert engine.kv_cache.groups == plan.groups
     kinds = [(type(g.spec).__name__, len(g.layer_names)) for g in runner.groups]
     assert kinds == [("LinearStateSpec", 2)] * 3 + [("FullAttentionSpec", 2)]
-    # block_size unset: chosen by the workers to match the state page, and reported.
+    # block_size unset: chosen by the plan to match the state page, and reported.
     chosen = runner.groups[-1].spec.block_size
+    assert plan.block_size == runner.block_size == chosen
     assert chosen > 16 and chosen % 16 == 0
     assert engine.config.cache.block_size == engine.stats()["block_size"] == chosen
     # A block costs one page in each of 2 buffers, not a page in all 8 layers.

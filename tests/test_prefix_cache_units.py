@@ -4,14 +4,14 @@ writers that must never be served."""
 from __future__ import annotations
 
 from kvloom.cluster.kv_cache.coordinator import KVCacheCoordinator
-from kvloom.cluster.kv_cache.spec import (
+from kvloom.cluster.request import Request
+from kvloom.contracts.kv_cache_spec import (
     FullAttentionSpec,
     KVCacheGroup,
     LinearStateSpec,
     SlidingWindowSpec,
 )
-from kvloom.cluster.request import Request
-from kvloom.cluster.sampling_params import SamplingParams
+from kvloom.contracts.sampling_params import SamplingParams
 
 
 def full(bs=4):

@@ -13,15 +13,6 @@ from tests.engine_helpers import PROMPTS, assert_pool_full, greedy, multi_turn, 
 GRIDS = [(2, 1), (1, 2), (2, 2)]
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray  # a hard dependency of kvloom
-
-    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def engine(path, **kw) -> Engine:
     return Engine(model=str(path), dtype="float64", progress=False, block_size=4, **kw)
 
@@ -84,9 +75,10 @@ def test_killed_worker_fails_every_request_fast(local_ray, dense_path):
         eng.shutdown()
 
 
-def test_scheduler_actor_serves_through_async_calls(local_ray, dense_path):
-    """The scheduler runs in its own actor; the front door's proxy only adds, aborts and
-    polls outputs over Ray calls."""
+def test_scheduler_actor_serves_through_its_channels(local_ray, dense_path):
+    """The scheduler runs in its own actor; the front door's proxy adds and aborts without
+    waiting, and outputs (deltas rebuilt into cumulative outputs) come back per step."""
+    from kvloom.cluster.engine_channel import RequestError
     from kvloom.cluster.scheduler_actor import RemoteEngine
 
     expected = run_to_completion(engine(dense_path), PROMPTS, greedy(6))
@@ -102,10 +94,22 @@ def test_scheduler_actor_serves_through_async_calls(local_ray, dense_path):
     try:
         outs = run_to_completion(remote, PROMPTS, greedy(6))
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
-        with pytest.raises(ValueError, match="empty"):
+        assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in expected]
+        assert [o.prompt_token_ids for o in outs] == PROMPTS
+        with pytest.raises(ValueError, match="empty"):  # told at once where it can be
             remote.add_request("bad", {"prompt_token_ids": []}, greedy(2))
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            remote.add_request("bad", {"prompt_token_ids": [10**6]}, greedy(2))
+        remote.add_request("salty", {"prompt_token_ids": [5, 6], "cache_salt": "a"}, greedy(2))
         remote.add_request("gone", {"prompt_token_ids": PROMPTS[7]}, greedy(50))
         remote.abort_request("gone")
+        finals = {}
+        while remote.has_unfinished_requests():
+            for out in remote.step():
+                if isinstance(out, RequestError) or out.finished:
+                    finals[out.request_id] = out
+        assert finals["gone"].outputs[0].finish_reason == "abort"
+        assert len(finals["salty"].outputs[0].token_ids) == 2
         stats = remote.stats()
         assert stats["num_free_blocks"] == stats["num_blocks"]
     finally:
@@ -131,5 +135,28 @@ def test_bf16_grid_matches_single_rank(local_ray, dense_path, tp, dcp):
         outs = run_to_completion(eng, PROMPTS, greedy(16))
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
         assert_pool_full(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_a_grid_on_the_embedded_ray_listens_on_loopback_only(local_ray, dense_path):
+    """Invariant 12: rendezvous (a file store), gloo, the step channel and Ray itself keep
+    every listening socket of this process tree on 127.0.0.1."""
+    import psutil
+
+    eng = engine(dense_path, tensor_parallel_size=2)
+    try:
+        run_to_completion(eng, PROMPTS[:2], greedy(2))
+        listening = []
+        for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+            try:
+                conns = proc.net_connections(kind="inet")
+            except psutil.Error:
+                continue
+            listening += [(proc.pid, c.laddr.ip) for c in conns if c.status == "LISTEN"]
+        assert listening, "found no listening socket at all: the check looked nowhere"
+        loopback = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+        outside = [(pid, ip) for pid, ip in listening if ip not in loopback]
+        assert outside == [], f"listening beyond loopback: {outside}"
     finally:
         eng.shutdown()

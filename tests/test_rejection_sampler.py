@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from kvloom.cluster.sampling_params import SamplingParams
+from kvloom.contracts.sampling_params import SamplingParams
 from kvloom.workers.sampler import RowSamplingState, filter_probs, sample
 from kvloom.workers.spec_decode.rejection_sampler import (
     PADDING_TOKEN_ID,

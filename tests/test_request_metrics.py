@@ -5,7 +5,7 @@ import time
 import pytest
 
 from kvloom import Engine
-from kvloom.cluster.sampling_params import SamplingParams
+from kvloom.contracts.sampling_params import SamplingParams
 
 
 def test_finished_outputs_carry_ttft_and_tpot(tiny_model):

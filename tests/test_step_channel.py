@@ -15,8 +15,9 @@ import time
 import msgspec
 import pytest
 
-from kvloom.cluster import step_channel
-from kvloom.cluster.step_channel import (
+from kvloom.contracts import step_channel
+from kvloom.contracts.step_channel import (
+    FLUSH,
     ChannelClosed,
     ChannelError,
     RawTensor,
@@ -196,6 +197,28 @@ def test_a_lost_message_is_detected():
 
 
 @pytest.mark.timeout(30)
+def test_flush_markers_keep_their_place_and_number():
+    with StepPublisher(2) as pub:
+        subs = [StepSubscriber(pub.address, Step) for _ in range(2)]
+        try:
+            pub.publish(make_step(0))
+            pub.publish_flush()
+            pub.publish(make_step(1))
+            pub.publish(make_step(2))
+            pub.publish_flush()
+            assert pub.num_published == 5
+            for sub in subs:
+                got = [sub.recv(timeout=5) for _ in range(5)]
+                assert got == [make_step(0), FLUSH, make_step(1), make_step(2), FLUSH]
+                assert got[1] is FLUSH and repr(FLUSH) == "FLUSH"
+        finally:
+            for sub in subs:
+                sub.close()
+    with pytest.raises(ChannelClosed):
+        pub.publish_flush()
+
+
+@pytest.mark.timeout(30)
 def test_structs_dataclasses_and_raw_tensors_round_trip():
     import torch
 
@@ -317,6 +340,7 @@ class GatherResult(msgspec.Struct):
 def test_step_channel_between_ray_actors_with_a_gloo_group():
     import ray
 
+    from kvloom.cluster.ray_local import connect_ray, shutdown_ray
     from kvloom.workers.distributed.process_group import pick_init_address
 
     @ray.remote(num_cpus=0)
@@ -354,7 +378,7 @@ def test_step_channel_between_ray_actors_with_a_gloo_group():
 
     # The actors unpickle this module's message types by name: let them import it.
     job_config = ray.job_config.JobConfig(code_search_path=[os.path.dirname(__file__)])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, job_config=job_config)
+    connect_ray(2, log_to_driver=False, job_config=job_config)  # loopback, free ports
     try:
         workers = [Worker.remote(r) for r in range(2)]
         with StepPublisher(2, ready_timeout=60) as pub, ResultChannel(GatherResult) as results:
@@ -373,4 +397,4 @@ def test_step_channel_between_ray_actors_with_a_gloo_group():
             pub.close()
             assert ray.get(serving, timeout=30) == [50, 50]
     finally:
-        ray.shutdown()
+        shutdown_ray()

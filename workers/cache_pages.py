@@ -1,4 +1,5 @@
-"""Typed views into the pool's shared page buffers (see cluster/kv_cache/page_layout.py).
+"""Typed views into the pool's shared page buffers (laid out by the control plane's plan:
+cluster/kv_cache/planner.py, contracts/kv_cache_plan.py).
 
 A buffer is uint8 [num_blocks, page_bytes]; a layer views the start of every page as its
 own tensor. The views keep the page stride, so kernels index blocks by stride, never by
@@ -11,7 +12,7 @@ import math
 
 import torch
 
-from kvloom.cluster.kv_cache.spec import PAGE_ALIGN
+from kvloom.contracts.kv_cache_spec import PAGE_ALIGN
 
 
 def page_view(pages: torch.Tensor, dtype: torch.dtype, shape: tuple, offset: int = 0):

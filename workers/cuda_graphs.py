@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kvloom.cluster.kv_cache.spec import LinearStateSpec
+from kvloom.contracts.kv_cache_spec import LinearStateSpec
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
 from kvloom.workers.row_kinds import RowClasses, RowKind
 

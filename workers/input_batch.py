@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvloom.cluster.sampling_params import SamplingParams
-from kvloom.cluster.scheduler_output import SchedulerOutput
+from kvloom.contracts.sampling_params import SamplingParams
+from kvloom.contracts.scheduler_output import SchedulerOutput
 
 
 @dataclass

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.cluster.kv_cache.spec import LinearStateSpec
-from kvloom.cluster.sampling_params import SamplingParams
+from kvloom.contracts.kv_cache_spec import LinearStateSpec
+from kvloom.contracts.sampling_params import SamplingParams
 from kvloom.workers.input_batch import CachedRequestState
 
 GiB = 2**30

@@ -3,31 +3,24 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from kvloom.cluster.config import CacheConfig, EngineConfig
-from kvloom.cluster.kv_cache.page_layout import (
-    align_up,
-    plan_layout,
-    rank_page_bytes,
-    resolve_block_size,
-    split_groups,
+from kvloom.contracts.config import EngineConfig
+from kvloom.contracts.kv_cache_plan import (
+    REPORTED_BLOCK_SIZE,
+    KVCacheMemory,
+    KVCachePlan,
+    KVCacheSpecs,
+    PageLayout,
 )
-from kvloom.cluster.kv_cache.spec import (
-    PAGE_ALIGN,
-    FullAttentionSpec,
-    KVCacheGroup,
-    LinearStateSpec,
-    SlidingWindowSpec,
-    group_layers,
-)
-from kvloom.cluster.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvloom.contracts.kv_cache_spec import KVCacheGroup, LinearStateSpec
+from kvloom.contracts.runner_output import ModelRunnerOutput
+from kvloom.contracts.scheduler_output import SchedulerOutput
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
-from kvloom.workers.cache_pages import allocate_pages, pages_for
+from kvloom.workers.cache_pages import allocate_pages
 from kvloom.workers.cuda_graphs import DecodeGraphs, capture_sizes, graph_size_for
 from kvloom.workers.device_copy import to_device
 from kvloom.workers.dtypes import TORCH_DTYPES
@@ -70,36 +63,6 @@ def fill_dummy_weights(model: torch.nn.Module, seed: int) -> None:
             param.zero_()
 
 
-def with_linear_state_dtype(specs: dict, cache: CacheConfig, model_dtype: str) -> dict:
-    """Applies `linear_state_dtype` to the recurrent state of linear-attention layers
-    ("float32" keeps the layers' own choice: float32, or float64 for float64 models)."""
-    setting = cache.linear_state_dtype
-    if setting == "float32":
-        return specs
-    state_dtype = model_dtype if setting == "auto" else setting
-    return {
-        name: replace(spec, state_dtype=state_dtype) if isinstance(spec, LinearStateSpec) else spec
-        for name, spec in specs.items()
-    }
-
-
-def book_sliding_windows(specs: dict, cache: CacheConfig) -> dict:
-    """Applies `sliding_window_booking`: sliding-window layers booked as full attention
-    keep every block (their window still applies at compute)."""
-    booking = cache.sliding_window_booking
-    if booking == "auto":
-        all_sliding = all(isinstance(s, SlidingWindowSpec) for s in specs.values())
-        booking = "full" if all_sliding and cache.enable_prefix_caching else "window"
-    if booking == "window":
-        return specs
-    return {
-        layer: FullAttentionSpec(s.block_size, s.num_kv_heads, s.head_size, s.dtype)
-        if isinstance(s, SlidingWindowSpec)
-        else s
-        for layer, s in specs.items()
-    }
-
-
 logger = logging.getLogger(__name__)
 
 
@@ -127,11 +90,14 @@ class ModelRunner:
         self.dcp_rank = 0 if self.dcp is None else self.dcp.rank_in_group
         self.dtype_name = config.model.torch_dtype_name
         self.dtype = TORCH_DTYPES[self.dtype_name]
-        self.block_size = config.cache.block_size
         self.input_batch = InputBatch()
         self.model = None
+        # From the control plane's KV-cache plan (apply_kv_cache_plan): tokens per block on
+        # this rank, the groups, layer key -> group, where each layer's pages live.
+        self.block_size: int | None = None
         self.groups: list[KVCacheGroup] = []
         self.layer_to_group: dict[int, int] = {}
+        self.layout: PageLayout | None = None
         self.draft: DraftModel | EagleProposer | None = None
         self.graphs: DecodeGraphs | None = None
         # The last submitted step's sampled ids (device), their row per request, and the
@@ -156,16 +122,6 @@ class ModelRunner:
                 model.tied,
             )
         self.model = model.eval()
-        # With DCP a scheduler block spans dcp_size ranks: block_size tokens on each.
-        specs, pool_block_size = resolve_block_size(
-            lambda n: with_linear_state_dtype(
-                model.kv_cache_specs(n, self.dtype_name), self.config.cache, self.dtype_name
-            ),
-            self.config.cache.block_size,
-            self.dcp_size,
-        )
-        self.block_size = pool_block_size // self.dcp_size
-        specs = book_sliding_windows(specs, self.config.cache)
         spec_cfg = self.config.speculative
         if spec_cfg.method in ("draft_model", "eagle"):
             if self.dcp is not None:
@@ -186,42 +142,33 @@ class ModelRunner:
                 self.draft = EagleProposer(
                     spec_cfg.draft_model, model, self.dtype, self.tp, self.device, progress
                 )
-            # Booked on its own: an all-sliding drafter is cached as full attention.
-            specs.update(
-                book_sliding_windows(
-                    with_linear_state_dtype(
-                        self.draft.kv_cache_specs(self.block_size, self.dtype_name),
-                        self.config.cache,
-                        self.dtype_name,
-                    ),
-                    self.config.cache,
-                )
-            )
         if self.dcp is not None:
-            self._attach_dcp(model, specs)
-        target = {k: v for k, v in specs.items() if k < DRAFT_LAYER_OFFSET}
-        target_groups = split_groups(group_layers(target))
-        self.layout = plan_layout(target_groups, self.dcp_size)
-        padding = self.layout.padding_fraction(target_groups, self.dcp_size)
-        if padding > 0.5:
-            logger.warning(
-                "%.0f%% of each KV-cache block is padding (groups: %s)",
-                100 * padding,
-                ", ".join(f"{type(g.spec).__name__}×{len(g.layer_names)}" for g in target_groups),
+            self._attach_dcp(model, model.kv_cache_specs(REPORTED_BLOCK_SIZE, self.dtype_name))
+
+    def kv_cache_specs(self) -> KVCacheSpecs:
+        """What this rank's cache-owning layers keep, for the control plane to plan from
+        (cluster/kv_cache/planner.py): the layers' own specs, at REPORTED_BLOCK_SIZE."""
+        target = self.model.kv_cache_specs(REPORTED_BLOCK_SIZE, self.dtype_name)
+        draft = {}
+        if self.draft is not None:
+            draft = self.draft.kv_cache_specs(REPORTED_BLOCK_SIZE, self.dtype_name)
+        return KVCacheSpecs(target, draft)
+
+    def apply_kv_cache_plan(self, plan: KVCachePlan) -> None:
+        """Takes the control plane's plan: groups (one block table each per request), the
+        block size, and where every layer's pages live."""
+        layer_to_group = plan.layer_to_group
+        keys = {key for _, key in self.cache_layers()}
+        if keys != layer_to_group.keys():
+            raise ValueError(
+                "the KV-cache plan does not cover this worker's layers: "
+                f"missing {sorted(keys - layer_to_group.keys())}, "
+                f"unknown {sorted(layer_to_group.keys() - keys)}"
             )
-        # A drafter layer shares the block ids of the first target group with its spec
-        # (its pages are its own: see bytes_per_block), else it gets a group of its own.
-        self.groups = target_groups
-        for key, spec in specs.items():
-            if key >= DRAFT_LAYER_OFFSET:
-                group = next((g for g in self.groups if g.spec == spec), None)
-                if group is None:
-                    group = KVCacheGroup(spec, [])
-                    self.groups.append(group)
-                group.layer_names.append(key)
-        self.layer_to_group = {
-            layer: g for g, group in enumerate(self.groups) for layer in group.layer_names
-        }
+        self.block_size = plan.block_size // self.dcp_size
+        self.groups = plan.groups
+        self.layout = plan.layout
+        self.layer_to_group = layer_to_group
         if self.draft is not None:
             self.draft.bind_groups(self.layer_to_group)
 
@@ -251,40 +198,22 @@ class ModelRunner:
 
     # -- KV cache -------------------------------------------------------------------
     def bytes_per_block(self) -> int:
-        """Bytes one pool block costs on this rank: a page in every shared buffer, plus
-        the drafter's private pages."""
-        total = self.layout.bytes_per_block
-        for key, g in self.layer_to_group.items():
-            if key not in self.layout.buffer_of:
-                total += align_up(rank_page_bytes(self.groups[g].spec, self.dcp_size), PAGE_ALIGN)
-        return total
+        """Bytes one pool block costs on this rank (the plan's layout: a page in every
+        shared buffer, plus the drafter's private pages)."""
+        return self.layout.bytes_per_block
 
-    def num_blocks_for_budget(self) -> int:
-        cache = self.config.cache
-        if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
-        budget = cache.kv_cache_memory_bytes
-        where = f"kv_cache_memory_bytes {budget}"
-        if budget is None and self.device.type == "cuda":
+    def available_kv_memory(self) -> KVCacheMemory:
+        """The bytes this rank can give the KV cache under the plan it was given:
+        `kv_cache_memory_bytes` when set, else on CUDA what a profiling run of the largest
+        step leaves (workers/memory_profile.py), else the CPU default."""
+        budget = self.config.cache.kv_cache_memory_bytes
+        if budget is not None:
+            return KVCacheMemory(budget, f"kv_cache_memory_bytes {budget}")
+        if self.device.type == "cuda":
             margin = CUDA_GRAPH_MARGIN if self._graph_sizes() else 0
             profile = profile_memory(self, margin)
-            budget, where = profile.kv_budget, profile.describe()
-        elif budget is None:
-            budget, where = DEFAULT_CPU_KV_BYTES, "the CPU default of 64 MiB"
-        sched = self.config.scheduler
-        # More blocks than every sequence could hold at full length would sit unused.
-        useful = sched.max_num_seqs * sum(
-            -(-sched.max_model_len // g.spec.block_size) for g in self.groups
-        )
-        num_blocks = min(budget // self.bytes_per_block(), useful)
-        if num_blocks < 2:
-            raise ValueError(
-                f"the model does not fit: no room for the KV cache ({where}; one block "
-                f"needs {self.bytes_per_block()} bytes). Raise gpu_memory_utilization, lower "
-                "max_num_batched_tokens / max_num_seqs, use more tensor-parallel ranks, or set "
-                "kv_cache_memory_bytes / num_kv_blocks"
-            )
-        return num_blocks
+            return KVCacheMemory(profile.kv_budget, profile.describe())
+        return KVCacheMemory(DEFAULT_CPU_KV_BYTES, "the CPU default of 64 MiB")
 
     def initialize_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
         """Every cache-owning layer allocates its pages (KV blocks or state slots), indexed
@@ -298,7 +227,7 @@ class ModelRunner:
             if key in self.layout.buffer_of:
                 pages = shared[self.layout.buffer_of[key]]
             else:  # a drafter layer
-                pages = pages_for(spec, num_blocks, self.device)
+                pages = allocate_pages(num_blocks, self.layout.private_page_bytes[key], self.device)
             layer.allocate_cache(pages, spec)
         sizes = self._graph_sizes()
         if capture_graphs and sizes:
@@ -319,19 +248,43 @@ class ModelRunner:
 
     def _graph_sizes(self) -> list[int]:
         """The CUDA-graph ladder, empty where graphs are off or not yet safe (see
-        workers/cuda_graphs.py): eager mode, CPU, several ranks, a drafter, or a model
-        whose layers sync with the host."""
-        if (
-            self.config.model.enforce_eager
-            or self.device.type != "cuda"
-            or self.tp.world_size > 1
-            or self.dcp is not None
-            or self.draft is not None
-            or not getattr(self.model, "supports_cuda_graphs", False)
-        ):
+        `graph_blockers` and workers/cuda_graphs.py)."""
+        if self.graph_blockers():
             return []
         most = min(self.config.model.max_cuda_graph_batch_size, self.config.scheduler.max_num_seqs)
         return capture_sizes(most)
+
+    def graph_blockers(self) -> list[str]:
+        """Why decode CUDA graphs stay off on this rank (empty: they are captured).
+
+        The multi-rank and drafter entries are what a GPU run must lift first:
+        - TP > 1 and DCP > 1: the collectives inside the forward (the row-parallel
+          all-reduce, DCP's all-gather of attention partials) are torch.distributed NCCL
+          calls. Capturing those needs a graph-safe collective (a custom or symmetric-memory
+          all-reduce on static buffers, or NCCL capture verified on the target torch/NCCL)
+          and warm-up of the communicators before capture; kvloom has none yet, so the
+          graphs stay off rather than rely on untested NCCL-in-graph behaviour. Every rank
+          already makes the same replay decision (same step, same row classification), so
+          the dispatch side needs no change.
+        - A drafter: verification steps run 1 + k tokens per row, which no uniform-decode
+          graph serves (`graph_size_for` would never replay them), and EAGLE keeps views
+          of the target's hidden states across steps, which a replay overwrites (the graph
+          output is a static buffer): it would have to copy them first.
+        """
+        blockers = []
+        if self.config.model.enforce_eager:
+            blockers.append("enforce_eager")
+        if self.device.type != "cuda":
+            blockers.append("not a CUDA device")
+        if self.tp.world_size > 1:
+            blockers.append("tensor_parallel_size > 1 (collectives are not graph-safe yet)")
+        if self.dcp is not None:
+            blockers.append("decode_context_parallel_size > 1 (collectives are not graph-safe yet)")
+        if self.draft is not None:
+            blockers.append("a drafter (1 + k token verification rows, EAGLE hidden-state views)")
+        if not getattr(self.model, "supports_cuda_graphs", False):
+            blockers.append(f"{type(self.model).__name__} does not declare supports_cuda_graphs")
+        return blockers
 
     def poison_blocks(self, block_ids: list[int]) -> None:
         """Sanitizer: freed blocks and state slots read as NaN, so a stale read shows up."""

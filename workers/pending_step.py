@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.cluster.scheduler_output import ModelRunnerOutput
+from kvloom.contracts.runner_output import ModelRunnerOutput
 from kvloom.workers.sampler import RowSamplingState, finish_sampling
 
 

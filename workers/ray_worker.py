@@ -8,20 +8,34 @@ over the result channel.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 
 import torch
 
-from kvloom.cluster.config import EngineConfig
-from kvloom.cluster.gc_freeze import freeze_startup_objects
-from kvloom.cluster.scheduler_output import SchedulerOutput
-from kvloom.cluster.step_channel import ChannelClosed, ResultSender, StepSubscriber
-from kvloom.workers.distributed.process_group import RankLayout, init_parallel_state
+from kvloom.contracts.config import EngineConfig
+from kvloom.contracts.gc_freeze import freeze_startup_objects
+from kvloom.contracts.kv_cache_plan import KVCacheMemory, KVCachePlan, KVCacheSpecs
+from kvloom.contracts.scheduler_output import SchedulerOutput
+from kvloom.contracts.step_channel import FLUSH, ChannelClosed, ResultSender, StepSubscriber
+from kvloom.workers.distributed.process_group import (
+    RankLayout,
+    init_parallel_state,
+    loopback_init_address,
+)
 from kvloom.workers.worker import Worker
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def free_port() -> int:
+    """A TCP port free on every interface (a multi-node rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
@@ -42,44 +56,64 @@ class WorkerActor:
         self.worker: Worker | None = None
 
     def node_address(self) -> str:
-        """A tcp:// address on this actor's node for torch.distributed to rendezvous."""
+        """An address for torch.distributed to rendezvous at: a tcp:// port on this actor's
+        node, or, on a loopback node (the embedded local Ray, one machine), a file store,
+        so nothing listens beyond 127.0.0.1 (invariant 12)."""
         import ray
 
-        return f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
+        host = ray.util.get_node_ip_address()
+        if _is_loopback(host):
+            return loopback_init_address()
+        return f"tcp://{host}:{free_port()}"
 
     def setup(self, init_address: str) -> None:
         device = torch.device("cuda", 0) if self.use_gpu else torch.device("cpu")
         parallel = init_parallel_state(self.layout, self.rank, init_address, device)
         self.worker = Worker(self.config, parallel, progress=self.progress, device=device)
 
-    def kv_cache_groups(self):
-        return self.worker.kv_cache_groups
+    def kv_cache_specs(self) -> KVCacheSpecs:
+        return self.worker.kv_cache_specs()
 
-    def determine_num_blocks(self) -> int:
-        return self.worker.determine_num_blocks()
+    def available_kv_memory(self, plan: KVCachePlan) -> KVCacheMemory:
+        return self.worker.available_kv_memory(plan)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_kv_cache(num_blocks)
+    def initialize_kv_cache(self, plan: KVCachePlan, num_blocks: int) -> None:
+        self.worker.initialize_kv_cache(plan, num_blocks)
         freeze_startup_objects()  # the worker process is fully built now
 
     def health(self) -> bool:
         return self.worker is not None
 
     def run_loop(self, step_address: str, result_address: str) -> int:
-        """Runs steps until the scheduler closes the channel; returns the steps run."""
+        """Runs steps until the scheduler closes the channel; returns the steps run.
+
+        Steps are pipelined as the in-process engine pipelines them under async
+        scheduling: each step is launched on the runner when it arrives, and the step
+        before it is read back (rank 0 sends its output) only after that, so step N+1 is
+        queued on the device behind N and reads N's sampled ids there. A flush marker
+        (the scheduler waits for the newest step and sends nothing after it) reads back
+        the step still open, so a scheduler waiting for a result always gets it. Every
+        rank gets the same messages and so launches the same steps in the same order
+        (their collectives match)."""
         subscriber = StepSubscriber(step_address, msg_type=SchedulerOutput)
         sender = ResultSender(result_address, rank=self.rank) if self.rank == 0 else None
         steps = 0
+        open_step = None  # launched, not read back yet
         try:
             while True:
                 try:
-                    sched = subscriber.recv()
+                    msg = subscriber.recv()
                 except ChannelClosed:
                     return steps
-                out = self.worker.execute_model(sched)
-                steps += 1
-                if sender is not None:
-                    sender.send(out)
+                launched = None
+                if msg is not FLUSH:
+                    launched = self.worker.submit(msg)
+                    steps += 1
+                if open_step is not None:
+                    out = open_step.result()
+                    if sender is not None:
+                        sender.send(out)
+                open_step = launched
         finally:
             subscriber.close()
             if sender is not None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.cluster.sampling_params import SamplingParams
+from kvloom.contracts.sampling_params import SamplingParams
 from kvloom.kernels.ops import greedy_argmax
 from kvloom.workers.device_copy import to_device
 

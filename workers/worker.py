@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from kvloom.cluster.config import EngineConfig
-from kvloom.cluster.kv_cache.spec import KVCacheGroup
-from kvloom.cluster.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from kvloom.contracts.config import EngineConfig
+from kvloom.contracts.kv_cache_plan import KVCacheMemory, KVCachePlan, KVCacheSpecs
+from kvloom.contracts.runner_output import ModelRunnerOutput
+from kvloom.contracts.scheduler_output import SchedulerOutput
 from kvloom.workers.layers.tp_group import CoordinatorTPGroup
 from kvloom.workers.model_runner import ModelRunner
+from kvloom.workers.pending_step import PendingStep
 
 
 def pick_device(requested: str) -> torch.device:
@@ -39,15 +41,22 @@ class Worker:
         self.runner = ModelRunner(config, self.device, tp, dcp)
         self.runner.load_model(progress=progress)
 
-    @property
-    def kv_cache_groups(self) -> list[KVCacheGroup]:
-        return self.runner.groups
+    # KV cache, planned by the control plane (contracts/kv_cache_plan.py): this worker
+    # reports its layers' specs, then its memory under the plan, then allocates the plan.
+    def kv_cache_specs(self) -> KVCacheSpecs:
+        return self.runner.kv_cache_specs()
 
-    def determine_num_blocks(self) -> int:
-        return self.runner.num_blocks_for_budget()
+    def available_kv_memory(self, plan: KVCachePlan) -> KVCacheMemory:
+        self.runner.apply_kv_cache_plan(plan)
+        return self.runner.available_kv_memory()
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, plan: KVCachePlan, num_blocks: int) -> None:
+        self.runner.apply_kv_cache_plan(plan)
         self.runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(sched)
+
+    def submit(self, sched: SchedulerOutput) -> PendingStep:
+        """Launches the step; `.result()` on the returned handle reads its output back."""
+        return self.runner.submit(sched)

@@ -64,6 +64,13 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-async-scheduling", action="store_true", help="one step at a time (comparisons)"
     )
+    parser.add_argument(
+        "--executor",
+        default="inprocess",
+        choices=("inprocess", "ray"),
+        help="throughput/load: ray runs the worker as a Ray actor behind the step channel "
+        "(the path `kvloom serve` deploys); latency is in-process only",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

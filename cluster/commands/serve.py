@@ -1,15 +1,25 @@
 """`kvloom serve --model DIR`: the gRPC server (kvloom.v1.Generation, health, reflection).
 
 SIGTERM or Ctrl-C drains (readiness NOT_SERVING, in-flight requests finish for up to
---drain-timeout seconds); a second signal stops at once.
+--drain-timeout seconds; the drain is announced on stdout); a second signal stops at once.
+Then every process the server started stops, an embedded local Ray included.
+
+Exit status: 0 after a signal; 2 for bad settings; 1 when start-up fails (model directory,
+weights, port in use, Ray) or the engine failed for good. The cause is one line on stderr,
+`kvloom serve: error: ...` (the traceback is logged at DEBUG).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
+import signal
 import sys
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def register(subparsers) -> None:
@@ -52,7 +62,12 @@ def register(subparsers) -> None:
     )
 
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="0.0.0.0")
+    server.add_argument(
+        "--host",
+        default=os.environ.get("KVLOOM_HOST") or "127.0.0.1",
+        help="address to listen on (default: $KVLOOM_HOST, else 127.0.0.1, this machine "
+        "only; 0.0.0.0: every interface, as a container needs; the image sets KVLOOM_HOST)",
+    )
     server.add_argument("--port", type=int, default=50051)
     server.add_argument("--tls-cert", help="PEM certificate chain (with --tls-key)")
     server.add_argument("--tls-key", help="PEM private key (with --tls-cert)")
@@ -77,6 +92,13 @@ def register(subparsers) -> None:
     server.add_argument("--keepalive-time", type=float, default=60.0, help="seconds")
     server.add_argument("--keepalive-timeout", type=float, default=20.0, help="seconds")
     server.add_argument("--drain-timeout", type=float, default=30.0, help="seconds")
+    server.add_argument(
+        "--on-worker-failure",
+        default="restart",
+        choices=("restart", "exit"),
+        help="when a worker or the scheduler dies: restart the replica and serve again "
+        "(default), or exit with status 1 so a supervisor restarts the process",
+    )
     server.add_argument("--no-warmup", action="store_true", help="report ready without warm-up")
     server.add_argument("--log-level", default="INFO")
     parser.set_defaults(func=run)
@@ -124,16 +146,39 @@ def server_options(args: argparse.Namespace):
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         drain_timeout_s=args.drain_timeout,
+        on_worker_failure=args.on_worker_failure,
         metrics_port=args.metrics_port,
         warmup=not args.no_warmup,
     )
 
 
+def startup_cause(exc: BaseException) -> str:
+    """One line saying why start-up failed, free of Ray internals: a Ray task's error is
+    reported as the exception it wraps."""
+    ray = sys.modules.get("ray")
+    task_error = getattr(getattr(ray, "exceptions", None), "RayTaskError", None)
+    for _ in range(8):
+        cause = getattr(exc, "cause", None) if task_error and isinstance(exc, task_error) else None
+        if not isinstance(cause, BaseException) or cause is exc:
+            break
+        exc = cause
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip().splitlines()
+    text = lines[0].strip() if lines else ""
+    if isinstance(exc, ValueError | OSError | RuntimeError) and text:
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"kvloom serve: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvloom.cluster.config import EngineConfig
     from kvloom.cluster.frontend import engine_factory, serve_until_signal
+    from kvloom.contracts.config import EngineConfig
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -143,8 +188,7 @@ def run(args: argparse.Namespace) -> int:
         EngineConfig.from_kwargs(**kwargs)  # bad settings fail here, before binding a port
         options = server_options(args)
     except ValueError as exc:
-        print(f"kvloom serve: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc), 2)
 
     def on_ready(server) -> None:
         scheme = "grpcs" if options.tls_cert else "grpc"
@@ -158,10 +202,60 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
+    def on_signal(sig: signal.Signals, count: int) -> None:
+        name = signal.Signals(sig).name
+        if count == 1:
+            print(
+                f"kvloom: {name}: draining; requests in flight may finish for up to "
+                f"{options.drain_timeout_s:g} s (a second signal stops at once)",
+                flush=True,
+            )
+        else:
+            print(f"kvloom: {name} again: stopping now", flush=True)
+
+    code = 0
     try:
-        asyncio.run(serve_until_signal(engine_factory(**kwargs), options, on_ready=on_ready))
-    except ValueError as exc:
-        print(f"kvloom serve: error: {exc}", file=sys.stderr)
-        return 2
-    print("kvloom: stopped", flush=True)
-    return 0
+        server = asyncio.run(
+            serve_until_signal(
+                engine_factory(**kwargs), options, on_ready=on_ready, on_signal=on_signal
+            )
+        )
+        failure = getattr(server, "failure", None)
+        if failure:
+            code = _fail(str(failure), 1)
+    except KeyboardInterrupt:  # SIGINT before the server took the signals (or after)
+        code = 130
+    except ValueError as exc:  # a setting the engine refused once it saw the model
+        logger.debug("kvloom serve failed", exc_info=True)
+        code = _fail(startup_cause(exc), 2)
+    except Exception as exc:
+        logger.debug("kvloom serve failed", exc_info=True)
+        code = _fail(startup_cause(exc), 1)
+    finally:
+        _stop_ray()
+    if code == 0:
+        print("kvloom: stopped", flush=True)
+    return code
+
+
+def _stop_ray() -> None:
+    """Stops the embedded local Ray (and every process of it) if this process started one;
+    a RAY_ADDRESS cluster is only disconnected from. This takes a few seconds at most, and
+    signals wait for it: a SIGTERM or Ctrl-C now would leave Ray's agents orphaned (and a
+    KeyboardInterrupt would go to Ray's excepthook, which reports it to the GCS going away)."""
+    if "ray" not in sys.modules:
+        return
+    import threading
+
+    from kvloom.cluster.ray_local import shutdown_ray
+
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            saved[sig] = signal.getsignal(sig)
+            signal.signal(sig, signal.SIG_IGN)
+    try:
+        shutdown_ray()
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)

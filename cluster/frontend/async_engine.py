@@ -6,8 +6,11 @@ drains the inbox, steps while there is work, and hands each step's RequestOutput
 the loop in one `call_soon_threadsafe` call. With no work it blocks on the inbox, so an idle
 server burns no CPU.
 
-The interface is deliberately small (`start`, `add`, `abort`, `stats`, `shutdown`, `config`)
-so the in-process engine can later be swapped for a scheduler actor on Ray.
+The interface is deliberately small (`start`, `add`, `abort`, `stats`, `shutdown`, `config`);
+the engine underneath is the in-process Engine or a scheduler actor's `RemoteEngine`.
+An engine failure (a step that raised, an output that ended in error because a worker
+died, a scheduler actor that died) ends every stream with `EngineFailed` and calls
+`on_fatal`; the engine is then shut down and this object refuses new requests.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
+from kvloom.cluster.engine_channel import RequestError
 from kvloom.cluster.frontend.errors import EngineDead, QueueFull, RequestIdInUse
 from kvloom.cluster.outputs import CompletionOutput, RequestOutput
-from kvloom.cluster.sampling_params import SamplingParams
+from kvloom.cluster.scheduler_actor import ReplicaFailed
+from kvloom.contracts.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +38,9 @@ class EngineLike(Protocol):
     config: Any
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None: ...
-    def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]: ...
-    def step(self) -> list[RequestOutput]: ...
+    # None: the final outputs come from later steps (a remote engine)
+    def abort_request(self, request_id: str | list[str]) -> list[RequestOutput] | None: ...
+    def step(self) -> list[RequestOutput | RequestError]: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> dict[str, Any]: ...
     def shutdown(self) -> None: ...
@@ -293,25 +299,52 @@ class AsyncEngine:
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
+                except ReplicaFailed as exc:
+                    logger.error("%s; the engine is stopped", exc)
+                    return self._fail(EngineFailed(str(exc)), live, batch)
                 except Exception as exc:
                     logger.exception("engine step failed; the engine is stopped")
                     failure = EngineFailed(f"the engine failed while stepping: {exc!r}")
-                    self._send(self._fatal, failure)
-                    self._error = failure
-                    batch += [(rid, failure) for rid in live]
-                    live.clear()
-                    self._send(self._deliver, batch)
-                    return
-                for out in outputs:
-                    if out.request_id not in live:
-                        continue
-                    if out.finished:
-                        del live[out.request_id]
-                    else:
-                        live[out.request_id] = (out, live[out.request_id][1])
-                    batch.append((out.request_id, out))
+                    return self._fail(failure, live, batch)
+                failure = self._take_outputs(outputs, live, batch)
+                if failure is not None:
+                    logger.error("%s; the engine is stopped", failure)
+                    return self._fail(failure, live, batch)
             if batch:
                 self._send(self._deliver, batch)
+
+    @staticmethod
+    def _take_outputs(outputs: list, live: dict, batch: list) -> EngineFailed | None:
+        """Queues a step's outputs for delivery. An output that ended in error means the
+        engine failed under every request (a worker died): that failure is returned."""
+        failure = None
+        for out in outputs:
+            if out.request_id not in live:
+                continue
+            if isinstance(out, RequestError):  # refused at admission (a remote engine)
+                if out.engine_down:
+                    failure = EngineFailed(f"the model replica failed: {out.message}")
+                    continue  # stays live: it ends with the failure, like the rest
+                del live[out.request_id]
+                batch.append((out.request_id, RequestRejected(out.message)))
+                continue
+            if out.finished and out.outputs[0].finish_reason == "error":
+                failure = EngineFailed(f"the model replica failed: {out.outputs[0].stop_reason}")
+                continue  # stays live: it ends with the failure, like the rest
+            if out.finished:
+                del live[out.request_id]
+            else:
+                live[out.request_id] = (out, live[out.request_id][1])
+            batch.append((out.request_id, out))
+        return failure
+
+    def _fail(self, failure: EngineFailed, live: dict, batch: list) -> None:
+        """Ends every live request with `failure`, then reports it (the engine is done)."""
+        self._error = failure
+        batch += [(rid, failure) for rid in live]
+        live.clear()
+        self._send(self._deliver, batch)
+        self._send(self._fatal, failure)
 
     def _refuse(self, commands: list[tuple]) -> None:
         """Answers commands that arrive after the engine stopped: nobody may wait forever."""
@@ -343,8 +376,10 @@ class AsyncEngine:
             for request_id in command[1]:
                 if request_id not in live:
                     continue  # finished meanwhile: its final output is on its way
+                finals = engine.abort_request(request_id)
+                if finals is None:
+                    continue  # a remote engine: the final output comes from a later step
                 last, prompt_ids = live.pop(request_id)
-                finals = engine.abort_request(request_id) or []
                 batch.append((request_id, _abort_output(finals, last, request_id, prompt_ids)))
         elif kind == "stats":
             self._send(_set_result, command[1], engine.stats())

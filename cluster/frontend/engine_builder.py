@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvloom.cluster.engine import Engine
-from kvloom.cluster.gc_freeze import freeze_startup_objects
+from kvloom.contracts.gc_freeze import freeze_startup_objects
 
 
 def build_engine(progress: bool = True, **engine_kwargs: Any):

@@ -11,6 +11,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from kvloom.cluster.frontend.ports import check_port_free
+
 logger = logging.getLogger(__name__)
 
 # stats key -> (metric name, type, help)
@@ -58,7 +60,13 @@ class MetricsServer:
         self._server: asyncio.base_events.Server | None = None
 
     async def start(self, host: str, port: int) -> int:
-        self._server = await asyncio.start_server(self._handle, host, port)
+        """Listens on host:port (0: a free port); a port in use raises (never shared)."""
+        check_port_free(host, port, "metrics port")
+        try:
+            self._server = await asyncio.start_server(self._handle, host, port, reuse_port=False)
+        except OSError as exc:
+            check_port_free(host, port, "metrics port")  # taken meanwhile: say so
+            raise OSError(f"cannot listen on {host}:{port} for metrics: {exc.strerror}") from None
         return self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:

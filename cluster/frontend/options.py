@@ -8,6 +8,7 @@ from pathlib import Path
 
 AUTO = "auto"
 NONE = "none"
+ON_WORKER_FAILURE = ("restart", "exit")
 
 
 def _positive(name: str, value: float) -> None:
@@ -19,7 +20,7 @@ def _positive(name: str, value: float) -> None:
 @dataclass
 class ServerOptions:
     model: str  # the model directory: the server reads its tokenizer and chat template
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # loopback unless told (a pod passes --host 0.0.0.0)
     port: int = 50051  # 0: pick a free port (see KvloomServer.port)
     tls_cert: str | None = None  # PEM files; both or neither
     tls_key: str | None = None
@@ -34,6 +35,9 @@ class ServerOptions:
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
     metrics_port: int | None = None  # Prometheus text on http://host:PORT/metrics
     warmup: bool = True  # one short generation before reporting SERVING
+    # An engine that fails (a worker or the scheduler died): rebuild it and serve again
+    # ("restart"), or stop the server so its process exits non-zero ("exit").
+    on_worker_failure: str = "restart"
     tokenizer_threads: int = 2  # tokenization, detokenization and chat rendering
 
     def __post_init__(self) -> None:
@@ -45,6 +49,10 @@ class ServerOptions:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
                 raise ValueError(f"{name} must be an integer in [0, 65535], got {value!r}")
+        if self.on_worker_failure not in ON_WORKER_FAILURE:
+            raise ValueError(
+                f"on_worker_failure must be one of {ON_WORKER_FAILURE}, got {self.on_worker_failure!r}"
+            )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key: give both or neither")
         for name in ("tls_cert", "tls_key"):
@@ -91,6 +99,9 @@ class ServerOptions:
                 int(self.min_client_ping_interval_s * 1000),
             ),
             ("grpc.http2.max_ping_strikes", 0),  # never punish pings for being frequent
+            # gRPC shares ports by default (SO_REUSEPORT): a second server on a port in use
+            # would start and take half its connections. A port in use is an error.
+            ("grpc.so_reuseport", 0),
         ]
 
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import replace
 
 from kvloom.cluster.frontend.errors import InvalidArgument
-from kvloom.cluster.sampling_params import SamplingParams
+from kvloom.contracts.sampling_params import SamplingParams
 from kvloom.protos.kvloom.v1 import generation_pb2 as pb
 
 MAX_ID_LENGTH = 256  # request ids and cache salts

@@ -14,6 +14,7 @@ queue full RESOURCE_EXHAUSTED, not ready or draining UNAVAILABLE, anything else 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import signal
@@ -43,6 +44,7 @@ from kvloom.cluster.frontend.errors import (
 from kvloom.cluster.frontend.metrics import MetricsServer, render_metrics
 from kvloom.cluster.frontend.model_files import ModelFiles, load_model_files
 from kvloom.cluster.frontend.options import ServerOptions
+from kvloom.cluster.frontend.ports import check_port_free
 from kvloom.cluster.frontend.request_validation import (
     check_cache_salt,
     check_identifier,
@@ -55,7 +57,8 @@ from kvloom.cluster.frontend.request_validation import (
 )
 from kvloom.cluster.frontend.responses import ChatResponder, GenerateResponder, TokenTexts
 from kvloom.cluster.parsers import ChatOutputParser, make_tool_call_parser, reasoning_parser_class
-from kvloom.cluster.sampling_params import SamplingParams
+from kvloom.cluster.ray_local import call_when_connected
+from kvloom.contracts.sampling_params import SamplingParams
 from kvloom.protos.kvloom.v1 import generation_pb2 as pb
 from kvloom.protos.kvloom.v1 import generation_pb2_grpc as pb_grpc
 
@@ -66,6 +69,9 @@ LIVENESS = ""
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 WARMUP_PROMPT = "Hello"
+# A server stopping because its engine failed: the streams already ended with the failure
+# get this long to send their status before the RPCs are cancelled.
+FAILED_STREAMS_GRACE_S = 5.0
 
 
 def _version() -> str:
@@ -100,10 +106,13 @@ def _unary(method: Callable) -> Callable:
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, server: KvloomServer) -> None:
         self.server = server
-        self.engine = server.engine
         self.files: ModelFiles = server.files
         tokenizer = self.files.tokenizer
         self.token_texts = TokenTexts(lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self.server.engine  # a new one after a restart
 
     # ----- shared steps
 
@@ -118,6 +127,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def _check_serving(self) -> None:
         if self.server.draining:
             raise Unavailable("the server is draining (shutting down); retry on another replica")
+        if self.server.restarting:
+            raise Unavailable(
+                f"the model replica failed ({self.server.last_failure}) and is restarting; "
+                "retry shortly"
+            )
         if not self.server.ready:
             raise Unavailable("the server is not ready yet (loading or warming up)")
         if not self.engine.running:
@@ -158,7 +172,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except RequestRejected as exc:
             error = InvalidArgument.from_message(str(exc), "prompt")
         except EngineFailed as exc:
-            error = FrontendError(str(exc))
+            error = Unavailable(str(exc))
         except Exception as exc:
             logger.exception("request %s failed", request_id)
             error = _internal(exc)
@@ -366,9 +380,14 @@ class KvloomServer:
 
     def __init__(self, engine_factory: Callable[[], Any], options: ServerOptions) -> None:
         self.options = options
-        self.engine = AsyncEngine(
-            engine_factory, max_waiting=options.max_waiting, on_fatal=self._on_fatal
-        )
+        self._engine_factory = engine_factory
+        self.engine = self._make_engine()
+        self.restarting = False
+        self.num_restarts = 0
+        self.last_failure: str | None = None
+        # Set when the server stopped because its engine failed (policy "exit", or a
+        # restart that failed): `kvloom serve` then exits non-zero.
+        self.failure: str | None = None
         self.files: ModelFiles | None = None
         self.executor: ThreadPoolExecutor | None = None
         self.ready = False
@@ -433,15 +452,22 @@ class KvloomServer:
     def _bind(self, server: grpc.aio.Server) -> int:
         options = self.options
         address = f"{options.host}:{options.port}"
-        if options.tls_cert is not None:
-            credentials = grpc.ssl_server_credentials(
-                [(Path(options.tls_key).read_bytes(), Path(options.tls_cert).read_bytes())]
-            )
-            port = server.add_secure_port(address, credentials)
-        else:
-            port = server.add_insecure_port(address)
+        # gRPC logs its own bind failure at ERROR level; look first, so that a port in use
+        # is said once, plainly (gRPC's check stays: the port may be taken meanwhile).
+        check_port_free(options.host, options.port)
+        try:
+            if options.tls_cert is not None:
+                credentials = grpc.ssl_server_credentials(
+                    [(Path(options.tls_key).read_bytes(), Path(options.tls_cert).read_bytes())]
+                )
+                port = server.add_secure_port(address, credentials)
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpcio: "Failed to bind to address ..."
+            check_port_free(options.host, options.port)
+            raise OSError(f"cannot listen on {address}: {exc}") from None
         if port == 0:
-            raise OSError(f"cannot bind {address}")
+            raise OSError(f"cannot listen on {address}")
         return port
 
     async def _warm_up(self) -> None:
@@ -458,12 +484,53 @@ class KvloomServer:
         stats = await self.engine.stats() if self.engine.running else {}
         return render_metrics(stats, self.ready)
 
-    def _on_fatal(self, error: BaseException) -> None:
-        logger.error("the engine failed; reporting NOT_SERVING: %s", error)
-        self.ready = False
-        task = asyncio.get_running_loop().create_task(self._health.enter_graceful_shutdown())
+    def _make_engine(self) -> AsyncEngine:
+        return AsyncEngine(
+            self._engine_factory, max_waiting=self.options.max_waiting, on_fatal=self._on_fatal
+        )
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _on_fatal(self, error: BaseException) -> None:
+        """The engine failed (every stream in flight has already ended with the error)."""
+        policy = self.options.on_worker_failure
+        logger.error("the engine failed; NOT_SERVING, then %s: %s", policy, error)
+        self.ready = False
+        self.last_failure = str(error)
+        self.restarting = policy == "restart" and not (self.draining or self._stopping)
+        self._spawn(self._recover(error))
+
+    async def _recover(self, error: BaseException) -> None:
+        await self._health.set(SERVICE_NAME, NOT_SERVING)
+        if self.draining or self._stopping:
+            return
+        if not self.restarting:
+            self.failure = f"the engine failed: {error}"
+            await self.stop(grace_s=FAILED_STREAMS_GRACE_S)
+            return
+        try:
+            await self.engine.shutdown()  # frees the old replica's actors and devices
+            self.engine = self._make_engine()
+            await self.engine.start()
+            if self.options.warmup:
+                await self._warm_up()
+        except Exception as exc:
+            logger.exception("restarting the engine failed")
+            self.restarting = False
+            self.failure = f"the engine failed ({error}) and restarting it failed: {exc}"
+            await self.stop(grace_s=FAILED_STREAMS_GRACE_S)
+            return
+        self.restarting = False
+        if self.draining or self._stopping:
+            await self.engine.shutdown()
+            return
+        self.num_restarts += 1
+        self.ready = True
+        await self._health.set(SERVICE_NAME, SERVING)
+        logger.info("the engine is restarted (%d so far); SERVING", self.num_restarts)
 
     async def drain(self, timeout_s: float | None = None) -> None:
         """Stops taking requests, lets those in flight finish (up to the timeout), stops."""
@@ -519,37 +586,54 @@ async def serve_until_signal(
     engine_factory: Callable[[], Any],
     options: ServerOptions,
     on_ready: Callable[[KvloomServer], None] | None = None,
-) -> None:
-    """Runs a server until SIGTERM or SIGINT: the first drains, a second stops at once."""
+    on_signal: Callable[[signal.Signals, int], None] | None = None,
+) -> KvloomServer:
+    """Runs a server until SIGTERM or SIGINT: the first drains, a second stops at once.
+
+    Returns the stopped server (its `failure` says whether its engine failed). A start-up
+    failure raises, unless a signal arrived meanwhile (then stopping was asked for, and the
+    failure is the stop). `on_signal(signal, count)` is called on each signal first."""
     server = KvloomServer(engine_factory, options)
     loop = asyncio.get_running_loop()
     signals = 0
 
-    def on_signal() -> None:
+    def handle(sig: signal.Signals) -> None:
         nonlocal signals
         signals += 1
+        if on_signal is not None:
+            on_signal(sig, signals)
         coro = server.drain() if signals == 1 else server.stop()
         task = loop.create_task(coro)
         server._tasks.add(task)
         task.add_done_callback(server._tasks.discard)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
+    def take_signals() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+            loop.add_signal_handler(sig, handle, sig)
+
+    def take_signals_soon() -> None:  # called in the thread that connected to Ray
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to drain
+            loop.call_soon_threadsafe(take_signals)
+
+    take_signals()
+    # Connecting to Ray installs its core worker's (aborting) SIGTERM handler: take the
+    # signals back as soon as it has, not only once the model is loaded.
+    forget_hook = call_when_connected(take_signals_soon)
     try:
         try:
             await server.start()
         except Exception:
-            if server.stopping:  # a signal arrived while loading: not an error
-                return
+            if signals:  # a signal arrived while loading: the stop it asked for, not an error
+                logger.debug("start-up ended by a signal", exc_info=True)
+                return server
             raise
-        # Starting the engine may have started Ray, whose core worker installs its own
-        # (aborting) SIGTERM handler: take the signals back so SIGTERM still drains.
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-            loop.add_signal_handler(sig, on_signal)
+        take_signals()  # again, in case Ray was joined some other way meanwhile
         if on_ready is not None:
             on_ready(server)
         await server.wait_stopped()
+        return server
     finally:
+        forget_hook()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

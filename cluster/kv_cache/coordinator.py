@@ -20,14 +20,14 @@ from kvloom.cluster.kv_cache.group_manager import (
     LinearStateManager,
     SlidingWindowManager,
 )
-from kvloom.cluster.kv_cache.spec import (
+from kvloom.cluster.request import Request
+from kvloom.contracts.kv_cache_spec import (
     FullAttentionSpec,
     KVCacheGroup,
     LinearStateSpec,
     MLASpec,
     SlidingWindowSpec,
 )
-from kvloom.cluster.request import Request
 
 
 @dataclass

@@ -18,7 +18,7 @@ a group whose block is `stride` hash blocks long names its block j by hash (j+1)
 from __future__ import annotations
 
 from kvloom.cluster.kv_cache.block_pool import BlockPool, KVBlock
-from kvloom.cluster.kv_cache.spec import KVCacheSpec, SlidingWindowSpec
+from kvloom.contracts.kv_cache_spec import KVCacheSpec, SlidingWindowSpec
 
 
 def cdiv(a: int, b: int) -> int:
@@ -179,8 +179,10 @@ class LinearStateManager(GroupManager):
 
     def __init__(self, spec, pool, group_id, hash_block_size):
         super().__init__(spec, pool, group_id, hash_block_size)
-        # request id -> (checkpoint page, its boundary in tokens), taken this step
-        self.pending_checkpoints: dict[str, tuple[KVBlock, int]] = {}
+        # request id -> [(checkpoint page, its boundary in tokens)] taken by steps not yet
+        # published, oldest first (with async scheduling the step scheduled ahead may take
+        # one before the step in flight is read back)
+        self.pending_checkpoints: dict[str, list[tuple[KVBlock, int]]] = {}
         # request id -> checkpoint page a hit copies from, held until the copy has run
         self.pending_hit_source: dict[str, KVBlock] = {}
         # request id -> page holding the live state as it was before a step with drafts
@@ -229,19 +231,28 @@ class LinearStateManager(GroupManager):
 
     def take_checkpoint_page(self, request_id: str, boundary: int) -> KVBlock:
         page = self.pool.get_new_blocks(1)[0]
-        self.pending_checkpoints[request_id] = (page, boundary)
+        self.pending_checkpoints.setdefault(request_id, []).append((page, boundary))
         return page
 
     def publish_full_blocks(self, request_id: str, block_hashes: list[bytes], num_tokens: int):
         """After the step: the checkpoint written at the end of the forward becomes a hit
-        target; the request drops its reference (the page stays cached until evicted)."""
-        pending = self.pending_checkpoints.pop(request_id, None)
-        if pending is not None:
-            page, boundary = pending
+        target; the request drops its reference (the page stays cached until evicted).
+
+        With async scheduling a checkpoint of the step scheduled ahead may be pending too.
+        Its block's hash may not be known yet (its last input token is still in flight);
+        it waits for a later call. One whose hash is known is published now: a request
+        that hits it runs in a later step, queued behind the step that writes it (as for
+        attention blocks, docs/async_scheduling.md)."""
+        waiting = []
+        for page, boundary in self.pending_checkpoints.pop(request_id, ()):
             block_hash = self.block_hash(block_hashes, boundary // self.block_size - 1)
             if boundary <= num_tokens and block_hash is not None:
                 self.pool.cache_block(page, block_hash)
-            self.pool.free_blocks([page])
+                self.pool.free_blocks([page])
+            else:
+                waiting.append((page, boundary))
+        if waiting:
+            self.pending_checkpoints[request_id] = waiting
         source = self.pending_hit_source.pop(request_id, None)
         if source is not None:
             self.pool.free_blocks([source])
@@ -250,9 +261,8 @@ class LinearStateManager(GroupManager):
         backup = self.backups.pop(request_id, None)
         if backup is not None:
             self.pool.free_blocks([backup])
-        pending = self.pending_checkpoints.pop(request_id, None)
-        if pending is not None:
-            self.pool.free_blocks([pending[0]])  # never written: not published
+        for page, _ in self.pending_checkpoints.pop(request_id, ()):
+            self.pool.free_blocks([page])  # not published
         source = self.pending_hit_source.pop(request_id, None)
         if source is not None:
             self.pool.free_blocks([source])

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvloom.cluster.config import require, require_int
+from kvloom.contracts.config import require, require_int
 
 
 class NgramProposer:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvloom.cluster.config import require, require_int
+from kvloom.contracts.config import require, require_int
 
 
 @dataclass

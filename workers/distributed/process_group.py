@@ -23,7 +23,10 @@ runs the same code path as the Ray one.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
+import tempfile
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -75,6 +78,14 @@ class RankLayout:
     def dcp_groups(self) -> list[list[int]]:
         """World ranks of every DCP group, ordered by tp_rank; each group ordered by dcp_rank."""
         return [[self.rank_of(t, d) for d in range(self.dcp_size)] for t in range(self.tp_size)]
+
+
+def loopback_init_address() -> str:
+    """A rendezvous for ranks that all run on this machine (an embedded local Ray): a
+    FileStore file, so rendezvous opens no TCP listener at all. (torch's TCPStore listens
+    on every interface whatever host it is given, invariant 12.) torch removes the file
+    once every rank has closed it."""
+    return f"file://{tempfile.gettempdir()}/kvloom-rendezvous-{uuid.uuid4().hex}"
 
 
 def pick_init_address(host: str = "127.0.0.1") -> str:
@@ -245,8 +256,14 @@ def init_parallel_state(
     device = torch.device(device)
     if layout.world_size == 1:
         return single_process_state(device)
-    if not init_address.startswith("tcp://"):
-        raise ValueError(f"init_address must be a tcp://host:port address, got {init_address!r}")
+    if not init_address.startswith(("tcp://", "file://")):
+        raise ValueError(
+            f"init_address must be a tcp://host:port or file:// address, got {init_address!r}"
+        )
+    if init_address.startswith("file://"):
+        # All ranks on this machine: gloo's and NCCL's own sockets stay on loopback too.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     if backend is None:
         backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvloom.cluster.step_channel import RawTensor
+from kvloom.contracts.step_channel import RawTensor
 
 
 def tensor_to_raw(tensor: torch.Tensor) -> RawTensor:

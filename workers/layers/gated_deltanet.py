@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvloom.cluster.kv_cache.spec import LinearStateSpec
+from kvloom.contracts.kv_cache_spec import LinearStateSpec
 from kvloom.kernels.causal_conv1d import causal_conv1d_varlen
 from kvloom.kernels.ops import (
     causal_conv1d_update,

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvloom.cluster.kv_cache.spec import LinearStateSpec, MLASpec
+from kvloom.contracts.kv_cache_spec import LinearStateSpec, MLASpec
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.layers.kda_layer import KimiDeltaAttention
 from kvloom.workers.layers.linear import check_shape

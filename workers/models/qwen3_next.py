@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvloom.cluster.kv_cache.spec import FullAttentionSpec, LinearStateSpec
+from kvloom.contracts.kv_cache_spec import FullAttentionSpec, LinearStateSpec
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.layers.attention import PagedAttention
 from kvloom.workers.layers.gated_deltanet import GatedDeltaNet

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kvloom.cluster.kv_cache.spec import LinearStateSpec
+from kvloom.contracts.kv_cache_spec import LinearStateSpec
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
 from kvloom.workers.models.registry import model_class
 from kvloom.workers.row_kinds import RowClasses, classify_rows

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kvloom.cluster.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
+from kvloom.contracts.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.layers.linear import ReplicatedLinear
 from kvloom.workers.layers.norm import RMSNorm

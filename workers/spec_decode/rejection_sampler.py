@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.cluster.config import require
+from kvloom.contracts.config import require
 from kvloom.workers.sampler import (
     RowSamplingState,
     apply_penalties,

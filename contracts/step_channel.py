@@ -9,7 +9,7 @@ actors). Two one-way zmq channels:
 
 Messages are msgspec Structs or dataclasses encoded as msgpack (or bytes sent as they are);
 a tensor, if one must travel here, goes as `RawTensor` (dtype name, shape, raw bytes).
-Nothing is pickled. This module must not import torch: it is control plane.
+Nothing is pickled. This module must not import torch: the control plane imports it too.
 
 No message is lost:
 - Slow joiners. A SUB socket's subscription reaches the publisher asynchronously, and a PUB
@@ -22,6 +22,11 @@ No message is lost:
   slow to read gets everything, in order.
 - Anything else (a reconnect that lost data): every message carries a sequence number and
   the receiver raises `ChannelError` on a gap instead of running a step it only half saw.
+
+Besides data the publisher can send a flush marker (`publish_flush`; `recv` returns
+`FLUSH`): it carries no payload and tells workers that pipeline steps (async scheduling)
+to send back the result of the last step they were sent now, since no later step is
+coming before the scheduler reads it. It is numbered and ordered like any message.
 
 Sockets are not thread-safe: use each endpoint from one thread.
 """
@@ -42,6 +47,7 @@ import zmq
 __all__ = [
     "ChannelClosed",
     "ChannelError",
+    "FLUSH",
     "RawTensor",
     "ResultChannel",
     "ResultSender",
@@ -51,6 +57,7 @@ __all__ = [
 
 _DATA = b"D"
 _CLOSE = b"C"
+_FLUSH = b"F"
 # kind (1 byte) + sequence number; results add the sender's rank.
 _STEP_HEADER = struct.Struct("<cQ")
 _RESULT_HEADER = struct.Struct("<cIQ")
@@ -66,6 +73,19 @@ class ChannelClosed(RuntimeError):
 
 class ChannelError(RuntimeError):
     """The channel broke its guarantees (e.g. a message went missing)."""
+
+
+class _Flush:
+    """The type of `FLUSH`, the flush marker `StepSubscriber.recv` returns (compare with
+    `is`)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "FLUSH"
+
+
+FLUSH = _Flush()
 
 
 class RawTensor(msgspec.Struct, array_like=True, frozen=True):
@@ -249,6 +269,16 @@ class StepPublisher:
         self._endpoint.socket.send_multipart([_STEP_HEADER.pack(_DATA, self._seq), payload])
         self._seq += 1
 
+    def publish_flush(self) -> None:
+        """Send the flush marker: every subscriber's `recv` returns `FLUSH` in its place in
+        the stream. Counted in `num_published` like any message."""
+        if self._closed:
+            raise ChannelClosed("StepPublisher is closed")
+        if not self.ready:
+            self.wait_ready(self.ready_timeout)
+        self._endpoint.socket.send_multipart([_STEP_HEADER.pack(_FLUSH, self._seq), b""])
+        self._seq += 1
+
     def close(self) -> None:
         """Tell the subscribers the stream ended (they get `ChannelClosed` after every message
         sent before it), then release the socket. Safe to call twice."""
@@ -294,8 +324,9 @@ class StepSubscriber:
         self._closed = False
 
     def recv(self, timeout: float | None = None) -> Any:
-        """The next message, in publish order. TimeoutError if none arrives within `timeout`
-        seconds (None waits forever); ChannelClosed once the publisher closed."""
+        """The next message, in publish order (`FLUSH` for a flush marker). TimeoutError if
+        none arrives within `timeout` seconds (None waits forever); ChannelClosed once the
+        publisher closed."""
         _check_timeout(timeout)
         if self._closed:
             raise ChannelClosed("StepSubscriber is closed")
@@ -313,6 +344,8 @@ class StepSubscriber:
         if kind == _CLOSE:
             self._peer_closed = True
             raise ChannelClosed(f"publisher at {self.address} closed the channel")
+        if kind == _FLUSH:
+            return FLUSH
         return payload if self._decoder is None else self._decoder.decode(payload)
 
     def close(self) -> None:

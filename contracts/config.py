@@ -101,7 +101,7 @@ class CacheConfig:
     """The paged KV cache: page geometry, pool size, prefix caching, sanitizer."""
 
     # Tokens per KV-cache block. None: 16, or for a model with recurrent state the size at
-    # which an attention page holds as much as one state page (cluster/kv_cache/page_layout.py).
+    # which an attention page holds as much as one state page (cluster/kv_cache/planner.py).
     block_size: int | None = None
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9

@@ -12,6 +12,10 @@ Called where a process serves one engine for its life (`kvloom serve`, the Ray s
 and worker actors, `kvloom bench`), not from `Engine` itself: a frozen object is never
 collected, so a program that builds and drops engines (tests, notebooks) would keep any
 cyclic garbage of the old ones.
+
+It sits with the contracts, not in either plane, because processes of both planes call it
+(the scheduler side and the worker actors) and the data plane imports no control-plane
+module.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvloom.cluster.sampling_params import SamplingParams
+from kvloom.contracts.sampling_params import SamplingParams
 
 
 @dataclass
@@ -52,16 +52,3 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
-
-
-@dataclass
-class ModelRunnerOutput:
-    """request id -> sampled token ids (empty for a partial prefill chunk)."""
-
-    sampled_token_ids: dict[str, list[int]]
-    # request id -> drafts proposed on the worker for the next step (draft-model proposer)
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    # request id -> per sampled token: (sampled logprob, sampled rank, [(id, logprob), ...])
-    logprobs: dict[str, list[tuple[float, int, list[tuple[int, float]]]]] = field(
-        default_factory=dict
-    )

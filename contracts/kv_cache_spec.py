@@ -1,7 +1,9 @@
 """KV-cache specs: what one layer keeps per token (or per request), and its page size.
 
-Layers with equal specs form a KV-cache group with one block table per request. All
-groups draw pages from one block pool; `page_layout.py` maps it onto shared buffers.
+Workers report their layers' specs; the control plane groups layers with equal specs into
+KV-cache groups (one block table per request each) and sizes the pages
+(cluster/kv_cache/planner.py). All groups draw pages from one block pool, laid out on
+shared buffers as the plan says (contracts/kv_cache_plan.py).
 """
 
 from __future__ import annotations
@@ -78,16 +80,3 @@ KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLASpec | LinearStateSpec
 class KVCacheGroup:
     spec: KVCacheSpec
     layer_names: list[str]
-
-
-def group_layers(layer_specs: dict[str, KVCacheSpec]) -> list[KVCacheGroup]:
-    """Layers with equal specs share a group (and a block table per request)."""
-    groups: list[KVCacheGroup] = []
-    for name, spec in layer_specs.items():
-        for group in groups:
-            if group.spec == spec:
-                group.layer_names.append(name)
-                break
-        else:
-            groups.append(KVCacheGroup(spec, [name]))
-    return groups
