@@ -12,6 +12,19 @@ from kvloom import Engine
 
 pytestmark = pytest.mark.gpu
 
+
+@pytest.fixture(autouse=True)
+def release_cached_gpu_memory():
+    """The worker actors are other processes: memory this process's caching allocator kept
+    from earlier tests (engines sized by a profiling run) must go back to the driver first."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 SETTINGS = dict(dtype="bfloat16", device="cuda", progress=False, num_kv_blocks=512)
 
 
