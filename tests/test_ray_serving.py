@@ -203,12 +203,13 @@ def test_a_killed_actor_fails_streams_then_the_replica_restarts(served, class_na
     assert served.server.num_restarts >= 1
 
 
-def test_exit_policy_stops_the_server_with_the_failure(model_dir, served):
-    others = set(actor_pids("WorkerActor"))  # the module server's: left alone
+@pytest.mark.parametrize("class_name", ["WorkerActor", "SchedulerActor"])
+def test_exit_policy_stops_the_server_with_the_failure(model_dir, served, class_name):
+    others = set(actor_pids(class_name))  # the module server's: left alone
     server = start_server(model_dir, "exit")
     try:
-        pids = [pid for pid in actor_pids("WorkerActor") if pid not in others]
-        assert pids, "no ray::WorkerActor process of the new server found"
+        pids = [pid for pid in actor_pids(class_name) if pid not in others]
+        assert pids, f"no ray::{class_name} process of the new server found"
         kill_mid_stream(server, pids)
         assert wait_for(lambda: server.server.stopping, 30) is not None
         assert server.server.failure is not None and "failed" in server.server.failure
