@@ -18,6 +18,7 @@ its requests and refuses new ones — it never hangs.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -28,6 +29,8 @@ from kvloom.contracts.kv_cache_plan import KVCacheMemory, KVCachePlan, KVCacheSp
 from kvloom.contracts.runner_output import ModelRunnerOutput
 from kvloom.contracts.scheduler_output import SchedulerOutput
 from kvloom.contracts.step_channel import ResultChannel, StepPublisher
+
+logger = logging.getLogger(__name__)
 
 POLL_S = 0.2
 PLACEMENT_TIMEOUT_S = float(os.environ.get("KVLOOM_PLACEMENT_TIMEOUT_S", "120"))
@@ -144,13 +147,20 @@ class RayExecutor:
         died, failed = [], []
         for ref in done:
             rank = self.loop_refs.index(ref)
+            # Clients read this (invariant 11): say what happened, not Ray's wording of it.
             try:
                 ray.get(ref)
                 failed.append(f"rank {rank}: its step loop ended")
             except ray.exceptions.ActorDiedError as err:
-                died.append(f"rank {rank} died ({_first_line(err)})")
+                logger.error("worker rank %d died: %s", rank, err)
+                died.append(f"rank {rank} died (its process exited)")
+            except ray.exceptions.RayTaskError as err:
+                logger.error("worker rank %d failed: %s", rank, err)
+                cause = err.cause if isinstance(err.cause, BaseException) else err
+                failed.append(f"rank {rank} raised {type(cause).__name__}: {_first_line(cause)}")
             except ray.exceptions.RayError as err:
-                failed.append(f"rank {rank}: {_first_line(err)}")
+                logger.error("worker rank %d is lost: %s", rank, err)
+                failed.append(f"rank {rank} is lost ({type(err).__name__})")
         self.failure = "worker " + "; ".join(died + failed)
         raise WorkerFailure(self.failure)
 
