@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 from kvloom.contracts.config import require, require_int
 
+# Temperatures below this sample greedily (vLLM's threshold).
+GREEDY_BELOW = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -100,7 +103,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below GREEDY_BELOW are greedy (as vLLM does): dividing the logits
+        by one that small overflows to inf - inf = NaN and samples garbage."""
+        return self.temperature < GREEDY_BELOW
 
 
 def _is_number(value: object) -> bool:

@@ -16,7 +16,8 @@ def model_dir(tiny_model):
 
 
 def engine(model_dir, **kw):
-    return Engine(model=model_dir, dtype="float64", progress=False, block_size=8, **kw)
+    kw.setdefault("dtype", "float64")
+    return Engine(model=model_dir, progress=False, block_size=8, **kw)
 
 
 def seeded(seed, **kw):
@@ -55,6 +56,19 @@ def test_top_k_one_is_greedy(model_dir):
     )
     top1 = run_to_completion(engine(model_dir), [PROMPTS[6]], seeded(3, top_k=1, max_tokens=12))
     assert greedy[0].outputs[0].token_ids == top1[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-7])
+def test_a_tiny_temperature_is_greedy(model_dir, temperature):
+    """In float32 logits / 1e-40 overflow to inf and the softmax to NaN; below 1e-5 the
+    request samples greedily instead (vLLM's rule), never from a NaN distribution."""
+    f32 = dict(dtype="float32")
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tiny = SamplingParams(max_tokens=8, temperature=temperature, seed=5, ignore_eos=True)
+    want = run_to_completion(engine(model_dir, **f32), [PROMPTS[6]], greedy)[0].outputs[0]
+    got = run_to_completion(engine(model_dir, **f32), [PROMPTS[6]], tiny)[0].outputs[0]
+    assert got.token_ids == want.token_ids and len(got.token_ids) == 8
+    assert SamplingParams(temperature=2e-5).greedy is False
 
 
 def test_logprobs_returned_and_consistent(model_dir):
