@@ -167,7 +167,8 @@ def latency(model: str, args) -> dict:
     engine = make_engine(model, args)
     device = engine.executor.worker.device
     rng = random.Random(0)
-    prompt = [rng.randrange(10, 1000) for _ in range(128)]
+    # Ids as the peer kit draws them, inside any vocabulary (the demo model has 512 ids).
+    prompt = [rng.randrange(10, min(1000, engine.vocab_size)) for _ in range(128)]
     params = SamplingParams(
         max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True, detokenize=False
     )

@@ -166,3 +166,14 @@ def test_percentiles_are_nearest_rank_in_ms():
     got = percentiles(values, "x")
     assert (got["x_p50_ms"], got["x_p90_ms"], got["x_p99_ms"]) == (50.0, 90.0, 99.0)
     assert got["x_mean_ms"] == 50.5 and percentiles([], "x") == {}
+
+
+def test_bench_latency_runs_on_a_demo_model_directory(tmp_path):
+    """--model with a small vocabulary (the demo's 512 ids): the prompt stays inside it."""
+    from kvloom.cluster.demo_model import write_demo_model
+
+    model = write_demo_model(tmp_path / "demo", arch="llama")
+    out = tmp_path / "latency.json"
+    args = ["bench", "latency", "--model", str(model), "--dtype", "float32", "--steps", "4"]
+    assert main([*args, "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["ms_per_token"] > 0
