@@ -79,7 +79,9 @@ def test_serve_answers_then_drains_on_sigterm(model_dir):
 
 def test_serve_rejects_bad_settings_before_binding(model_dir, capsys):
     assert cli.main(["serve", "--model", model_dir, "--block-size", "0"]) == 2
-    assert "block_size" in capsys.readouterr().err
+    assert "error: --block-size must be" in capsys.readouterr().err  # the flag, not the field
+    assert cli.main(["serve", "--model", model_dir, "--tp", "0"]) == 2
+    assert "error: --tp must be" in capsys.readouterr().err
     assert cli.main(["serve", "--model", model_dir, "--tls-cert", "/nonexistent.pem"]) == 2
     assert "tls_cert" in capsys.readouterr().err
 

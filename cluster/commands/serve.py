@@ -129,6 +129,25 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+# Engine fields whose flag has another name: errors name the flag the user typed.
+FLAG_OF_FIELD = {
+    "tensor_parallel_size": "--tp",
+    "decode_context_parallel_size": "--dcp",
+    "enable_prefix_caching": "--no-prefix-caching",
+}
+
+
+def flag_names(message: str) -> str:
+    """An engine setting's error as a `kvloom serve` user reads it: `--tp must be ...`,
+    `--max-num-seqs must be ...` (the field at the start of the message becomes its flag)."""
+    field, sep, rest = message.partition(" ")
+    name = field.rstrip(":")
+    if not sep or not name.isidentifier():
+        return message
+    flag = FLAG_OF_FIELD.get(name) or "--" + name.replace("_", "-")
+    return f"{flag}{field[len(name) :]} {rest}"
+
+
 def server_options(args: argparse.Namespace):
     from kvloom.cluster.frontend.options import ServerOptions, read_token_file
 
@@ -186,6 +205,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         kwargs = engine_kwargs(args)
         EngineConfig.from_kwargs(**kwargs)  # bad settings fail here, before binding a port
+    except ValueError as exc:
+        return _fail(flag_names(str(exc)), 2)
+    try:
         options = server_options(args)
     except ValueError as exc:
         return _fail(str(exc), 2)
