@@ -60,7 +60,10 @@ class BackgroundServer:
     def stop(self, grace_s: float = 0.0) -> None:
         if self._thread is None or not self._thread.is_alive():
             return
-        self.call(self.server.stop(grace_s))
+        # A server that is stopping by itself (its engine failed, policy "exit") ends its
+        # loop when done: nothing may be submitted to that loop any more, only waited for.
+        if not self.server.stopping:
+            self.call(self.server.stop(grace_s))
         self._thread.join()
 
     def drain(self, timeout_s: float | None = None) -> concurrent.futures.Future:
