@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 
-from kvloom.cluster.ray_local import connect_ray  # lives with the embedded Ray; re-exported
+from kvloom.cluster.ray_local import connect_ray, first_line
 from kvloom.contracts.config import EngineConfig
 from kvloom.contracts.kv_cache_plan import KVCacheMemory, KVCachePlan, KVCacheSpecs
 from kvloom.contracts.runner_output import ModelRunnerOutput
@@ -38,11 +37,6 @@ PLACEMENT_TIMEOUT_S = float(os.environ.get("KVLOOM_PLACEMENT_TIMEOUT_S", "120"))
 
 class WorkerFailure(RuntimeError):
     """A worker actor died or raised; the message says which and why."""
-
-
-def _first_line(err: Exception) -> str:
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 class RayExecutor:
@@ -112,9 +106,9 @@ class RayExecutor:
         except ray.exceptions.RayTaskError as err:
             if isinstance(err.cause, ValueError):  # bad configuration: say it as such
                 raise ValueError(str(err.cause)) from None
-            raise WorkerFailure(f"worker call {method} failed: {_first_line(err)}") from err
+            raise WorkerFailure(f"worker call {method} failed: {first_line(err)}") from err
         except ray.exceptions.RayError as err:
-            raise WorkerFailure(f"worker call {method} failed: {_first_line(err)}") from err
+            raise WorkerFailure(f"worker call {method} failed: {first_line(err)}") from err
 
     def kv_cache_specs(self) -> KVCacheSpecs:
         """The ranks' layer specs. Every rank of the grid holds the same shard shapes, so
@@ -157,7 +151,7 @@ class RayExecutor:
             except ray.exceptions.RayTaskError as err:
                 logger.error("worker rank %d failed: %s", rank, err)
                 cause = err.cause if isinstance(err.cause, BaseException) else err
-                failed.append(f"rank {rank} raised {type(cause).__name__}: {_first_line(cause)}")
+                failed.append(f"rank {rank} raised {type(cause).__name__}: {first_line(cause)}")
             except ray.exceptions.RayError as err:
                 logger.error("worker rank %d is lost: %s", rank, err)
                 failed.append(f"rank {rank} is lost ({type(err).__name__})")

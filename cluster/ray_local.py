@@ -112,7 +112,9 @@ _lock = threading.Lock()  # one connect_ray at a time
 _atexit_registered = False
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """An error's first line without terminal colours (Ray colours its messages), or its
+    type's name when it has no text."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()
     return text.splitlines()[0].strip() if text else type(err).__name__
 
@@ -182,7 +184,7 @@ def _connect(ray: Any, num_cpus_for_local: int, local_init_kwargs: dict[str, Any
         except Exception as exc:
             logger.debug("ray.init(address=%r) failed", address, exc_info=True)
             raise RayStartError(
-                f"cannot join the Ray cluster at RAY_ADDRESS={address}: {_first_line(exc)}; "
+                f"cannot join the Ray cluster at RAY_ADDRESS={address}: {first_line(exc)}; "
                 "check that it is up (`ray status`) or unset RAY_ADDRESS to start a local Ray"
             ) from None
     else:
@@ -316,7 +318,7 @@ def _timed_out(exc: BaseException) -> bool:
 
 def _local_start_advice(exc: BaseException) -> str:
     """One line: why the embedded Ray did not start, and what to try."""
-    cause = _first_line(exc)
+    cause = first_line(exc)
     temp = os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC or "No space left" in str(exc):
         return (

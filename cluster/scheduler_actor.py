@@ -153,7 +153,7 @@ class RemoteEngine:
     def __init__(self, engine_kwargs: dict[str, Any]):
         import ray
 
-        from kvloom.cluster.ray_executor import connect_ray
+        from kvloom.cluster.ray_local import connect_ray
 
         connect_ray(num_cpus_for_local=16)
         # The actor needs four threads: serve (the loop), start, shutdown, and one spare.

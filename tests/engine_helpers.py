@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from kvloom import Engine, RequestOutput, SamplingParams
 
 # Eight prompts of different lengths, as token ids inside the tiny vocabulary.
@@ -72,3 +74,32 @@ def reusable_prefix(turns, turn: int, block_size: int) -> list[int]:
         computed = len(prompt) + len(result.outputs[0].token_ids) - 1
         out.append(computed // block_size * block_size)
     return out
+
+
+def kill_worker_mid_run(
+    engine: Engine, ray, rank: int = 1, before_kill=None
+) -> dict[str, RequestOutput]:
+    """Runs every prompt on a Ray-executor engine, kills worker `rank` after three steps
+    (calling `before_kill()` first, for checks of the running engine), and checks every
+    request then ends in error within 10 s, naming the dead rank. Returns the final
+    outputs by request id (the caller checks the engine's state after)."""
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    for _ in range(3):
+        engine.step()
+    if before_kill is not None:
+        before_kill()
+    ray.kill(engine.executor.actors[rank])
+    start = time.monotonic()
+    finished: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests() and time.monotonic() - start < 10:
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    elapsed = time.monotonic() - start
+    assert elapsed < 10, f"requests still pending {elapsed:.1f} s after the kill"
+    assert sorted(finished) == sorted(str(i) for i in range(len(PROMPTS)))
+    assert {o.outputs[0].finish_reason for o in finished.values()} == {"error"}
+    assert f"rank {rank} died" in str(finished["0"].outputs[0].stop_reason)
+    return finished

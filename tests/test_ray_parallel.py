@@ -3,12 +3,17 @@ the tokens of one rank (float64), and a dead worker fails requests fast."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from kvloom import Engine, SamplingParams
-from tests.engine_helpers import PROMPTS, assert_pool_full, greedy, multi_turn, run_to_completion
+from kvloom import Engine
+from tests.engine_helpers import (
+    PROMPTS,
+    assert_pool_full,
+    greedy,
+    kill_worker_mid_run,
+    multi_turn,
+    run_to_completion,
+)
 
 GRIDS = [(2, 1), (1, 2), (2, 2)]
 
@@ -51,26 +56,10 @@ def test_grid_matches_single_rank_with_prefix_caching(local_ray, model_and_refer
 def test_killed_worker_fails_every_request_fast(local_ray, dense_path):
     eng = engine(dense_path, tensor_parallel_size=2)
     try:
-        params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-        for i, prompt in enumerate(PROMPTS):
-            eng.add_request(str(i), {"prompt_token_ids": prompt}, params)
-        for _ in range(3):
-            eng.step()
-        local_ray.kill(eng.executor.actors[1])
-        start = time.monotonic()
-        finished = {}
-        while eng.has_unfinished_requests() and time.monotonic() - start < 10:
-            for out in eng.step():
-                if out.finished:
-                    finished[out.request_id] = out
-        elapsed = time.monotonic() - start
-        assert elapsed < 10, f"requests still pending {elapsed:.1f} s after the kill"
-        assert sorted(finished) == sorted(str(i) for i in range(len(PROMPTS)))
-        assert {o.outputs[0].finish_reason for o in finished.values()} == {"error"}
-        assert "rank 1 died" in str(finished["0"].outputs[0].stop_reason)
+        kill_worker_mid_run(eng, local_ray)
         assert_pool_full(eng)
         with pytest.raises(RuntimeError, match="engine is down"):
-            eng.add_request("late", {"prompt_token_ids": [5, 6]}, params)
+            eng.add_request("late", {"prompt_token_ids": [5, 6]}, greedy(2))
     finally:
         eng.shutdown()
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import signal
 import sys
 from typing import Any
@@ -174,6 +173,8 @@ def server_options(args: argparse.Namespace):
 def startup_cause(exc: BaseException) -> str:
     """One line saying why start-up failed, free of Ray internals: a Ray task's error is
     reported as the exception it wraps."""
+    from kvloom.cluster.ray_local import first_line
+
     ray = sys.modules.get("ray")
     task_error = getattr(getattr(ray, "exceptions", None), "RayTaskError", None)
     for _ in range(8):
@@ -181,8 +182,7 @@ def startup_cause(exc: BaseException) -> str:
         if not isinstance(cause, BaseException) or cause is exc:
             break
         exc = cause
-    lines = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip().splitlines()
-    text = lines[0].strip() if lines else ""
+    text = first_line(exc) if str(exc).strip() else ""
     if isinstance(exc, ValueError | OSError | RuntimeError) and text:
         return text
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
