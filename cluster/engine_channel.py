@@ -91,9 +91,10 @@ class RequestError:
 
 
 def _common_prefix(a, b) -> int:
+    """How much of `a` starts `b` (all of it, but for a revised text)."""
+    if b.startswith(a):  # the usual case: no copies
+        return len(a)
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
