@@ -88,6 +88,9 @@ class RequestError:
     request_id: str
     message: str
     engine_down: bool = False  # not the request's fault: the engine had failed
+    # Not the request's fault either: the data-parallel replica serving it failed, and the
+    # others still serve (cluster/replicas.py). UNAVAILABLE, but not the server's failure.
+    replica_lost: bool = False
 
 
 def _common_prefix(a, b) -> int:

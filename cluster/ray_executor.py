@@ -1,6 +1,7 @@
-"""The Ray executor: worker actors in a placement group, steps over a zmq channel.
+"""The Ray executor: worker actors in placement groups, steps over a zmq channel.
 
-Ray places the actors (one bundle per device, packed on one node for tensor parallelism),
+Ray places the actors (one bundle per device; each TP group packed on one node,
+cluster/placement.py),
 supervises them and carries control calls (setup, KV sizing, health). Each step is
 published once on the step channel and the driver worker's result comes back on the result
 channel (ARCHITECTURE §2: a Ray call round trip costs more than a small decode step).
@@ -19,9 +20,9 @@ its requests and refuses new ones — it never hangs.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
+from kvloom.cluster.placement import place_grid
 from kvloom.cluster.ray_local import connect_ray, first_line
 from kvloom.contracts.config import EngineConfig
 from kvloom.contracts.kv_cache_plan import KVCacheMemory, KVCachePlan, KVCacheSpecs
@@ -32,7 +33,6 @@ from kvloom.contracts.step_channel import ResultChannel, StepPublisher
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.2
-PLACEMENT_TIMEOUT_S = float(os.environ.get("KVLOOM_PLACEMENT_TIMEOUT_S", "120"))
 
 
 class WorkerFailure(RuntimeError):
@@ -42,8 +42,6 @@ class WorkerFailure(RuntimeError):
 class RayExecutor:
     def __init__(self, config: EngineConfig, progress: bool = True):
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from kvloom.workers.ray_worker import WorkerActor
 
@@ -54,24 +52,16 @@ class RayExecutor:
         gpus = ray.cluster_resources().get("GPU", 0)
         self.use_gpu = config.device == "cuda" or (config.device == "auto" and gpus >= world)
         bundle = {"GPU": 1, "CPU": 1} if self.use_gpu else {"CPU": 1}
-        self.placement_group = placement_group([bundle] * world, strategy="STRICT_PACK")
-        try:
-            ray.get(self.placement_group.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.placement_group)
-            raise ValueError(
-                f"tensor_parallel_size × decode_context_parallel_size = {world} needs {world} "
-                f"bundles of {bundle} on one node; the Ray cluster has "
-                f"{ray.available_resources()} available"
-            ) from None
+        parallel = config.parallel
+        self.placement = place_grid(
+            parallel.tensor_parallel_size, parallel.decode_context_parallel_size, bundle
+        )
         actor_class = ray.remote(max_concurrency=2)(WorkerActor)
         self.actors = [
             actor_class.options(
                 num_cpus=1,
                 num_gpus=1 if self.use_gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=rank
-                ),
+                scheduling_strategy=self.placement.strategy(rank),
             ).remote(config, rank, self.use_gpu, progress and rank == 0)
             for rank in range(world)
         ]
@@ -200,7 +190,6 @@ class RayExecutor:
 
     def shutdown(self) -> None:
         import ray
-        from ray.util.placement_group import remove_placement_group
 
         try:
             if self.publisher is not None:
@@ -217,7 +206,7 @@ class RayExecutor:
         finally:
             for actor in self.actors:
                 ray.kill(actor)
-            remove_placement_group(self.placement_group)
+            self.placement.remove()
 
 
 class RayPendingStep:

@@ -70,15 +70,17 @@ class SchedulerActor:
 
     # -- control calls (Ray) -----------------------------------------------------------
     def start(self, engine_kwargs: dict[str, Any]):
-        """Builds the engine; returns (config, command address, placement group or None)."""
+        """Builds the engine; returns (config, command address, placement or None, the
+        prefix cache's hash block size)."""
         from kvloom.cluster.engine import Engine
         from kvloom.contracts.gc_freeze import freeze_startup_objects
 
         self.engine = Engine(**engine_kwargs)
         freeze_startup_objects()  # the actor's process serves this one engine
         self._commands = ResultChannel(msg_type=Commands, host=_node_host())
-        placement_group = getattr(self.engine.executor, "placement_group", None)
-        return self.engine.config, self._commands.address, placement_group
+        placement = getattr(self.engine.executor, "placement", None)
+        hash_block_size = self.engine.kv_cache.hash_block_size
+        return self.engine.config, self._commands.address, placement, hash_block_size
 
     def serve(self, events_address: str) -> None:
         """The engine loop; returns after `shutdown`. The only thread touching the engine."""
@@ -159,11 +161,11 @@ class RemoteEngine:
         # The actor needs four threads: serve (the loop), start, shutdown, and one spare.
         actor_class = ray.remote(num_cpus=0, max_concurrency=4)(SchedulerActor)
         self.actor = actor_class.remote()
-        self._placement_group = None
+        self._placement = None
         self._events: ResultChannel | None = None
         self._commands: ResultSender | None = None
         try:
-            self.config, command_address, self._placement_group = self._get(
+            self.config, command_address, self._placement, self.hash_block_size = self._get(
                 self.actor.start.remote(engine_kwargs)
             )
             self._events = ResultChannel(msg_type=Events, host=_node_host())
@@ -231,14 +233,20 @@ class RemoteEngine:
         if ids:
             self._pending.append(AbortRequests(ids))
 
-    def step(self) -> list[RequestOutput | RequestError]:
+    def step(self, wait: float = POLL_S) -> list[RequestOutput | RequestError]:
         """Sends what was queued, then returns the outputs (and refusals) that arrived,
-        waiting up to POLL_S for the first. Raises ReplicaFailed if the actor is gone."""
+        waiting up to `wait` for the first. Raises ReplicaFailed if the actor is gone
+        (checked after a wait that saw nothing; with no wait, call `check_alive`)."""
         self._flush()
         results, self._ready = self._ready, []
-        if not self._read_events(results, 0.0 if results else POLL_S):
-            self._check_alive()
+        if not self._read_events(results, 0.0 if results else wait) and wait > 0:
+            self.check_alive()
         return results
+
+    @property
+    def events_socket(self):
+        """The socket outputs arrive on (ReplicaSet polls several replicas' at once)."""
+        return self._events.socket
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._live or self._ready or self._pending)
@@ -256,12 +264,12 @@ class RemoteEngine:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the scheduler did not answer stats in {STATS_TIMEOUT_S} s")
             if not self._read_events(self._ready, POLL_S):
-                self._check_alive()
+                self.check_alive()
         return self._stats.pop(ask_id)
 
     def shutdown(self) -> None:
         try:
-            if self._check_alive(raise_error=False):
+            if self.check_alive(raise_error=False):
                 self._get(self.actor.shutdown.remote(), timeout=SHUTDOWN_TIMEOUT_S)
         except Exception as err:  # the actor is going away regardless
             logger.warning("scheduler actor shutdown: %s", err)
@@ -306,7 +314,7 @@ class RemoteEngine:
         if events.failure is not None:
             self.failure = events.failure
 
-    def _check_alive(self, raise_error: bool = True) -> bool:
+    def check_alive(self, raise_error: bool = True) -> bool:
         """Whether the actor's loop still runs; raises ReplicaFailed (if asked) when not."""
         import ray
 
@@ -330,7 +338,6 @@ class RemoteEngine:
         """Kills the actor and frees what it held (its workers die with it; its placement
         group outlives it unless removed here)."""
         import ray
-        from ray.util.placement_group import remove_placement_group
 
         for channel in (self._commands, self._events):
             if channel is not None:
@@ -339,8 +346,5 @@ class RemoteEngine:
             ray.kill(self.actor)
         except Exception as err:
             logger.debug("ray.kill of the scheduler actor: %s", err)
-        if self._placement_group is not None:
-            try:
-                remove_placement_group(self._placement_group)
-            except Exception as err:  # removed by the actor's own shutdown already
-                logger.debug("remove_placement_group: %s", err)
+        if self._placement is not None:
+            self._placement.remove()

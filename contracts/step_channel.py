@@ -402,6 +402,11 @@ class ResultChannel:
     def recv(self, timeout: float | None = None) -> Any:
         return self.recv_from(timeout)[1]
 
+    @property
+    def socket(self) -> zmq.Socket:
+        """The receiving socket, for a `zmq.Poller` waiting on several channels at once."""
+        return self._endpoint.socket
+
     def close(self) -> None:
         if self._closed:
             return

@@ -210,6 +210,29 @@ def test_worker_group_holds_tp_times_dcp_gpus(tp, dcp, gpus_per_pod, workers):
 
 
 @pytest.mark.parametrize(
+    "dp, tp, gpus_per_pod, workers", [(3, 1, 1, 3), (2, 2, 2, 2), (2, 4, 2, 4), (4, 2, 1, 8)]
+)
+def test_data_parallel_replicas_share_one_raycluster(dp, tp, gpus_per_pod, workers):
+    values = {
+        "engine": {"tp": tp, "dataParallelSize": dp, "routing": "least-loaded"},
+        "worker": {"gpusPerPod": gpus_per_pod},
+    }
+    objects = manifests(render(values))
+    cluster = one(objects, "RayCluster")  # one front door for all replicas
+    group = worker_group(cluster)
+    assert group["replicas"] == workers and workers * gpus_per_pod == dp * tp
+    args = serve_args(objects)
+    assert flag(args, "--data-parallel-size") == str(dp)
+    assert flag(args, "--routing") == "least-loaded"
+    validate_object(cluster, KUBE_VERSIONS[0])
+
+
+def test_one_data_parallel_replica_adds_no_flags():
+    args = serve_args(manifests(render({"engine": {"dataParallelSize": 1}})))
+    assert "--data-parallel-size" not in args and "--routing" not in args
+
+
+@pytest.mark.parametrize(
     "values, message",
     [
         (

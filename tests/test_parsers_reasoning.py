@@ -155,3 +155,40 @@ def test_chat_output_without_parsers_passes_text_through() -> None:
     assert collect(parser.feed("<think>x</think><tool_call>") + parser.finish()).content == (
         "<think>x</think><tool_call>"
     )
+
+
+def test_a_tool_call_marker_ends_open_reasoning_under_every_split() -> None:
+    """Issue 20: `plan<tool_call>…` with the block opened by the prompt and never closed."""
+    text = 'plan 🤔<tool_call>{"name": "w", "arguments": {"c": "</think>"}}</tool_call>'
+    expected = ("plan 🤔", "", [("id0", "w", '{"c": "</think>"}')], 1)
+    parser_pieces = [[text], list(text)] + [[text[:i], text[i:]] for i in range(len(text) + 1)]
+    for pieces in parser_pieces:
+        parser = ChatOutputParser(
+            make_reasoning_parser("think", start_in_reasoning=True),
+            make_tool_call_parser("hermes", call_id_factory=lambda i: f"id{i}"),
+        )
+        deltas = [d for piece in pieces for d in parser.feed(piece)] + parser.finish()
+        message = collect(deltas)
+        calls = [(c.id, c.name, c.arguments) for c in message.tool_calls]
+        assert (message.reasoning, message.content, calls, parser.num_tool_calls) == expected
+
+
+CHAT_FUZZ_ATOMS = ["<think>", "</think>", "</thi", "<tool_call>", "</tool_call>", '{"name": "w"',
+                   ', "arguments": ', "{", "}", '"', "x 中", "😀", "\n", " ", "<"]  # fmt: skip
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_reasoning_and_calls_are_split_invariant_on_random_output(opened: bool) -> None:
+    rng = random.Random(int(opened))
+    for _ in range(300):
+        text = "".join(rng.choice(CHAT_FUZZ_ATOMS) for _ in range(rng.randint(1, 20)))
+        results = []
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, 4)))
+        for pieces in ([text], list(text), [text[a:b] for a, b in zip([0, *cuts], [*cuts, None])]):
+            parser = ChatOutputParser(
+                make_reasoning_parser("think", start_in_reasoning=opened),
+                make_tool_call_parser("hermes", call_id_factory=lambda i: f"id{i}"),
+            )
+            deltas = [d for piece in pieces for d in parser.feed(piece)] + parser.finish()
+            results.append(collect(deltas))
+        assert results[0] == results[1] == results[2], text

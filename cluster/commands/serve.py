@@ -31,6 +31,20 @@ def register(subparsers) -> None:
     engine.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     engine.add_argument("--tp", type=int, default=1, help="tensor parallel size (default 1)")
     engine.add_argument("--dcp", type=int, default=1, help="decode context parallel size")
+    engine.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="model replicas behind this front door, each with its own TP × DCP grid "
+        "(Ray executor; default 1; docs/ray.md)",
+    )
+    engine.add_argument(
+        "--routing",
+        default="prefix",
+        choices=("prefix", "least-loaded", "round-robin"),
+        help="how requests pick a replica: prefix (default: the replica that holds the "
+        "prompt's longest cached prefix, else the least loaded), least-loaded, round-robin",
+    )
     engine.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, ...")
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument(
@@ -121,6 +135,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.no_async_scheduling:
         kwargs["async_scheduling"] = False
+    if args.data_parallel_size != 1:
+        kwargs.update(
+            data_parallel_size=args.data_parallel_size,
+            routing=args.routing,
+            restart_replicas=args.on_worker_failure == "restart",
+        )
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     if args.num_kv_blocks is not None:

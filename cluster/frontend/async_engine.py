@@ -54,6 +54,11 @@ class EngineFailed(RuntimeError):
     """The engine raised while stepping; every request in flight ends with this."""
 
 
+class ReplicaUnavailable(EngineFailed):
+    """The data-parallel replica serving this request failed; the other replicas still
+    serve (UNAVAILABLE to the client, as EngineFailed, but the server keeps serving)."""
+
+
 _STOP = ("stop",)
 
 
@@ -322,6 +327,10 @@ class AsyncEngine:
             if out.request_id not in live:
                 continue
             if isinstance(out, RequestError):  # refused at admission (a remote engine)
+                if out.replica_lost:
+                    del live[out.request_id]
+                    batch.append((out.request_id, ReplicaUnavailable(out.message)))
+                    continue
                 if out.engine_down:
                     failure = EngineFailed(f"the model replica failed: {out.message}")
                     continue  # stays live: it ends with the failure, like the rest

@@ -1,16 +1,13 @@
-"""Incremental JSON scanning for streamed tool-call arguments.
-
-Parsers stream the model's argument text as it is written, without re-serialising it, so the
-fragments concatenate to exactly the final arguments. What they need to know is where the JSON
-value ends and which characters are inside strings (where marker text is argument text).
+"""Incremental JSON scanning: where a JSON value ends in text that arrives in pieces, and
+which characters are inside strings (where marker text is value text). Values parsers only
+skip or read whole use this; arguments that stream use json_object_stream, which also checks
+the grammar.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-
-from kvloom.cluster.parsers.markers import partial_marker_len
 
 _STRING_SPECIAL = re.compile(r'["\\]')
 _WHITESPACE = " \t\r\n"
@@ -104,51 +101,3 @@ class JsonValueScanner:
                     pos += 1
                     self.done = self.depth == 0
         return pos
-
-
-class JsonArgsStreamer:
-    """Streams the raw text of one JSON arguments value that is followed by an end marker.
-
-    Leading whitespace is skipped; trailing whitespace and a possible partial end marker are
-    held back until the next piece shows what they are (they hold no JSON syntax, so the
-    scanner reads them again next time without changing its state). The value ends when it closes, or at
-    an end marker outside strings (malformed JSON). After `done`, `rest` holds the unconsumed
-    text (starting at the end marker, if one stopped it).
-    """
-
-    def __init__(self, end_markers: Sequence[str] = ()) -> None:
-        self._markers = tuple(end_markers)
-        self._scanner = JsonValueScanner(self._markers)
-        self._buf = ""  # text not emitted yet
-        self._started = False
-        self.done = False
-        self.rest = ""
-
-    def feed(self, text: str, eof: bool = False) -> str:
-        """Takes the next piece; returns the argument text that is now certain."""
-        if self.done:
-            raise RuntimeError("JsonArgsStreamer fed after its value ended")
-        self._buf += text
-        if not self._started:
-            stripped = self._buf.lstrip(_WHITESPACE)
-            self._buf = stripped
-            if not stripped:
-                return ""
-            self._started = True
-        scanner = self._scanner
-        stop = scanner.scan(self._buf)
-        if scanner.done or scanner.stopped_at_marker is not None:
-            emit = self._buf[:stop]
-            if scanner.stopped_at_marker is not None:
-                emit = emit.rstrip(_WHITESPACE)
-            self.rest = self._buf[stop:]
-            self._buf, self.done = "", True
-            return emit
-        if eof or scanner.in_string:
-            emit, self._buf = self._buf, ""
-            return emit
-        hold = partial_marker_len(self._buf, self._markers)
-        body = self._buf[: len(self._buf) - hold]
-        cut = len(body.rstrip(_WHITESPACE))
-        emit, self._buf = self._buf[:cut], self._buf[cut:]
-        return emit

@@ -15,6 +15,7 @@ from kvloom.cluster.parsers.tool_calls.deepseek_v3 import DeepSeekV3ToolParser
 from kvloom.cluster.parsers.tool_calls.hermes import HermesToolParser
 from kvloom.cluster.parsers.tool_calls.kimi_k2 import KimiK2ToolParser
 from kvloom.cluster.parsers.tool_calls.llama3_json import Llama3JsonToolParser
+from kvloom.cluster.parsers.tool_calls.minimax import MiniMaxToolParser
 from kvloom.cluster.parsers.tool_calls.mistral import MistralToolParser
 from kvloom.cluster.parsers.tool_calls.qwen3_coder import Qwen3CoderToolParser
 
@@ -25,6 +26,7 @@ TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
     "deepseek_v3": DeepSeekV3ToolParser,
+    "minimax": MiniMaxToolParser,
 }
 TOOL_CALL_PARSER_ALIASES = {
     "qwen": "hermes",
@@ -32,6 +34,7 @@ TOOL_CALL_PARSER_ALIASES = {
     "kimi": "kimi_k2",
     "llama3": "llama3_json",
     "deepseek_v31": "deepseek_v3",
+    "minimax_m1": "minimax",
 }
 REASONING_PARSERS: dict[str, type[TagReasoningParser]] = {
     "think": ThinkReasoningParser,
@@ -58,6 +61,9 @@ _BY_MODEL_TYPE: dict[str, tuple[str | None, str | None]] = {
     "mistral": ("mistral", None),
     "mixtral": ("mistral", None),
     "deepseek_v3": ("deepseek_v3", "think"),
+    # MiniMax-Text-01 and -M1: hybrid lightning (linear) attention.
+    "minimax_text_01": ("minimax", None),
+    "minimax_m1": ("minimax", "think"),
 }
 
 

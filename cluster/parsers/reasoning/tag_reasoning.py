@@ -10,6 +10,11 @@ the output starts inside it with no start tag; pass `start_in_reasoning=True` th
 (`prompt_opens_reasoning(prompt)` tells). A start tag the model repeats anyway is dropped.
 With `enable_thinking=False`, Qwen3 templates close an empty block in the prompt, and the
 output is all content.
+
+A tool-call marker ends an open reasoning block (docs/parsers.md): models that call a tool
+mid-thought often never close the block, and the call must not be lost in the reasoning.
+`end_also_at(markers)` adds the markers of the request's tool-call format (ChatOutputParser
+does this); the marker stays in the text, for the tool-call parser.
 """
 
 from __future__ import annotations
@@ -32,6 +37,13 @@ class TagReasoningParser:
         self._buf = ""
         self._state = "open_reasoning" if start_in_reasoning else "start"
         self._finished = False
+        self._implicit_ends = self.implicit_ends
+        self.ended_implicitly = False  # reasoning ended at a tool-call marker, not an end tag
+
+    def end_also_at(self, markers: tuple[str, ...]) -> None:
+        """Markers that also end reasoning (a tool-call format's start markers)."""
+        extra = tuple(m for m in markers if m and m not in self._implicit_ends)
+        self._implicit_ends = self._implicit_ends + extra
 
     @classmethod
     def prompt_opens_reasoning(cls, prompt: str) -> bool:
@@ -66,7 +78,7 @@ class TagReasoningParser:
                 if not self._leading_tag(eof, reasoning, content):
                     break
             elif self._state == "reasoning":
-                stops = self.end_tags + self.implicit_ends
+                stops = self.end_tags + self._implicit_ends
                 pos, marker = find_first_marker(self._buf, stops)
                 if marker is None:
                     keep = 0 if eof else partial_marker_len(self._buf, stops)
@@ -75,6 +87,7 @@ class TagReasoningParser:
                     break
                 reasoning.append(self._buf[:pos])
                 skip = len(marker) if marker in self.end_tags else 0
+                self.ended_implicitly = skip == 0
                 self._buf = self._buf[pos + skip :]
                 self._state = "content"
             else:

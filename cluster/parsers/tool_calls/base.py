@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, ClassVar
 
 from kvloom.cluster.parsers.deltas import Delta, DeltaBuilder
 from kvloom.cluster.parsers.markers import find_first_marker, partial_marker_len
 from kvloom.cluster.parsers.tool_calls.json_call_object import JsonCallObjectReader
+from kvloom.cluster.parsers.tool_calls.tool_names import resolve_tool_name
 from kvloom.cluster.parsers.tool_calls.tool_schemas import ToolSchemas
 
 _WHITESPACE = " \t\r\n"
@@ -36,6 +37,8 @@ class ToolCallParser(ABC):
     before a call, and at the end of a stream that ends with a call, is layout and dropped."""
 
     name: ClassVar[str] = ""
+    # Markers that open this format's calls; they also end an open reasoning block.
+    start_markers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -43,6 +46,7 @@ class ToolCallParser(ABC):
         call_id_factory: CallIdFactory | None = None,
     ) -> None:
         self.tools = ToolSchemas(tools)
+        self._offered = frozenset(self.tools.names())
         self._make_call_id = call_id_factory or self.default_call_id
         self._buf = ""
         self._eof = False
@@ -51,7 +55,6 @@ class ToolCallParser(ABC):
         self._num_calls = 0
         self._open_call: int | None = None
         self._call_has_arguments = False
-        self._pending_arguments: list[str] = []  # written before the call's name
         # Trailing content whitespace is held: dropped if a call follows, or if the stream ends
         # right after a call; emitted once more content follows.
         self._pending_whitespace = ""
@@ -135,26 +138,29 @@ class ToolCallParser(ABC):
             return ""
         return None
 
+    def _resolve_name(self, written: str) -> str | None:
+        """The offered tool a written name means, or None: then it is not a call."""
+        return resolve_tool_name(written, self._offered)
+
+    def _call_object_reader(
+        self, other_keys: Collection[str] | None = None, eager: bool = True
+    ) -> JsonCallObjectReader:
+        return JsonCallObjectReader(other_keys, resolve=self._resolve_name, eager=eager)
+
     def _feed_call_object(self, reader: JsonCallObjectReader) -> bool:
-        """Hands the buffer to a call-object reader and applies what it found: the call starts
-        at its name, and arguments written before the name wait for it. Returns True when
-        the reader has finished (done or failed); its unused text is back in the buffer."""
+        """Hands the buffer to a call-object reader and applies what it found: the call
+        starts when the reader commits it. Returns True when the reader has finished (done
+        or failed); its unused text is back in the buffer."""
         if not self._buf and not self._eof:
             return False
         for kind, value in reader.feed(self._consume(len(self._buf)), eof=self._eof):
-            if kind == "name":
+            if kind == "call":
                 self._start_call(value)
-                for piece in self._pending_arguments:
-                    self._emit_arguments(piece)
-                self._pending_arguments = []
-            elif self._open_call is None:
-                self._pending_arguments.append(value)
             else:
                 self._emit_arguments(value)
         if not (reader.done or reader.failed):
             return False
         self._buf = reader.rest + self._buf
-        self._pending_arguments = []
         return True
 
     # ----- output helpers
@@ -167,6 +173,10 @@ class ToolCallParser(ABC):
         self._out.content(self._pending_whitespace + body)
         self._pending_whitespace = text[len(body) :]
         self._after_call = False
+
+    def _drop_pending_whitespace(self) -> None:
+        """The whitespace held after the last content is layout (e.g. inside a section)."""
+        self._pending_whitespace = ""
 
     def _start_call(self, name: str, call_id: str | None = None) -> None:
         self._close_call()

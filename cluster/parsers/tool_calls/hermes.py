@@ -5,14 +5,14 @@
     </tool_call>
 
 one block per call. The JSON is read with string awareness, so `</tool_call>` inside an
-argument string is argument text. A block whose body is not a call object is given back as
-content; text after a call object that is not the end tag ends the call and is content.
+argument string is argument text. A block whose body is not a call object (see
+json_call_object for what is) is given back as content; text after a call object that is
+not the end tag ends the call and is content.
 """
 
 from __future__ import annotations
 
 from kvloom.cluster.parsers.tool_calls.base import ToolCallParser
-from kvloom.cluster.parsers.tool_calls.json_call_object import JsonCallObjectReader
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -20,14 +20,15 @@ END = "</tool_call>"
 
 class HermesToolParser(ToolCallParser):
     name = "hermes"
+    start_markers = (START,)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._state = "content"
-        self._reader = JsonCallObjectReader()
+        self._reader = self._call_object_reader()
 
     def _open_block(self) -> None:
-        self._reader = JsonCallObjectReader()
+        self._reader = self._call_object_reader()
         self._state = "object"
 
     def _step(self) -> bool:
@@ -75,7 +76,7 @@ class HermesToolParser(ToolCallParser):
         reader = self._reader
         if not self._feed_call_object(reader):
             return False
-        if reader.name is None:  # not a tool call after all
+        if not reader.committed:  # not a tool call after all: the block is content
             self._emit_content(START + reader.consumed)
             self._state = "content"
         else:

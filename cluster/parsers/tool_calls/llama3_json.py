@@ -1,10 +1,14 @@
-"""Llama 3.1+ JSON tool calls: the whole output is calls, optionally after `<|python_tag|>`,
+"""Llama 3.1+ JSON tool calls, optionally after `<|python_tag|>`,
 
     {"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", ...}
 
-separated by `;`. Only output that starts (after whitespace) with `{` or the python tag is
-read as calls; anything else is content. If the first object turns out not to be a call
-(other keys, no name), the text is given back as content.
+separated by `;`. The calls carry no markers, so a JSON object counts as a call only when
+(docs/parsers.md): it is a call object (a `name` that resolves to an offered tool, object
+`parameters`/`arguments`, optionally `"type": "function"` first), and what follows it is the
+end of the output, `;` or the next object. Prose may come before the calls (it is content);
+an object followed by more prose (`{"name": "x"} is the key`) is content, as is any object
+that is not a call. A call is therefore sent once its object has closed and the next
+character is known, not while its arguments are written.
 """
 
 from __future__ import annotations
@@ -20,86 +24,94 @@ _WHITESPACE = " \t\r\n"
 
 class Llama3JsonToolParser(ToolCallParser):
     name = "llama3_json"
+    start_markers = (PYTHON_TAG,)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._state = "start"
-        self._held: list[str] = []  # text read before the first call is certain
-        self._reader = JsonCallObjectReader(_TOLERATED_KEYS)
+        self._state = "content"
+        self._held: list[str] = []  # the text of a possible call, content if it is not one
+        self._reader = self._lazy_reader()
+
+    def _lazy_reader(self) -> JsonCallObjectReader:
+        return self._call_object_reader(_TOLERATED_KEYS, eager=False)
 
     def _step(self) -> bool:
         return getattr(self, "_state_" + self._state)()
 
-    def _as_content(self) -> bool:
-        """Not calls after all: everything held, and all that follows, is content."""
+    def _give_back(self) -> bool:
+        """Not a call after all: what was held is content."""
         self._emit_content("".join(self._held))
         self._held = []
         self._state = "content"
         return True
 
     def _state_content(self) -> bool:
-        text = self._consume(len(self._buf))
+        brace = self._buf.find("{")
+        tag = self._buf.find(PYTHON_TAG)
+        if tag >= 0 and (brace < 0 or tag < brace):
+            self._emit_content(self._consume(tag))
+            self._held = [self._consume(len(PYTHON_TAG))]
+            self._state = "after_tag"
+            return True
+        if brace >= 0:
+            self._emit_content(self._consume(brace))
+            self._held = []
+            self._open_object()
+            return True
+        text, _ = self._take_until((PYTHON_TAG,))
         self._emit_content(text)
         return False
 
-    def _state_start(self) -> bool:
-        stripped = self._buf.lstrip(_WHITESPACE)
-        if not stripped:
-            return self._as_content() if self._eof else False
-        if stripped.startswith(PYTHON_TAG):
-            self._held.append(self._consume(len(self._buf) - len(stripped) + len(PYTHON_TAG)))
-            self._state = "expect_object"
-        elif stripped.startswith("{"):
-            self._held.append(self._consume(len(self._buf) - len(stripped)))
-            self._state = "expect_object"
-        elif PYTHON_TAG.startswith(stripped) and not self._eof:
-            return False
-        else:
-            return self._as_content()
-        return True
-
-    def _state_expect_object(self) -> bool:
-        stripped = self._buf.lstrip(_WHITESPACE)
-        if not stripped:
-            if self._eof and self._num_calls == 0:
-                return self._as_content()
-            return False
-        if stripped[0] != "{":
-            if self._num_calls == 0:
-                return self._as_content()
-            self._state = "content"
-            return True
-        lead = self._consume(len(self._buf) - len(stripped))
-        if self._num_calls == 0:
-            self._held.append(lead)
-        self._reader = JsonCallObjectReader(_TOLERATED_KEYS)
+    def _open_object(self) -> None:
+        self._reader = self._lazy_reader()
         self._state = "object"
+
+    def _state_after_tag(self) -> bool:
+        stripped = self._buf.lstrip(_WHITESPACE)
+        if not stripped:
+            if self._eof:
+                return self._give_back()
+            return False
+        self._held.append(self._consume(len(self._buf) - len(stripped)))
+        if stripped[0] != "{":
+            return self._give_back()
+        self._open_object()
         return True
 
     def _state_object(self) -> bool:
         reader = self._reader
         if not self._feed_call_object(reader):
             return False
-        if reader.name is None:
-            if self._num_calls == 0:  # the first object was not a call: all of it is content
-                self._held.append(reader.consumed)
-                return self._as_content()
-            self._emit_content(reader.consumed)
-            self._state = "content"
-            return True
-        self._held = []  # committed: this was a call
-        self._close_call()
-        self._state = "after_object" if reader.done else "content"
+        self._held.append(reader.consumed)
+        if not reader.done or reader.name is None:
+            return self._give_back()
+        self._state = "after_object"
         return True
 
     def _state_after_object(self) -> bool:
+        """A complete call object: a call if the output ends, or `;` or `{` follows."""
+        stripped = self._buf.lstrip(_WHITESPACE)
+        if not stripped and not self._eof:
+            return False
+        if stripped and stripped[0] not in (SEPARATOR, "{"):
+            return self._give_back()
+        reader = self._reader
+        assert reader.name is not None
+        self._held = []
+        self._start_call(reader.name)
+        self._emit_arguments(reader.arguments or "")
+        self._close_call()
+        self._buf = stripped
+        if stripped and stripped[0] == SEPARATOR:
+            self._consume(1)
+        self._state = "between_calls"
+        return True
+
+    def _state_between_calls(self) -> bool:
         if not self._skip_whitespace():
             return False
-        if self._buf[0] == SEPARATOR:
-            self._consume(1)
-            self._state = "expect_object"
-        elif self._buf[0] == "{":
-            self._state = "expect_object"
+        if self._buf[0] == "{":
+            self._open_object()
         else:
             self._state = "content"
         return True

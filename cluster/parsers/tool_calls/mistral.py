@@ -4,8 +4,11 @@
     [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}    (v11+)
     [TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}            (with ids)
 
+    [TOOL_CALLS]{"name": "get_weather", "arguments": {...}}                      (seen too)
+
 Mistral's templates require 9-character alphanumeric call ids, so generated ids have that
-shape.
+shape. `[TOOL_CALLS]` followed by anything else (prose, a name that is no offered tool,
+arguments that are not a JSON object) is content, marker included.
 """
 
 from __future__ import annotations
@@ -14,14 +17,13 @@ import re
 import secrets
 import string
 
-from kvloom.cluster.parsers.json_scan import JsonArgsStreamer
+from kvloom.cluster.parsers.json_object_stream import JsonObjectStreamer
 from kvloom.cluster.parsers.tool_calls.base import ToolCallParser
-from kvloom.cluster.parsers.tool_calls.json_call_object import JsonCallObjectReader
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
 CALL_ID = "[CALL_ID]"
-_NAME = re.compile(r"\s*[\w.\-:]*")
+_NAME = re.compile(r"\s*[\w.\-: ]*")  # spaces: a name such as `get weather` may resolve
 _MAX_NAME = 256
 _ALPHANUMERIC = string.ascii_letters + string.digits
 
@@ -32,6 +34,7 @@ def mistral_call_id(index: int) -> str:
 
 class MistralToolParser(ToolCallParser):
     name = "mistral"
+    start_markers = (TOOL_CALLS,)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -39,8 +42,9 @@ class MistralToolParser(ToolCallParser):
         self._raw: list[str] = []  # text since [TOOL_CALLS] while it may still not be a call
         self._name = ""
         self._call_id: list[str] = []
-        self._arguments = JsonArgsStreamer()
-        self._reader = JsonCallObjectReader()
+        self._arguments = JsonObjectStreamer()
+        self._reader = self._call_object_reader()
+        self._bare = False  # a call object right after the marker, not in an array
 
     @staticmethod
     def default_call_id(index: int) -> str:
@@ -71,7 +75,12 @@ class MistralToolParser(ToolCallParser):
         self._raw.append(self._consume(len(self._buf) - len(stripped)))
         if stripped[0] == "[":
             self._raw.append(self._consume(1))
+            self._bare = False
             self._state = "array"
+        elif stripped[0] == "{":
+            self._bare = True
+            self._reader = self._call_object_reader()
+            self._state = "object"
         else:
             self._state = "name"
         return True
@@ -93,8 +102,8 @@ class MistralToolParser(ToolCallParser):
             return self._give_back()
         if pos < 0:
             return self._give_back() if self._eof else False
-        name = candidate.strip()
-        if not name:
+        name = self._resolve_name(candidate)
+        if name is None:
             return self._give_back()
         self._name = name
         self._raw.append(self._consume(pos))
@@ -103,8 +112,9 @@ class MistralToolParser(ToolCallParser):
             self._call_id = []
             self._state = "call_id"
         else:
-            self._consume(len(ARGS))
-            self._open(None)
+            self._raw.append(self._consume(len(ARGS)))
+            self._call_id = []
+            self._state = "before_arguments"
         return True
 
     def _state_call_id(self) -> bool:
@@ -113,20 +123,29 @@ class MistralToolParser(ToolCallParser):
         self._raw.append(text)
         if marker is None:
             return self._give_back() if self._eof else False
-        self._open("".join(self._call_id).strip() or None)
+        self._raw.append(marker)
+        self._state = "before_arguments"
         return True
 
-    def _open(self, call_id: str | None) -> None:
+    def _state_before_arguments(self) -> bool:
+        """The call starts only if its arguments are a JSON object."""
+        stripped = self._buf.lstrip()
+        if not stripped:
+            return self._give_back() if self._eof else False
+        if stripped[0] != "{":
+            return self._give_back()
+        self._buf = stripped
         self._raw = []
-        self._start_call(self._name, call_id)
-        self._arguments = JsonArgsStreamer()
+        self._start_call(self._name, "".join(self._call_id).strip() or None)
+        self._arguments = JsonObjectStreamer()
         self._state = "arguments"
+        return True
 
     def _state_arguments(self) -> bool:
         if not self._buf and not self._eof:
             return False
         self._emit_arguments(self._arguments.feed(self._consume(len(self._buf)), self._eof))
-        if not self._arguments.done:
+        if not self._arguments.ended:
             return False
         self._buf = self._arguments.rest + self._buf
         self._close_call()
@@ -142,7 +161,7 @@ class MistralToolParser(ToolCallParser):
             return False
         char = self._buf[0]
         if char == "{":
-            self._reader = JsonCallObjectReader()
+            self._reader = self._call_object_reader()
             self._state = "object"
         elif char == ",":
             self._raw.append(self._consume(1))
@@ -160,10 +179,10 @@ class MistralToolParser(ToolCallParser):
         reader = self._reader
         if not self._feed_call_object(reader):
             return False
-        if reader.name is None:
+        if not reader.committed:
             self._raw.append(reader.consumed)
             return self._give_back()
         self._raw = []  # committed: this was a call
         self._close_call()
-        self._state = "array" if reader.done else "content"
+        self._state = "array" if reader.done and not self._bare else "content"
         return True

@@ -8,12 +8,25 @@ import json
 import math
 from typing import Any
 
+# Type names clients write in tool schemas besides JSON Schema's own (Python's, C's, OpenAPI's).
+_TYPE_ALIASES = {
+    "int": "integer", "long": "integer", "uint": "integer",
+    "float": "number", "double": "number", "decimal": "number",
+    "bool": "boolean", "str": "string", "text": "string",
+    "dict": "object", "map": "object", "list": "array", "tuple": "array",
+    "none": "null", "nonetype": "null",
+}  # fmt: skip
+_NULL_WORDS = ("null", "None", "NULL", "Null")
+
 
 def _schema_types(schema: dict[str, Any] | None) -> list[str]:
     if not schema:
         return []
     declared = schema.get("type")
     types = [declared] if isinstance(declared, str) else list(declared or [])
+    types = [_TYPE_ALIASES.get(t.lower(), t.lower()) if isinstance(t, str) else t for t in types]
+    if schema.get("nullable") is True:  # OpenAPI 3.0's way of saying ["...", "null"]
+        types.append("null")
     for key in ("anyOf", "oneOf"):
         for option in schema.get(key) or []:
             if isinstance(option, dict):
@@ -39,8 +52,8 @@ def _json_type(value: Any) -> str:
 
 def _convert(raw: str, json_type: str) -> tuple[bool, Any]:
     text = raw.strip()
-    if json_type == "null":
-        return text == "null", None
+    if json_type == "null":  # `None` too: models trained on Python write it
+        return text in _NULL_WORDS, None
     if json_type == "boolean":
         lowered = text.lower()
         return lowered in ("true", "false"), lowered == "true"

@@ -13,10 +13,17 @@
 
 Values are raw text, typed by the tool's JSON schema (see parameter_values). The arguments
 stream as a JSON object: `{` when the function opens, one `"key": value` fragment per
-parameter as it closes, `}` when the function closes. XML has no escaping, so a
-`</parameter>` counts as the end of a value only when the next thing is another parameter,
-the end of the function or call, or the end of the stream (possibly cut inside such a tag);
-otherwise it is value text.
+parameter as it closes, `}` when the function closes. The rules (docs/parsers.md):
+
+- XML has no escaping, so a `</parameter>` counts as the end of a value only when the next
+  thing is another parameter, the end of the function or call, or the end of the stream
+  (possibly cut inside such a tag); otherwise it is value text;
+- a value whose `</parameter>` is missing ends at the next `<parameter=`, `</function>` or
+  `</tool_call>`;
+- a parameter written twice keeps its first value (later ones are dropped: the first was
+  already sent);
+- the function name resolves against the offered tools (tool_names); one that does not is
+  no call, and its text is content.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ FUNCTION = "<function="
 END_FUNCTION = "</function>"
 PARAMETER = "<parameter="
 END_PARAMETER = "</parameter>"
-# What may follow a real </parameter>.
+# What may follow a real </parameter>, and what ends a value whose </parameter> is missing.
 _AFTER_PARAMETER = (PARAMETER, END_FUNCTION, END_TOOL_CALL)
 _MAX_NAME = 256
 _NAME = re.compile(r"\s*[\w.\-:]*\s*")
@@ -52,6 +59,7 @@ def _strip_one_newline(value: str) -> str:
 
 class Qwen3CoderToolParser(ToolCallParser):
     name = "qwen3_coder"
+    start_markers = (TOOL_CALL,)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -60,7 +68,9 @@ class Qwen3CoderToolParser(ToolCallParser):
         self._function = ""
         self._parameter = ""
         self._num_parameters = 0
+        self._seen_parameters: set[str] = set()
         self._scan_from = 0
+        self._tag_from = 0
 
     def _step(self) -> bool:
         return getattr(self, "_state_" + self._state)()
@@ -111,13 +121,14 @@ class Qwen3CoderToolParser(ToolCallParser):
             if self._eof:
                 return self._give_back()
             return False
-        name = candidate.strip()
-        if not name:
+        name = self._resolve_name(candidate)
+        if name is None:
             return self._give_back()
         self._consume(end + 1)
         self._raw = []
         self._function = name
         self._num_parameters = 0
+        self._seen_parameters = set()
         self._start_call(name)
         self._emit_arguments("{")
         self._state = "parameters"
@@ -159,14 +170,29 @@ class Qwen3CoderToolParser(ToolCallParser):
                 self._consume(len(self._buf))
             return False
         self._parameter = self._consume(end + 1)[:-1].strip()
-        self._scan_from = 0
+        self._scan_from = self._tag_from = 0
         self._state = "parameter_value"
         return True
+
+    def _next_tag(self, end: int) -> int:
+        """Where the first opening or closing tag that ends a value with no `</parameter>`
+        starts, before `end`; -1 if none (a possible partial tag keeps the scan back)."""
+        buf = self._buf
+        found = [p for p in (buf.find(t, self._tag_from, end) for t in _AFTER_PARAMETER) if p >= 0]
+        if found:
+            return min(found)
+        longest = max(len(t) for t in _AFTER_PARAMETER)
+        self._tag_from = max(self._tag_from, min(end, len(buf)) - longest + 1)
+        return -1
 
     def _state_parameter_value(self) -> bool:
         buf = self._buf
         while True:
             pos = buf.find(END_PARAMETER, self._scan_from)
+            tag = self._next_tag(len(buf) if pos < 0 else pos)
+            if tag >= 0:  # `</parameter>` is missing: the value ends at the next tag
+                self._end_parameter(tag, tag)
+                return True
             if pos < 0:
                 if self._eof:
                     self._end_parameter(len(buf), len(buf))
@@ -186,6 +212,10 @@ class Qwen3CoderToolParser(ToolCallParser):
     def _end_parameter(self, value_end: int, consumed: int) -> None:
         value = _strip_one_newline(self._buf[:value_end])
         self._consume(consumed)
+        if self._parameter in self._seen_parameters:  # written twice: the first value stands
+            self._state = "parameters"
+            return
+        self._seen_parameters.add(self._parameter)
         schema = self.tools.parameter_schema(self._function, self._parameter)
         separator = ", " if self._num_parameters else ""
         self._num_parameters += 1

@@ -51,14 +51,20 @@ app.kubernetes.io/part-of: {{ include "kvloom.name" . }}
 {{- mul (int .Values.engine.tp) (int .Values.engine.dcp) }}
 {{- end }}
 
-{{/* Worker pods per replica; fails unless tp x dcp is a multiple of worker.gpusPerPod. */}}
+{{/* Data-parallel model replicas in one RayCluster (engine.dataParallelSize, default 1). */}}
+{{- define "kvloom.dataParallelSize" -}}
+{{- int (default 1 .Values.engine.dataParallelSize) }}
+{{- end }}
+
+{{/* Worker pods per RayCluster, holding every data-parallel replica's grid; fails unless
+tp x dcp is a multiple of worker.gpusPerPod (a pod never splits one replica's TP group). */}}
 {{- define "kvloom.workerReplicas" -}}
 {{- $gpus := int (include "kvloom.gpusPerReplica" .) }}
 {{- $perPod := int .Values.worker.gpusPerPod }}
 {{- if ne (mod $gpus $perPod) 0 }}
 {{- fail (printf "worker.gpusPerPod (%d) must divide engine.tp x engine.dcp (%d x %d = %d GPUs per replica)" $perPod (int .Values.engine.tp) (int .Values.engine.dcp) $gpus) }}
 {{- end }}
-{{- div $gpus $perPod }}
+{{- mul (div $gpus $perPod) (int (include "kvloom.dataParallelSize" .)) }}
 {{- end }}
 
 {{/* Cross-field checks JSON Schema cannot express. Included once, by raycluster.yaml. */}}
@@ -221,6 +227,12 @@ in place (hostPath / emptyDir). Empty when download is off.
 - {{ .Values.engine.tp | int | quote }}
 - --dcp
 - {{ .Values.engine.dcp | int | quote }}
+{{- if gt (int (include "kvloom.dataParallelSize" .)) 1 }}
+- --data-parallel-size
+- {{ include "kvloom.dataParallelSize" . | quote }}
+- --routing
+- {{ default "prefix" .Values.engine.routing }}
+{{- end }}
 - --dtype
 - {{ .Values.engine.dtype }}
 - --max-model-len

@@ -1,0 +1,41 @@
+"""kvloom's environment variables, in one place: each with its default and what it does.
+
+Read through the accessors (at call time, so a test or an operator may set a variable
+after import). Both planes import this module; it imports nothing of either.
+"""
+
+from __future__ import annotations
+
+import os
+
+# name -> (default, what it does); docs/configuration.md renders the same list.
+VARIABLES: dict[str, tuple[str, str]] = {
+    "KVLOOM_HOST": ("127.0.0.1", "the address `kvloom serve` binds (the image sets 0.0.0.0)"),
+    "KVLOOM_SANITIZE": ("", "1: freed KV blocks and state slots are filled with NaN"),
+    "KVLOOM_PLACEMENT_TIMEOUT_S": (
+        "30",
+        "how long a worker grid waits for its Ray resources before start fails",
+    ),
+    "KVLOOM_WORKER_THREADS": ("1", "torch CPU threads of each Ray worker actor"),
+}
+
+
+def get(name: str) -> str:
+    if name not in VARIABLES:
+        raise KeyError(f"{name} is not a kvloom environment variable (contracts/envs.py)")
+    return os.environ.get(name) or VARIABLES[name][0]
+
+
+def _positive_float(name: str) -> float:
+    raw = get(name)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {raw!r}")
+    return value
+
+
+def placement_timeout_s() -> float:
+    return _positive_float("KVLOOM_PLACEMENT_TIMEOUT_S")
