@@ -18,6 +18,7 @@ from kvloom.kernels.gated_rms_norm import gated_rms_norm_ref
 from kvloom.kernels.gdn_gates import gdn_gates_ref
 from kvloom.kernels.gemv import GEMV_DISPATCH_MAX_M
 from kvloom.kernels.kv_cache_write import write_kv_cache_ref
+from kvloom.kernels.mla_attention import mla_attention_ref, write_mla_cache_ref
 from kvloom.kernels.paged_attention import paged_attention_ref
 from kvloom.kernels.rms_norm import rms_norm_ref
 from kvloom.kernels.rotary import apply_rotary_ref
@@ -94,6 +95,64 @@ def paged_attention(
         kv_stride=kv_stride,
         kv_offset=kv_offset,
     )
+
+
+def latent_cache_as_kv(latent_cache: torch.Tensor) -> torch.Tensor:
+    """An MLA latent cache [blocks, block_size, W] seen as a paged KV cache
+    [2, blocks, block_size, 1, W] whose keys and values are the same rows (stride 0): the
+    paged attention kernel then computes the absorbed MLA attention, with the latent part of
+    its output (the first r of W dimensions) the latent output."""
+    blocks, block_size, width = latent_cache.shape
+    stride_b, stride_o, _ = latent_cache.stride()
+    return latent_cache.as_strided(
+        (2, blocks, block_size, 1, width), (0, stride_b, stride_o, width, 1)
+    )
+
+
+def write_mla_cache(latent, k_pe, latent_cache, slot_mapping) -> None:
+    """Writes each token's [latent | k_pe] row at its slot (slot < 0: padding, skipped);
+    on CUDA through the KV-write kernel, with no host sync (CUDA graphs)."""
+    if use_triton(latent) and latent.dtype == latent_cache.dtype:
+        from kvloom.kernels.kv_cache_write_triton import write_kv_cache_triton
+
+        row = torch.cat([latent, k_pe.to(latent.dtype)], dim=-1).unsqueeze(1)
+        # Keys and values alias one row: both writes store the same bytes.
+        return write_kv_cache_triton(row, row, latent_cache_as_kv(latent_cache), slot_mapping)
+    return write_mla_cache_ref(latent, k_pe, latent_cache, slot_mapping)
+
+
+def mla_attention(
+    q_latent,
+    q_pe,
+    latent_cache,
+    block_tables,
+    query_start_loc,
+    seq_lens,
+    scale,
+    max_query_len: int | None = None,
+):
+    """Absorbed MLA attention -> o_latent [T, H, r]. On CUDA the paged attention kernel
+    over the latent cache seen as keys = values (`latent_cache_as_kv`): lengths stay on
+    the device (CUDA graphs); it also computes the k_pe part of the values, which is
+    dropped. Elsewhere the reference."""
+    if use_triton(q_latent) and q_latent.dtype == latent_cache.dtype:
+        from kvloom.kernels.paged_attention_triton import paged_attention_triton
+
+        rank = q_latent.shape[-1]
+        query = torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1)
+        out, _ = paged_attention_triton(
+            query,
+            latent_cache_as_kv(latent_cache),
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            max_query_len=max_query_len,
+        )
+        return out[..., :rank]
+    return mla_attention_ref(
+        q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, scale
+    )[0]
 
 
 def causal_conv1d_update(x, weight, bias, conv_state_pool, state_indices, activation="silu"):

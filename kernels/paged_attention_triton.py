@@ -257,6 +257,11 @@ def _plans(group: int, head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
         "num_warps": 4,
         "num_stages": 2,
     }
+    if dim_pad > 256:
+        # MLA's absorbed rows (kv_lora_rank + rope dims, e.g. 576 -> 1024): key and value
+        # tiles this wide fit Hopper's shared memory only short and shallowly pipelined.
+        short.update(TILE=16, num_stages=2, num_warps=8)
+        long.update(TILE=16, num_stages=1, num_warps=8)
     return short, long
 
 

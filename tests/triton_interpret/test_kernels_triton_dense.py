@@ -378,6 +378,56 @@ def test_write_kv_cache(dtype, page):
     assert torch.equal(cache, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_attention_through_the_paged_kernel(dtype):
+    """MLA's absorbed attention on the paged kernel (kernels/ops.mla_attention on CUDA): the
+    latent cache seen as keys = values (stride 0), written through the KV-write kernel,
+    equals the MLA reference on mixed rows; unused slots hold NaN and padding is skipped."""
+    from kvloom.kernels.mla_attention import mla_attention_ref, write_mla_cache_ref
+    from kvloom.kernels.ops import latent_cache_as_kv
+
+    rank, rope, heads, page, num_blocks = 24, 8, 4, 4, 16
+    context, queries = [7, 13, 9, 1, 18], [7, 4, 1, 1, 1]
+    gen = rng(11)
+    order = torch.randperm(num_blocks - 1, generator=gen) + 1
+    tables = torch.zeros(len(context), 6, dtype=torch.int32)
+    slots, used = [], 0
+    for row, n in enumerate(context):
+        pages = order[used : used + -(-n // page)]
+        used += len(pages)
+        tables[row, : len(pages)] = pages.to(torch.int32)
+        slots += [int(pages[i // page]) * page + i % page for i in range(n)]
+    slot_mapping = torch.tensor(slots + [-1, -1], device=DEVICE)  # two padding tokens
+    latent = randn(len(slots) + 2, rank, seed=1, dtype=dtype)
+    k_pe = randn(len(slots) + 2, rope, seed=2, dtype=dtype)
+    want = torch.full((num_blocks, page, rank + rope), float("nan"), dtype=dtype, device=DEVICE)
+    got = want.clone()
+    write_mla_cache_ref(latent, k_pe, want, slot_mapping)
+    row = torch.cat([latent, k_pe], dim=-1).unsqueeze(1)
+    write_kv_cache_triton(row, row, latent_cache_as_kv(got), slot_mapping)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+    q_latent = randn(sum(queries), heads, rank, seed=3, dtype=dtype)
+    q_pe = randn(sum(queries), heads, rope, seed=4, dtype=dtype)
+    starts = torch.tensor([0] + queries).cumsum(0).to(torch.int32).to(DEVICE)
+    lens = torch.tensor(context, dtype=torch.int32, device=DEVICE)
+    tables = tables.to(DEVICE)
+    scale = 0.17
+    ref, ref_lse = mla_attention_ref(q_latent, q_pe, want, tables, starts, lens, scale)
+    out, lse = paged_attention_triton(
+        torch.cat([q_latent, q_pe], dim=-1),
+        latent_cache_as_kv(got),
+        tables,
+        starts,
+        lens,
+        scale,
+        _plan_override=small_plan(heads, rank + rope),
+    )
+    check_close("mla out", out[..., :rank], ref, *ATTN_TOL[dtype])
+    check_close("mla lse", lse, ref_lse, *LSE_TOL[dtype])
+
+
 def test_write_kv_cache_casts_and_rejects():
     key = randn(3, 1, 8, seed=1)
     value = randn(3, 1, 8, seed=2)

@@ -175,16 +175,33 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
         g = kda_log_decay(raw_gate, self.A_log, self.dt_bias)
         beta = torch.sigmoid(self.b_proj(hidden))
 
-        core = hidden.new_zeros(heads)
-        split = batch.linear_rows(hidden.device)
+        if batch.decode_only:
+            core = self._decode_all(mixed, g, beta, slots)
+        else:
+            core = hidden.new_zeros(heads)
+            self._mixed_rows(mixed, g, beta, batch, slots, core)
+
+        gate = self.g_b_proj(self.g_a_proj(hidden)).view(heads)
+        out = self.o_norm(core, gate).reshape(num_tokens, -1)
+        return self.o_proj(out)
+
+    def _mixed_rows(self, mixed, g, beta, batch: ForwardBatch, slots, core) -> None:
+        split = batch.linear_rows(mixed.device)
         if split.prefill_rows:
             self._prefill(mixed, g, beta, split, slots, core)
         if split.decode_rows:
             self._decode(mixed, g, beta, split, slots, core)
 
-        gate = self.g_b_proj(self.g_a_proj(hidden)).view(heads)
-        out = self.o_norm(core, gate).reshape(num_tokens, -1)
-        return self.o_proj(out)
+    def _decode_all(self, mixed, g, beta, slots: torch.Tensor) -> torch.Tensor:
+        """Every token is its row's one-token decode (`batch.decode_only`): the single-step
+        kernels over all rows with no host sync, so CUDA graphs capture it. Padding rows
+        carry slot -1: their state is never read or written."""
+        x = causal_conv1d_update(
+            mixed, self.conv1d.weight, None, self.conv_state, slots, self.activation
+        )
+        q, k, v = self._split_heads(x)
+        out = recurrent_kda(q, k, v, g, beta, self.recurrent_state, slots, use_qk_l2norm=True)
+        return out.to(mixed.dtype)
 
     def _split_heads(self, mixed: torch.Tensor):
         q, k, v = mixed.split([self.local_width] * 3, dim=-1)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvloom.kernels.mla_attention import mla_attention_ref, write_mla_cache_ref
+from kvloom.kernels.ops import mla_attention, write_mla_cache
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.cache_pages import page_view
 from kvloom.workers.dtypes import TORCH_DTYPES
@@ -128,10 +128,10 @@ class MultiHeadLatentAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)
 
         meta = batch.group_for(self.layer_index)
-        write_mla_cache_ref(latent, k_pe, self.latent_cache, meta.slot_mapping)
+        write_mla_cache(latent, k_pe, self.latent_cache, meta.slot_mapping)
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.einsum("thd,hdr->thr", q_nope, w_uk)
-        o_latent, _ = mla_attention_ref(
+        o_latent = mla_attention(
             q_latent,
             q_pe,
             self.latent_cache,
@@ -139,6 +139,7 @@ class MultiHeadLatentAttention(nn.Module):
             batch.query_start_loc,
             batch.seq_lens,
             self.scale,
+            max_query_len=1 if batch.decode_only else None,
         )
         out = torch.einsum("thr,hvr->thv", o_latent, w_uv)
         return self.o_proj(out.reshape(num_tokens, -1))
