@@ -86,6 +86,9 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="default: the model's own positions"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -99,7 +102,7 @@ def main() -> None:
                 progress=False,
                 block_size=args.block_size,
                 enable_prefix_caching=caching,
-                max_model_len=8192,
+                max_model_len=args.max_model_len,
             )
             # Warm-up (first-call costs) outside the timed turns.
             engine.add_request(

@@ -309,6 +309,7 @@ def write_demo_model(
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model = model.to(getattr(torch, dtype))
         model.config.dtype = dtype
+        model.config.kvloom_demo = True  # is_demo_model: say the replies are random
         model.generation_config = transformers.GenerationConfig(
             bos_token_id=bos, eos_token_id=[eos, tokenizer.token_to_id(ENDOFTEXT)], pad_token_id=bos
         )
@@ -321,3 +322,18 @@ def write_demo_model(
     config_text = json.dumps(_tokenizer_config(tokenizer), indent=2, ensure_ascii=False)
     (out / "tokenizer_config.json").write_text(config_text + "\n", encoding="utf-8")
     return out
+
+
+RANDOM_WEIGHTS_NOTE = (
+    "the demo model's weights are random, so its replies are gibberish; everything around "
+    "them (tokenizer, chat template, parsers, serving) is real"
+)
+
+
+def is_demo_model(model_dir: str | Path) -> bool:
+    """Whether `model_dir` holds a checkpoint written by write_demo_model (random weights)."""
+    config_file = Path(model_dir) / "config.json"
+    try:
+        return bool(json.loads(config_file.read_text(encoding="utf-8")).get("kvloom_demo"))
+    except (OSError, ValueError):
+        return False

@@ -20,12 +20,14 @@ def require(ok: bool, field_name: str, allowed: str, value: Any) -> None:
         raise ValueError(f"{field_name} must be {allowed}, got {value!r}")
 
 
-def require_int(field_name: str, value: Any, low: int, high: int | None = None) -> None:
+def require_int(
+    field_name: str, value: Any, low: int, high: int | None = None, why: str = ""
+) -> None:
     in_range = isinstance(value, int) and not isinstance(value, bool) and value >= low
     if high is not None:
         in_range = in_range and value <= high
     allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-    require(in_range, field_name, allowed, value)
+    require(in_range, field_name, allowed + why, value)
 
 
 @dataclass
@@ -68,14 +70,24 @@ class ModelConfig:
             None,
         )
         # Kimi-Linear's config names its context limit model_max_length.
-        derived = int(
-            text_config.get("max_position_embeddings")
-            or text_config.get("model_max_length")
-            or 4096
+        key = next(
+            (k for k in ("max_position_embeddings", "model_max_length") if text_config.get(k)),
+            None,
         )
+        derived = int(text_config[key]) if key else 4096
         if self.max_model_len is None:
             self.max_model_len = derived
         require_int("max_model_len", self.max_model_len, 2)
+        # Positions past the model's own limit have no rotary table entry (and were never
+        # trained): refused at start, as vLLM does.
+        if key is not None:
+            require_int(
+                "max_model_len",
+                self.max_model_len,
+                2,
+                derived,
+                why=f" (the model's {key} in config.json)",
+            )
 
     @property
     def text_config(self) -> dict:

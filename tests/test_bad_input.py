@@ -165,6 +165,8 @@ def test_missing_tensor(tiny_model, tmp_path):
         (dict(decode_context_parallel_size=0), "decode_context_parallel_size"),
         (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
         (dict(max_model_len=1), "max_model_len"),
+        # Past the model's max_position_embeddings (4096 for the tiny models): refused.
+        (dict(max_model_len=8192), r"max_model_len .*max_position_embeddings"),
         (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold"),
         (dict(no_such_option=1), "no_such_option"),
     ],
@@ -194,3 +196,13 @@ def test_stop_token_text_is_not_in_the_output(tiny_model):
     assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
     assert stopped.stop_reason == first
     assert stopped.text == "" and tok.decode([first], skip_special_tokens=False) != ""
+
+
+def test_serve_refuses_max_model_len_past_the_model(tiny_model, capsys):
+    """`kvloom serve --max-model-len 8192` on a 4096-position model exits 2 naming the flag."""
+    from kvloom.cluster import cli
+
+    assert cli.main(["serve", "--model", str(tiny_model("llama")), "--max-model-len", "8192"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --max-model-len must be an integer in [2, 4096]" in err, err
+    assert "max_position_embeddings" in err, err

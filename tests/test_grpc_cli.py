@@ -83,7 +83,9 @@ def test_serve_rejects_bad_settings_before_binding(model_dir, capsys):
     assert cli.main(["serve", "--model", model_dir, "--tp", "0"]) == 2
     assert "error: --tp must be" in capsys.readouterr().err
     assert cli.main(["serve", "--model", model_dir, "--tls-cert", "/nonexistent.pem"]) == 2
-    assert "tls_cert" in capsys.readouterr().err
+    assert "error: --tls-cert needs" in capsys.readouterr().err  # the flag named
+    assert cli.main(["serve", "--model", model_dir, "--data-parallel-size", "0"]) == 2
+    assert "error: --data-parallel-size must be >= 1" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

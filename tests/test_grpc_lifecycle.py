@@ -182,6 +182,29 @@ def test_metrics_endpoint(server):
     assert samples["kvloom_kv_blocks"] == str(server.stats()["num_blocks"])
     assert samples["kvloom_requests_finished_total"] == "2"  # warm-up and ours
     assert "# TYPE kvloom_requests_finished_total counter" in body
+    # vLLM's latency histograms and token counters, over requests the front door finished.
+    label = next(k for k in samples if k.startswith("vllm:e2e_request_latency_seconds_count"))
+    finished = int(samples[label])
+    assert (
+        finished >= 1
+        and int(samples[label.replace("e2e_request_latency", "time_to_first_token")]) == finished
+    )
+    assert (
+        int(samples[label.replace("e2e_request_latency_seconds_count", "generation_tokens_total")])
+        >= 3
+    )
+    buckets = [
+        (k, int(v))
+        for k, v in samples.items()
+        if k.startswith("vllm:time_to_first_token_seconds_bucket")
+    ]
+    counts = [n for _, n in buckets]
+    assert (
+        counts == sorted(counts)
+        and buckets[-1][0].endswith('le="+Inf"}')
+        and counts[-1] == finished
+    )
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in body
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(f"{url}/other", timeout=10)
     assert info.value.code == 404
@@ -238,12 +261,23 @@ def test_engine_failure_with_policy_exit_fails_in_flight_and_stops_the_server(mo
 def test_engine_failure_with_policy_restart_serves_again(model_dir):
     fail = threading.Event()
     server = BackgroundServer(failing_factory(model_dir, fail), options(model_dir)).start()
+    # Readiness right after the failure is seen (the restart may be done before the client
+    # reads its error: a tiny model reloads in milliseconds).
+    ready_after_failure = []
+    engine = server.server.engine
+    on_fatal = engine._on_fatal
+
+    def record(error):
+        on_fatal(error)
+        ready_after_failure.append(server.server.ready)
+
+    engine._on_fatal = record
     try:
         with Client(server.address, timeout=60) as client:
             expected = collect(client.generate([5, 6], max_tokens=4, ignore_eos=True)).token_ids
             error = fail_mid_stream(client, fail)
             assert error.code == grpc.StatusCode.UNAVAILABLE
-            assert not server.server.ready  # readiness NOT_SERVING at once
+            assert ready_after_failure == [False]  # readiness NOT_SERVING at once
             assert wait_for(lambda: client.health(READINESS) == "SERVING", 60)
             assert client.health("") == "SERVING"  # liveness never dropped
             again = collect(client.generate([5, 6], max_tokens=4, ignore_eos=True))

@@ -87,4 +87,5 @@ def run(args: argparse.Namespace) -> int:
     for path in sorted(out.iterdir()):
         if path.is_file():
             print(f"  {path}  ({path.stat().st_size:,} bytes)")
+    print(f"note: {demo_model.RANDOM_WEIGHTS_NOTE}")
     return 0

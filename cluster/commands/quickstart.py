@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvloom.client import Client
-    from kvloom.cluster.demo_model import write_demo_model
+    from kvloom.cluster.demo_model import RANDOM_WEIGHTS_NOTE, is_demo_model, write_demo_model
     from kvloom.cluster.frontend import BackgroundServer, ServerOptions, engine_factory
     from kvloom.cluster.frontend.client_cli import print_summary, stream_events
 
@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"health: {client.health()}", flush=True)
             for message in MESSAGES:
                 print(f"{message['role']}: {message['content']}", flush=True)
+            if is_demo_model(model_dir):
+                print(f"(note: {RANDOM_WEIGHTS_NOTE})", flush=True)
             print("assistant: ", end="", flush=True)
             events = client.chat(MESSAGES, max_tokens=args.max_tokens, temperature=0.8, seed=0)
             result = stream_events(events, out=sys.stdout, reasoning_out=sys.stdout)

@@ -1,4 +1,5 @@
-"""`kvloom serve --model DIR`: the gRPC server (kvloom.v1.Generation, health, reflection).
+"""`kvloom serve --model DIR`: the gRPC server (kvloom.v1.Generation, health, reflection),
+and with --http-port the OpenAI-compatible HTTP API beside it.
 
 SIGTERM or Ctrl-C drains (readiness NOT_SERVING, in-flight requests finish for up to
 --drain-timeout seconds; the drain is announced on stdout); a second signal stops at once.
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve",
-        help="serve a model over gRPC",
+        help="serve a model over gRPC (and the OpenAI HTTP API with --http-port)",
         description="Serve a Hugging Face checkpoint directory over gRPC (kvloom.v1.Generation).",
     )
     engine = parser.add_argument_group("engine")
@@ -86,6 +87,16 @@ def register(subparsers) -> None:
     server.add_argument("--tls-key", help="PEM private key (with --tls-cert)")
     server.add_argument("--auth-token-file", help="require `authorization: Bearer <token>`")
     server.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics")
+    server.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health, /metrics) on this port of --host (default: off; docs/http.md)",
+    )
+    server.add_argument(
+        "--served-model-name", default=None, help="the model's id over HTTP (default: --model)"
+    )
     server.add_argument(
         "--tool-call-parser",
         default="auto",
@@ -153,6 +164,11 @@ FLAG_OF_FIELD = {
     "tensor_parallel_size": "--tp",
     "decode_context_parallel_size": "--dcp",
     "enable_prefix_caching": "--no-prefix-caching",
+    # server options (ServerOptions fields)
+    "max_waiting": "--max-queue",
+    "drain_timeout_s": "--drain-timeout",
+    "keepalive_time_s": "--keepalive-time",
+    "keepalive_timeout_s": "--keepalive-timeout",
 }
 
 
@@ -186,6 +202,8 @@ def server_options(args: argparse.Namespace):
         drain_timeout_s=args.drain_timeout,
         on_worker_failure=args.on_worker_failure,
         metrics_port=args.metrics_port,
+        http_port=args.http_port,
+        served_model_name=args.served_model_name,
         warmup=not args.no_warmup,
     )
 
@@ -217,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from kvloom.cluster.frontend import engine_factory, serve_until_signal
+    from kvloom.cluster.frontend.engine_builder import REPLICA_KWARGS
     from kvloom.contracts.config import EngineConfig
 
     logging.basicConfig(
@@ -224,13 +243,18 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         kwargs = engine_kwargs(args)
-        EngineConfig.from_kwargs(**kwargs)  # bad settings fail here, before binding a port
+        if args.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {args.data_parallel_size}")
+        if args.data_parallel_size > 1 and args.executor == "inprocess":
+            raise ValueError("data_parallel_size > 1 needs --executor ray")
+        # Bad settings fail here, before binding a port.
+        EngineConfig.from_kwargs(**{k: v for k, v in kwargs.items() if k not in REPLICA_KWARGS})
     except ValueError as exc:
         return _fail(flag_names(str(exc)), 2)
     try:
         options = server_options(args)
     except ValueError as exc:
-        return _fail(str(exc), 2)
+        return _fail(flag_names(str(exc)), 2)
 
     def on_ready(server) -> None:
         scheme = "grpcs" if options.tls_cert else "grpc"
@@ -238,6 +262,12 @@ def run(args: argparse.Namespace) -> int:
             f"kvloom: serving {options.model} at {scheme}://{options.host}:{server.port}",
             flush=True,
         )
+        if server.http_port is not None:
+            web = "https" if options.tls_cert else "http"
+            print(
+                f"kvloom: OpenAI-compatible API at {web}://{options.host}:{server.http_port}/v1",
+                flush=True,
+            )
         if server.metrics_port is not None:
             print(
                 f"kvloom: metrics at http://{options.host}:{server.metrics_port}/metrics",

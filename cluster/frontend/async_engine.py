@@ -20,6 +20,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -27,6 +28,7 @@ from typing import Any, Protocol
 
 from kvloom.cluster.engine_channel import RequestError
 from kvloom.cluster.frontend.errors import EngineDead, QueueFull, RequestIdInUse
+from kvloom.cluster.frontend.request_metrics import RequestMetrics
 from kvloom.cluster.outputs import CompletionOutput, RequestOutput
 from kvloom.cluster.scheduler_actor import ReplicaFailed
 from kvloom.contracts.sampling_params import SamplingParams
@@ -71,6 +73,7 @@ class RequestStream:
     def __init__(self, request_id: str, coalesce: bool = True) -> None:
         self.request_id = request_id
         self.coalesce = coalesce
+        self.admitted_at = time.monotonic()
         self._items: deque[RequestOutput | BaseException] = deque()
         self._ready = asyncio.Event()
         self._done = False
@@ -150,6 +153,7 @@ class AsyncEngine:
         self._stopping = False
         self.config: Any = None
         self.max_in_flight = 0
+        self.request_metrics = RequestMetrics()  # finished requests, for /metrics
 
     # ----- lifecycle (event loop side)
 
@@ -244,6 +248,15 @@ class AsyncEngine:
             stream._push(item)
             if isinstance(item, BaseException) or item.finished:
                 del self._streams[request_id]
+            if isinstance(item, RequestOutput) and item.finished:
+                completion = item.outputs[0]
+                self.request_metrics.observe(
+                    item.metrics,
+                    time.monotonic() - stream.admitted_at,
+                    len(item.prompt_token_ids or ()),
+                    len(completion.token_ids),
+                    completion.finish_reason,
+                )
 
     def _fatal(self, error: BaseException) -> None:
         self._error = error

@@ -9,16 +9,24 @@ import grpc
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
+def bearer_matches(value: str | bytes | None, token: str) -> bool:
+    """Whether an `authorization` value is `Bearer TOKEN` (compared in constant time); the
+    gRPC interceptor and the HTTP door both check with this."""
+    if value is None:
+        return False
+    given = value.encode() if isinstance(value, str) else value
+    return hmac.compare_digest(given, f"Bearer {token}".encode())
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str, exempt_prefixes: tuple[str, ...] = (HEALTH_PREFIX,)) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
         self._exempt = exempt_prefixes
 
     def _authorized(self, metadata) -> bool:
         for key, value in metadata or ():
             if key == "authorization":
-                given = value.encode() if isinstance(value, str) else value
-                return hmac.compare_digest(given, self._expected)
+                return bearer_matches(value, self._token)
         return False
 
     async def intercept_service(self, continuation, handler_call_details):

@@ -3,12 +3,19 @@ templates expect them (OpenAI's message and tool dicts)."""
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvloom.cluster.frontend.errors import InvalidArgument
+from kvloom.cluster.frontend.limits import (
+    DEFAULT_LIMITS,
+    FrontendLimits,
+    check_count,
+    check_text,
+    parse_json,
+    utf8_size,
+)
 from kvloom.protos.kvloom.v1 import generation_pb2 as pb
 
 # OpenAI's function-name rule, plus "." and ":" (Kimi writes functions.NAME:IDX).
@@ -28,19 +35,38 @@ class ChatInputs:
     continue_final_message: bool = False
 
 
-def _json_object(field_name: str, text: str, empty: Any) -> Any:
+class _Budget:
+    """The bytes of text a chat may still carry (messages and tool schemas together)."""
+
+    def __init__(self, limits: FrontendLimits) -> None:
+        self.limits = limits
+        self.left = limits.max_prompt_bytes or 0
+
+    def spend(self, field_name: str, text: str, limit: int | None = None) -> None:
+        limit = self.left if limit is None else min(limit, self.left)
+        size = utf8_size(text, limit)
+        if size > limit:
+            whole = self.limits.max_prompt_bytes
+            if limit < self.left:
+                raise InvalidArgument(field_name, f"too large: over {limit} bytes")
+            raise InvalidArgument(
+                field_name, f"too large: the chat's text is over {whole} bytes in all"
+            )
+        self.left -= size
+
+
+def _json_object(
+    field_name: str, text: str, empty: Any, limits: FrontendLimits = DEFAULT_LIMITS
+) -> Any:
     if not text.strip():
         return empty
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise InvalidArgument(field_name, f"not valid JSON: {exc}") from None
+    value = parse_json(field_name, text, limits.max_json_depth)
     if not isinstance(value, dict):
         raise InvalidArgument(field_name, f"must be a JSON object, got {type(value).__name__}")
     return value
 
 
-def _message(i: int, msg: pb.ChatMessage) -> dict[str, Any]:
+def _message(i: int, msg: pb.ChatMessage, budget: _Budget) -> dict[str, Any]:
     where = f"messages[{i}]"
     role = msg.role
     if not role:
@@ -49,7 +75,9 @@ def _message(i: int, msg: pb.ChatMessage) -> dict[str, Any]:
         raise InvalidArgument(f"{where}.role", f"not a role name: {role[:64]!r}")
     out: dict[str, Any] = {"role": role}
     if msg.HasField("content"):
-        out["content"] = msg.content
+        content = msg.content  # each access builds a new str
+        budget.spend(f"{where}.content", content)
+        out["content"] = content
     elif role in _ROLES_WITH_CONTENT:
         raise InvalidArgument(f"{where}.content", f"a {role} message needs content")
     if msg.tool_calls:
@@ -60,7 +88,8 @@ def _message(i: int, msg: pb.ChatMessage) -> dict[str, Any]:
             at = f"{where}.tool_calls[{j}]"
             if not _TOOL_NAME.match(call.name):
                 raise InvalidArgument(f"{at}.name", f"not a function name: {call.name[:80]!r}")
-            _json_object(f"{at}.arguments", call.arguments, {})
+            budget.spend(f"{at}.arguments", call.arguments)
+            _json_object(f"{at}.arguments", call.arguments, {}, budget.limits)
             calls.append(
                 {
                     "id": call.id,
@@ -76,17 +105,20 @@ def _message(i: int, msg: pb.ChatMessage) -> dict[str, Any]:
     if msg.tool_call_id:
         if role != "tool":
             raise InvalidArgument(f"{where}.tool_call_id", "only tool messages answer a call")
+        budget.spend(f"{where}.tool_call_id", msg.tool_call_id)
         out["tool_call_id"] = msg.tool_call_id
     if msg.name:
+        budget.spend(f"{where}.name", msg.name)
         out["name"] = msg.name
     if msg.HasField("reasoning_content"):
         if role != "assistant":
             raise InvalidArgument(f"{where}.reasoning_content", "only assistant messages reason")
+        budget.spend(f"{where}.reasoning_content", msg.reasoning_content)
         out["reasoning_content"] = msg.reasoning_content
     return out
 
 
-def _tool(i: int, tool: pb.Tool, seen: set[str]) -> dict[str, Any]:
+def _tool(i: int, tool: pb.Tool, seen: set[str], budget: _Budget) -> dict[str, Any]:
     if not _TOOL_NAME.match(tool.name):
         raise InvalidArgument(
             f"tools[{i}].name",
@@ -95,8 +127,11 @@ def _tool(i: int, tool: pb.Tool, seen: set[str]) -> dict[str, Any]:
     if tool.name in seen:
         raise InvalidArgument(f"tools[{i}].name", f"{tool.name!r} is offered twice")
     seen.add(tool.name)
+    budget.spend(f"tools[{i}].description", tool.description)
+    limits = budget.limits
+    budget.spend(f"tools[{i}].parameters", tool.parameters, limits.max_tool_schema_bytes)
     parameters = _json_object(
-        f"tools[{i}].parameters", tool.parameters, {"type": "object", "properties": {}}
+        f"tools[{i}].parameters", tool.parameters, {"type": "object", "properties": {}}, limits
     )
     function: dict[str, Any] = {"name": tool.name}
     if tool.description:
@@ -105,9 +140,10 @@ def _tool(i: int, tool: pb.Tool, seen: set[str]) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def _offered_tools(request: pb.ChatRequest) -> list[dict[str, Any]] | None:
+def _offered_tools(request: pb.ChatRequest, budget: _Budget) -> list[dict[str, Any]] | None:
+    check_count("tools", len(request.tools), budget.limits.max_tools, "tools")
     seen: set[str] = set()
-    tools = [_tool(i, tool, seen) for i, tool in enumerate(request.tools)]
+    tools = [_tool(i, tool, seen, budget) for i, tool in enumerate(request.tools)]
     choice = request.tool_choice
     if choice.mode not in Mode.values():
         raise InvalidArgument("tool_choice.mode", f"unknown mode {choice.mode}")
@@ -129,12 +165,18 @@ def _offered_tools(request: pb.ChatRequest) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def chat_inputs(request: pb.ChatRequest) -> ChatInputs:
+def chat_inputs(request: pb.ChatRequest, limits: FrontendLimits = DEFAULT_LIMITS) -> ChatInputs:
+    """`limits` with max_prompt_bytes resolved (FrontendLimits.for_model_len)."""
     if not request.messages:
         raise InvalidArgument("messages", "must not be empty")
-    messages = [_message(i, msg) for i, msg in enumerate(request.messages)]
-    tools = _offered_tools(request)
-    kwargs = _json_object("chat_template_kwargs", request.chat_template_kwargs, {})
+    check_count("messages", len(request.messages), limits.max_messages, "messages")
+    budget = _Budget(limits)
+    messages = [_message(i, msg, budget) for i, msg in enumerate(request.messages)]
+    tools = _offered_tools(request, budget)
+    check_text(
+        "chat_template_kwargs", request.chat_template_kwargs, limits.max_template_kwargs_bytes
+    )
+    kwargs = _json_object("chat_template_kwargs", request.chat_template_kwargs, {}, limits)
     for key in kwargs:
         if key in _RESERVED_TEMPLATE_VARIABLES:
             raise InvalidArgument(f"chat_template_kwargs.{key}", "is set by the server")

@@ -34,6 +34,17 @@ class InvalidArgument(FrontendError, ValueError):
         return cls(default_field, message)
 
 
+class RenderTimeout(FrontendError):
+    """Tokenizing or rendering the request took longer than the server's render limit (the
+    worker doing it was stopped); the message starts with the field, as InvalidArgument's."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
 class RequestIdInUse(FrontendError, ValueError):
     code = grpc.StatusCode.ALREADY_EXISTS
 

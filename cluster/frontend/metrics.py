@@ -1,19 +1,15 @@
-"""Prometheus metrics over plain HTTP (`GET /metrics`), served on the event loop.
+"""Prometheus metrics text from the engine's stats, for `GET /metrics` on the metrics port
+and on the HTTP door (both served by http/).
 
-A dozen gauges and counters from the engine's stats need no client library: the text
-exposition format is a line per sample.
+A dozen gauges and counters and three histograms (cluster/frontend/request_metrics.py)
+need no client library: the text exposition format is a line per sample.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvloom.cluster.frontend.ports import check_port_free
-
-logger = logging.getLogger(__name__)
+from kvloom.cluster.frontend.request_metrics import RequestMetrics
 
 # stats key -> (metric name, type, help)
 _METRICS = {
@@ -41,63 +37,93 @@ _METRICS = {
 }
 
 
-def render_metrics(stats: dict[str, Any], ready: bool) -> str:
+# The same stats under vLLM's names (labelled model_name, as vLLM's are), so dashboards and
+# autoscalers written for vLLM read kvloom too.
+_VLLM_METRICS = {
+    "num_running": ("vllm:num_requests_running", "gauge", "Requests being generated."),
+    "num_waiting": ("vllm:num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
+    "kv_cache_usage": ("vllm:kv_cache_usage_perc", "gauge", "KV cache usage, 1 = full."),
+    "num_preemptions": ("vllm:num_preemptions_total", "counter", "Requests preempted."),
+    "prefix_cache_queried_tokens": (
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prompt tokens looked up in the prefix cache.",
+    ),
+    "prefix_cache_hit_tokens": (
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prompt tokens served from the prefix cache.",
+    ),
+    "spec_drafted_tokens": (
+        "vllm:spec_decode_num_draft_tokens_total",
+        "counter",
+        "Draft tokens proposed.",
+    ),
+    "spec_accepted_tokens": (
+        "vllm:spec_decode_num_accepted_tokens_total",
+        "counter",
+        "Draft tokens accepted.",
+    ),
+}
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render_metrics(
+    stats: dict[str, Any],
+    ready: bool,
+    model_name: str | None = None,
+    request_metrics: RequestMetrics | None = None,
+) -> str:
     lines = [
         "# HELP kvloom_ready 1 when the server accepts requests.",
         "# TYPE kvloom_ready gauge",
         f"kvloom_ready {int(ready)}",
     ]
-    for key, (name, kind, text) in _METRICS.items():
-        value = stats.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    tables = [(_METRICS, "")]
+    if model_name is not None:
+        tables.append((_VLLM_METRICS, f'{{model_name="{_label(model_name)}"}}'))
+    for table, labels in tables:
+        for key, (name, kind, text) in table.items():
+            value = stats.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+                lines.append(f"{name}{labels} {value}")
+    lines += _replica_lines(stats.get("replicas") or [])
+    if request_metrics is not None and model_name is not None:
+        lines += request_metrics.lines(f'{{model_name="{_label(model_name)}"}}')
     return "\n".join(lines) + "\n"
 
 
-class MetricsServer:
-    def __init__(self, collect: Callable[[], Awaitable[str]]) -> None:
-        self._collect = collect
-        self._server: asyncio.base_events.Server | None = None
+# Per data-parallel replica (cluster/replicas.py), labelled replica="i".
+_REPLICA_METRICS = {
+    "up": ("kvloom_replica_up", "gauge", "1 while the replica is in routing."),
+    "in_flight": ("kvloom_replica_requests_in_flight", "gauge", "Requests routed and running."),
+    "kv_cache_usage": ("kvloom_replica_kv_cache_usage_ratio", "gauge", "KV blocks in use."),
+    "prefix_cache_hit_rate": (
+        "kvloom_replica_prefix_cache_hit_rate",
+        "gauge",
+        "Prompt tokens served from the prefix cache over those looked up.",
+    ),
+    "routed": ("kvloom_replica_routed_total", "counter", "Requests routed to the replica."),
+    "routed_by_prefix": (
+        "kvloom_replica_routed_by_prefix_total",
+        "counter",
+        "Requests routed to the replica for its cached prefix.",
+    ),
+}
 
-    async def start(self, host: str, port: int) -> int:
-        """Listens on host:port (0: a free port); a port in use raises (never shared)."""
-        check_port_free(host, port, "metrics port")
-        try:
-            self._server = await asyncio.start_server(self._handle, host, port, reuse_port=False)
-        except OSError as exc:
-            check_port_free(host, port, "metrics port")  # taken meanwhile: say so
-            raise OSError(f"cannot listen on {host}:{port} for metrics: {exc.strerror}") from None
-        return self._server.sockets[0].getsockname()[1]
 
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            request_line = await asyncio.wait_for(reader.readline(), timeout=5)
-            while (await asyncio.wait_for(reader.readline(), timeout=5)) not in (
-                b"\r\n",
-                b"\n",
-                b"",
-            ):
-                pass  # headers: not needed
-            parts = request_line.decode("latin-1").split()
-            if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] == "/metrics":
-                status, body = "200 OK", await self._collect()
-            else:
-                status, body = "404 Not Found", "only GET /metrics is served here\n"
-            payload = body.encode()
-            writer.write(
-                f"HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\n"
-                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
-                + payload
-            )
-            await writer.drain()
-        except (TimeoutError, ConnectionError):
-            pass
-        except Exception:
-            logger.exception("metrics request failed")
-        finally:
-            writer.close()
+def _replica_lines(replicas: list[dict[str, Any]]) -> list[str]:
+    lines: list[str] = []
+    for key, (name, kind, text) in _REPLICA_METRICS.items():
+        samples = [
+            f'{name}{{replica="{i}"}} {float(entry[key]):g}'
+            for i, entry in enumerate(replicas)
+            if isinstance(entry.get(key), int | float)
+        ]
+        if samples:
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}", *samples]
+    return lines

@@ -43,6 +43,25 @@ class ModelFiles:
         )
 
 
+# What a chat template writes when it renders an assistant's tool call, most specific
+# first: the template, not the model type, says how the model was taught to call tools.
+_TOOL_CALL_MARKERS = (
+    ("<|tool_calls_section_begin|>", "kimi_k2"),
+    ("<\uff5ctool\u2581calls\u2581begin\uff5c>", "deepseek_v3"),
+    ("[TOOL_CALLS]", "mistral"),
+    ("<function=", "qwen3_coder"),
+    ("<tool_call>", "hermes"),
+)
+
+
+def tool_call_parser_for_template(template: ChatTemplate | None) -> str | None:
+    """The tool-call parser whose format the chat template writes, if it writes a known one."""
+    if template is None:
+        return None
+    sources = "".join(template.templates.values())
+    return next((name for marker, name in _TOOL_CALL_MARKERS if marker in sources), None)
+
+
 def _choose(flag: str, by_model: str | None, resolve) -> str | None:
     if flag == NONE:
         return None
@@ -69,6 +88,9 @@ def load_model_files(
         reasoning_parser=None,
     )
     default_tools, default_reasoning = parsers_for_model(files.model_type, str(model))
+    # A llama checkpoint whose template writes Hermes calls (the demo model, many
+    # fine-tunes) is parsed as its template writes, not as Llama 3's JSON.
+    default_tools = tool_call_parser_for_template(files.chat_template) or default_tools
     files.tool_call_parser = _choose(tool_call_parser, default_tools, tool_call_parser_class)
     files.reasoning_parser = _choose(reasoning_parser, default_reasoning, reasoning_parser_class)
     return files

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvloom.cluster.frontend.limits import FrontendLimits
 
 AUTO = "auto"
 NONE = "none"
@@ -34,27 +36,42 @@ class ServerOptions:
     reasoning_parser: str = AUTO
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
     metrics_port: int | None = None  # Prometheus text on http://host:PORT/metrics
+    # The OpenAI-compatible HTTP API on host:PORT (None: off), with /health and /metrics;
+    # TLS and the bearer token as for gRPC (docs/http.md).
+    http_port: int | None = None
+    served_model_name: str | None = None  # the model's id over HTTP; None: `model` as given
     warmup: bool = True  # one short generation before reporting SERVING
     # An engine that fails (a worker or the scheduler died): rebuild it and serve again
     # ("restart"), or stop the server so its process exits non-zero ("exit").
     on_worker_failure: str = "restart"
-    tokenizer_threads: int = 2  # tokenization, detokenization and chat rendering
+    # Render worker processes: tokenizing prompts, Detokenize, chat template rendering.
+    tokenizer_threads: int = 2
+    limits: FrontendLimits = field(default_factory=FrontendLimits)  # docs/grpc.md, "Limits"
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
             raise ValueError(f"model must be an existing directory, got {self.model!r}")
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "http_port"):
             value = getattr(self, name)
-            if value is None and name == "metrics_port":
+            if value is None and name != "port":
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
                 raise ValueError(f"{name} must be an integer in [0, 65535], got {value!r}")
+        if self.served_model_name is not None and (
+            not self.served_model_name or not self.served_model_name.isprintable()
+        ):
+            raise ValueError(
+                f"served_model_name must be non-empty printable text, got {self.served_model_name!r}"
+            )
         if self.on_worker_failure not in ON_WORKER_FAILURE:
             raise ValueError(
                 f"on_worker_failure must be one of {ON_WORKER_FAILURE}, got {self.on_worker_failure!r}"
             )
         if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert and tls_key: give both or neither")
+            given, missing = (
+                ("tls_cert", "tls_key") if self.tls_key is None else ("tls_key", "tls_cert")
+            )
+            raise ValueError(f"{given} needs {missing} too (both or neither)")
         for name in ("tls_cert", "tls_key"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():

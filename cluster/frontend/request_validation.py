@@ -10,6 +10,7 @@ import math
 from dataclasses import replace
 
 from kvloom.cluster.frontend.errors import InvalidArgument
+from kvloom.cluster.frontend.limits import DEFAULT_LIMITS, FrontendLimits, check_count, check_text
 from kvloom.contracts.sampling_params import SamplingParams
 from kvloom.protos.kvloom.v1 import generation_pb2 as pb
 
@@ -44,7 +45,9 @@ def check_request_id(value: str) -> None:
         raise InvalidArgument("request_id", "must not start or end with whitespace")
 
 
-def check_token_ids(field: str, ids: list[int] | tuple[int, ...], vocab_size: int) -> None:
+def check_token_ids(field: str, ids, vocab_size: int) -> None:
+    if not ids or max(ids) < vocab_size:  # one pass in C for the usual case
+        return
     for i, token_id in enumerate(ids):
         if token_id >= vocab_size:
             raise InvalidArgument(
@@ -63,7 +66,11 @@ def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
 
 
 def sampling_params(
-    msg: pb.SamplingParams, vocab_size: int, *, skip_special_tokens: bool | None = None
+    msg: pb.SamplingParams,
+    vocab_size: int,
+    *,
+    skip_special_tokens: bool | None = None,
+    limits: FrontendLimits = DEFAULT_LIMITS,
 ) -> SamplingParams:
     """The request's SamplingParams; max_tokens stays None when unset (see `fill_max_tokens`).
     `skip_special_tokens` is the default to use when the request leaves it unset."""
@@ -100,10 +107,15 @@ def sampling_params(
         if msg.seed > MAX_SEED:
             raise InvalidArgument(f + "seed", f"must be <= {MAX_SEED}, got {msg.seed}")
         kwargs["seed"] = msg.seed
+    check_count(f + "stop", len(msg.stop), limits.max_stop_strings, "stop strings")
     for i, stop in enumerate(msg.stop):
         if not stop:
             raise InvalidArgument(f"{f}stop[{i}]", "must not be empty")
+        check_text(f"{f}stop[{i}]", stop, limits.max_stop_string_bytes)
     kwargs["stop"] = list(msg.stop)
+    check_count(
+        f + "stop_token_ids", len(msg.stop_token_ids), limits.max_stop_token_ids, "token ids"
+    )
     check_token_ids(f + "stop_token_ids", msg.stop_token_ids, vocab_size)
     kwargs["stop_token_ids"] = list(msg.stop_token_ids)
     kwargs["ignore_eos"] = msg.ignore_eos
@@ -140,20 +152,43 @@ def fill_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int)
     return replace(params, max_tokens=max(max_model_len - prompt_len, 1))
 
 
-def prompt_of(request: pb.GenerateRequest, vocab_size: int) -> str | list[int]:
-    """The text or token ids of a GenerateRequest (not yet tokenized or length-checked)."""
+def prompt_of(
+    request: pb.GenerateRequest,
+    vocab_size: int,
+    max_model_len: int | None = None,
+    limits: FrontendLimits = DEFAULT_LIMITS,
+) -> str | list[int]:
+    """The text or token ids of a GenerateRequest, not yet tokenized. A text over the byte
+    limit and ids past max_model_len are refused before anything reads them through."""
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise InvalidArgument("prompt", "set text or token_ids")
     if kind == "text":
-        if not request.text:
+        text = request.text  # each access builds a new str: a 40 MB one costs ~50 ms
+        if not text:
             raise InvalidArgument("text", "must not be empty")
-        return request.text
-    ids = list(request.token_ids.ids)
-    if not ids:
+        check_text("text", text, limits.for_model_len(max_model_len).max_prompt_bytes)
+        return text
+    if not request.token_ids.ids:
         raise InvalidArgument("token_ids", "must not be empty")
+    if max_model_len is not None:
+        check_prompt_length(len(request.token_ids.ids), max_model_len)
+    ids = list(request.token_ids.ids)
     check_token_ids("token_ids", ids, vocab_size)
     return ids
+
+
+def check_abort_ids(ids: list[str] | tuple[str, ...], limits: FrontendLimits = DEFAULT_LIMITS):
+    check_count("request_ids", len(ids), limits.max_abort_ids, "request ids")
+    for i, request_id in enumerate(ids):
+        if not request_id:
+            raise InvalidArgument(f"request_ids[{i}]", "must not be empty")
+        check_identifier(f"request_ids[{i}]", request_id)
+
+
+def check_detokenize_ids(ids, vocab_size: int, limits: FrontendLimits = DEFAULT_LIMITS) -> None:
+    check_count("token_ids", len(ids), limits.max_detokenize_ids, "token ids")
+    check_token_ids("token_ids", ids, vocab_size)
 
 
 def check_cache_salt(value: str) -> str | None:

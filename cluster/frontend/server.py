@@ -4,11 +4,15 @@ Life cycle: the port is bound first, so probes see liveness SERVING and readines
 NOT_SERVING while the model loads; then the engine starts, one short generation warms it
 up, and readiness turns SERVING. SIGTERM drains: readiness NOT_SERVING, new requests get
 UNAVAILABLE, requests in flight may finish for `drain_timeout_s`, then the rest are
-cancelled (which aborts them in the engine) and the server stops.
+cancelled (which aborts them in the engine) and the server stops. With `http_port`, the
+OpenAI-compatible HTTP door (http/) runs beside gRPC on the same loop, starting requests
+through the same GenerationServicer; /health follows readiness, and both doors drain and
+stop together.
 
 Errors: bad input INVALID_ARGUMENT naming the field, prompt too long INVALID_ARGUMENT,
-queue full RESOURCE_EXHAUSTED, not ready or draining UNAVAILABLE, anything else INTERNAL
-(logged; the server keeps serving). A cancelled or timed-out stream aborts its request.
+queue full RESOURCE_EXHAUSTED, not ready or draining UNAVAILABLE, tokenizing or rendering
+past the render pool's time limit DEADLINE_EXCEEDED, anything else INTERNAL (logged; the
+server keeps serving). A cancelled or timed-out stream aborts its request.
 """
 
 from __future__ import annotations
@@ -41,16 +45,19 @@ from kvloom.cluster.frontend.errors import (
     InvalidArgument,
     Unavailable,
 )
-from kvloom.cluster.frontend.metrics import MetricsServer, render_metrics
+from kvloom.cluster.frontend.limits import check_text
+from kvloom.cluster.frontend.metrics import render_metrics
 from kvloom.cluster.frontend.model_files import ModelFiles, load_model_files
 from kvloom.cluster.frontend.options import ServerOptions
 from kvloom.cluster.frontend.ports import check_port_free
+from kvloom.cluster.frontend.render_pool import RenderPool
+from kvloom.cluster.frontend.request_decoding import add_generation_servicer
 from kvloom.cluster.frontend.request_validation import (
+    check_abort_ids,
     check_cache_salt,
-    check_identifier,
+    check_detokenize_ids,
     check_prompt_length,
     check_request_id,
-    check_token_ids,
     fill_max_tokens,
     prompt_of,
     sampling_params,
@@ -137,10 +144,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if not self.engine.running:
             raise Unavailable("the engine is not running")
 
-    async def _offload(self, fn: Callable, *args: Any) -> Any:
-        """Tokenizer and template work runs in a small thread pool, off the event loop."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.server.executor, fn, *args)
+    @property
+    def render_pool(self) -> RenderPool:
+        """Tokenizing and chat rendering run in worker processes, with a time limit each."""
+        return self.server.render_pool
+
+    def _request_limits(self):
+        """The size limits, resolved for the engine's max_model_len once it is known."""
+        config = self.engine.config
+        max_model_len = None if config is None else int(config.scheduler.max_model_len)
+        return self.server.options.limits.for_model_len(max_model_len)
 
     async def _run_stream(
         self,
@@ -193,15 +206,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._check_serving()
         check_request_id(request.request_id)
         vocab_size, max_model_len = self._limits
-        prompt = prompt_of(request, vocab_size)
-        params = sampling_params(request.sampling, vocab_size)
+        limits = self._request_limits()
+        prompt = prompt_of(request, vocab_size, max_model_len, limits)
+        params = sampling_params(request.sampling, vocab_size, limits=limits)
         cache_salt = check_cache_salt(request.cache_salt)
         if isinstance(prompt, str):
             if request.HasField("add_special_tokens"):
                 add_special = request.add_special_tokens
             else:
                 add_special = add_special_tokens_for(prompt, self.files.tokenizer.bos_token)
-            prompt = await self._offload(self.files.tokenizer.encode, prompt, add_special)
+            prompt = await self.render_pool.encode(prompt, add_special)
             if not prompt:
                 raise InvalidArgument("text", "encodes to no tokens")
         return self._add(request_id, prompt, params, cache_salt, GenerateResponder)
@@ -243,20 +257,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             )
         return self.files.chat_template
 
-    def _render(self, inputs: ChatInputs) -> tuple[str, list[int]]:
-        """Runs in the tokenizer pool. Templates write their own BOS, so the text is encoded
-        without special tokens (never a second BOS)."""
-        try:
-            rendered = self._chat_template().render(
-                inputs.messages,
-                inputs.tools,
-                add_generation_prompt=inputs.add_generation_prompt,
-                continue_final_message=inputs.continue_final_message,
-                chat_template_kwargs=inputs.template_kwargs,
-            )
-        except ValueError as exc:
-            raise InvalidArgument.from_message(str(exc), "messages") from None
-        return rendered.text, self.files.tokenizer.encode(rendered.text, add_special_tokens=False)
+    async def _render(self, inputs: ChatInputs) -> tuple[str, list[int]]:
+        """The prompt text and ids, from the render pool (the template's errors become
+        INVALID_ARGUMENT; past the render time limit, DEADLINE_EXCEEDED)."""
+        self._chat_template()
+        return await self.render_pool.render(
+            inputs.messages,
+            inputs.tools,
+            inputs.template_kwargs,
+            inputs.add_generation_prompt,
+            inputs.continue_final_message,
+        )
 
     def _check_parsers(self, request: pb.ChatRequest, inputs: ChatInputs) -> None:
         wants_reasoning = request.HasField("parse_reasoning") and request.parse_reasoning
@@ -292,44 +303,51 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         check_request_id(request.request_id)
         self._chat_template()
         vocab_size, _ = self._limits
-        inputs = chat_inputs(request)
-        params = sampling_params(request.sampling, vocab_size)
+        limits = self._request_limits()
+        inputs = chat_inputs(request, limits)
+        params = sampling_params(request.sampling, vocab_size, limits=limits)
         cache_salt = check_cache_salt(request.cache_salt)
         self._check_parsers(request, inputs)
-        prompt, prompt_ids = await self._offload(self._render, inputs)
+        prompt, prompt_ids = await self._render(inputs)
         parser = self._chat_parser(request, inputs, prompt)
         return self._add(request_id, prompt_ids, params, cache_salt, ChatResponder, parser=parser)
+
+    # The HTTP door (http/routes.py) checks readiness and starts its requests through these,
+    # exactly as Generate and Chat do: each returns (stream of RequestOutputs, responder).
+    check_serving = _check_serving
+    start_generate = _start_generate
+    start_chat = _start_chat
 
     # ----- unary RPCs
 
     @_unary
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        for i, request_id in enumerate(request.request_ids):
-            if not request_id:
-                raise InvalidArgument(f"request_ids[{i}]", "must not be empty")
-            check_identifier(f"request_ids[{i}]", request_id)
+        check_abort_ids(request.request_ids, self.server.options.limits)
         aborted = self.engine.abort(list(request.request_ids))
         return pb.AbortResponse(aborted_request_ids=aborted)
 
     @_unary
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = await self._offload(self.files.tokenizer.encode, request.text, add_special)
+        text = request.text
+        check_text("text", text, self._request_limits().max_prompt_bytes)
+        ids = await self.render_pool.encode(text, add_special)
         return pb.TokenizeResponse(token_ids=ids)
 
     @_unary
     async def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
-        check_token_ids("token_ids", request.token_ids, self.files.tokenizer.vocab_size)
+        limits = self.server.options.limits
+        check_detokenize_ids(request.token_ids, self.files.tokenizer.vocab_size, limits)
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        text = await self._offload(self.files.tokenizer.decode, list(request.token_ids), skip)
+        text = await self.render_pool.decode(list(request.token_ids), skip)
         return pb.DetokenizeResponse(text=text)
 
     @_unary
     async def RenderChat(self, request: pb.ChatRequest, context) -> pb.RenderChatResponse:
         check_request_id(request.request_id)
         self._chat_template()
-        inputs = chat_inputs(request)
-        prompt, prompt_ids = await self._offload(self._render, inputs)
+        inputs = chat_inputs(request, self._request_limits())
+        prompt, prompt_ids = await self._render(inputs)
         return pb.RenderChatResponse(prompt=prompt, token_ids=prompt_ids)
 
     @_unary
@@ -390,14 +408,18 @@ class KvloomServer:
         self.failure: str | None = None
         self.files: ModelFiles | None = None
         self.executor: ThreadPoolExecutor | None = None
+        self.render_pool: RenderPool | None = None
         self.ready = False
         self.draining = False
         self.start_time = time.time()
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http_port: int | None = None  # the OpenAI-compatible HTTP door, when on
+        self.generation: GenerationServicer | None = None  # serves both doors
         self._grpc: grpc.aio.Server | None = None
+        self._http = None  # an http.HttpListener
         self._health = health_aio.HealthServicer()
-        self._metrics: MetricsServer | None = None
+        self._metrics = None  # an http.HttpListener serving GET /metrics only
         self._stopping = False
         self._stopped: asyncio.Event | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -426,11 +448,16 @@ class KvloomServer:
             options.tool_call_parser,
             options.reasoning_parser,
         )
+        self.render_pool = RenderPool(
+            options.model, options.tokenizer_threads, options.limits.render_timeout_s
+        )
+        await self.render_pool.start()
         await self._health.set(LIVENESS, SERVING)
         await self._health.set(SERVICE_NAME, NOT_SERVING)
         interceptors = [BearerTokenInterceptor(options.auth_token)] if options.auth_token else []
         self._grpc = grpc.aio.server(interceptors=interceptors, options=options.grpc_options())
-        pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self), self._grpc)
+        self.generation = GenerationServicer(self)
+        add_generation_servicer(self.generation, self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(
             (
@@ -442,8 +469,15 @@ class KvloomServer:
         )
         self.port = self._bind(self._grpc)
         await self._grpc.start()
+        if options.http_port is not None:
+            from kvloom.cluster.frontend.http import HttpListener, build_app
+
+            self._http = HttpListener(build_app(self), options.tls_cert, options.tls_key)
+            self.http_port = await self._http.start(options.host, options.http_port)
         if options.metrics_port is not None:
-            self._metrics = MetricsServer(self._render_metrics)
+            from kvloom.cluster.frontend.http import HttpListener, build_metrics_app
+
+            self._metrics = HttpListener(build_metrics_app(self), what="metrics port")
             self.metrics_port = await self._metrics.start(options.host, options.metrics_port)
         await self.engine.start()
         if options.warmup:
@@ -482,7 +516,10 @@ class KvloomServer:
 
     async def _render_metrics(self) -> str:
         stats = await self.engine.stats() if self.engine.running else {}
-        return render_metrics(stats, self.ready)
+        model_name = self.options.served_model_name or self.options.model
+        return render_metrics(stats, self.ready, model_name, self.engine.request_metrics)
+
+    metrics_text = _render_metrics  # GET /metrics on the HTTP door
 
     def _make_engine(self) -> AsyncEngine:
         return AsyncEngine(
@@ -563,11 +600,15 @@ class KvloomServer:
         self._stopping = True
         self.ready = False
         await self._health.enter_graceful_shutdown()
-        if self._grpc is not None:
-            await self._grpc.stop(grace_s)
+        doors = [self._grpc.stop(grace_s)] if self._grpc is not None else []
+        if self._http is not None:
+            doors.append(self._http.stop(grace_s))
+        await asyncio.gather(*doors)
         await self.engine.shutdown()
         if self._metrics is not None:
-            await self._metrics.stop()
+            await self._metrics.stop(grace_s=0.0)
+        if self.render_pool is not None:
+            await self.render_pool.close()
         if self.executor is not None:
             self.executor.shutdown(wait=False, cancel_futures=True)
         assert self._stopped is not None
