@@ -22,37 +22,23 @@ from kvloom.contracts.sampling_params import SamplingParams
 PromptInput = str | list[int] | dict[str, Any]
 
 
-def make_proposer(spec):
-    """Control-plane proposers run in the scheduler; model drafters run on the workers."""
-    if spec.method == "ngram":
-        from kvloom.cluster.spec_decode.ngram_proposer import NgramProposer
-
-        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    return None  # draft_model: the workers' draft model proposes
-
-
 def _nothing_to_run(sched) -> bool:
     return sched.is_empty and not sched.finished_request_ids and not sched.blocks_to_poison
 
 
 def _use_async_scheduling(config: EngineConfig, executor) -> bool:
     """On when asked; by default on where the device is CUDA (the steps it overlaps run
-    on the device), with either executor: both launch a step ahead (`submit`).
-    Speculative decoding needs each step's tokens first."""
+    on the device), with either executor: both launch a step ahead (`submit`), and with
+    speculative decoding too (the step ahead gets placeholder drafts that the workers
+    fill from their own proposals: docs/async_scheduling.md)."""
     wanted = config.scheduler.async_scheduling
-    if wanted and config.speculative.method:
-        raise ValueError("async_scheduling does not support speculative_config yet")
     if wanted and not hasattr(executor, "submit"):
         raise ValueError(
             f"async_scheduling needs an executor that launches steps ahead; "
             f"{type(executor).__name__} does not"
         )
     if wanted is None:
-        return (
-            hasattr(executor, "submit")
-            and not config.speculative.method
-            and executor.device_type == "cuda"
-        )
+        return hasattr(executor, "submit") and executor.device_type == "cuda"
     return wanted
 
 
@@ -80,6 +66,9 @@ class Engine:
             num_blocks,
             enable_caching=cache.enable_prefix_caching,
             sanitize=cache.sanitize,
+            checkpoint_interval=cache.linear_state_checkpoint_interval,
+            max_checkpoints=cache.max_linear_state_checkpoints,
+            bytes_per_block=self.kv_cache_plan.bytes_per_block,
         )
         spec = self.config.speculative
         self.scheduler = Scheduler(
@@ -87,7 +76,6 @@ class Engine:
             self.kv_cache,
             self.config.model.seed,
             speculative=spec,
-            proposer=make_proposer(spec),
         )
         self.outputs = OutputProcessor(self.tokenizer)
         self.vocab_size = int(self.config.model.text_config["vocab_size"])
@@ -279,6 +267,7 @@ class Engine:
             "prefix_cache_hit_rate": prefix.hit_tokens / max(prefix.queried_tokens, 1),
             "prefix_cache_hit_tokens_per_group": list(prefix.per_group_hit_tokens),
             "num_evictions": pool.num_evictions,
+            **self.kv_cache.checkpoint_stats(),
             "spec_drafted_tokens": self.scheduler.spec_drafted,
             "spec_accepted_tokens": self.scheduler.spec_accepted,
             "spec_acceptance_rate": self.scheduler.spec_accepted

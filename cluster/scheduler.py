@@ -17,7 +17,12 @@ from kvloom.cluster.kv_cache.coordinator import KVCacheCoordinator
 from kvloom.cluster.request import Request, RequestStatus
 from kvloom.contracts.config import SchedulerConfig, SpeculativeConfig
 from kvloom.contracts.runner_output import ModelRunnerOutput
-from kvloom.contracts.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from kvloom.contracts.scheduler_output import (
+    PLACEHOLDER_TOKEN_ID,
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 
 class Scheduler:
@@ -27,13 +32,12 @@ class Scheduler:
         kv_cache: KVCacheCoordinator,
         seed: int = 0,
         speculative: SpeculativeConfig | None = None,
-        proposer=None,
     ):
         self.config = config
         self.kv_cache = kv_cache
         self.speculative = speculative or SpeculativeConfig()
-        # Control-plane proposer (n-gram) or None (drafts come back from the workers).
-        self.proposer = proposer
+        # Requests with drafts in a step not read back yet: how many such steps.
+        self._drafts_in_flight: dict[str, int] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -80,6 +84,7 @@ class Scheduler:
         if self._sent_tokens.pop(request.request_id, None) is not None:
             self._forget.append(request.request_id)
         self._sent_blocks.pop(request.request_id, None)
+        self._drafts_in_flight.pop(request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -90,31 +95,63 @@ class Scheduler:
         num_new = min(length - request.num_computed_tokens, budget)
         if self.config.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
-        align = self.kv_cache.linear_block_size
-        if align:
-            # Align mode: end the chunk on the last linear-state block boundary inside it,
-            # so a state checkpoint exists there for later prefix hits.
-            start = request.num_computed_tokens
-            boundary = (start + num_new) // align * align
+        start = request.num_computed_tokens
+        stop = self.kv_cache.prompt_checkpoint_length(request)
+        if stop is not None and start < stop < start + num_new:
+            # The prompt's linear-state checkpoint is kept one token before its end.
+            num_new = stop - start
+        interval = self.kv_cache.checkpoint_interval
+        if interval:
+            # End the chunk on the last checkpoint-interval boundary inside it, so a
+            # linear-state checkpoint is kept there (linear_state_checkpoint_interval).
+            boundary = (start + num_new) // interval * interval
             if boundary > start:
                 num_new = boundary - start
         return num_new
 
     def _drafts_for(self, request: Request, budget_left: int) -> list[int]:
-        """Drafts ride along only with a decode (one real token) and while budget lasts."""
-        if not request.spec_token_ids or request.restore_state:
+        """Drafts ride along only with a decode (one real token) and while budget lasts.
+
+        A request whose newest step is still in flight (async scheduling) has no drafts
+        here yet: it gets placeholder slots, which the worker fills from the proposals it
+        made in that step. Their number assumes every draft in flight is accepted (the
+        longest the request can be), so length limits hold whatever comes back."""
+        if request.restore_state:
+            return []
+        pending = request.num_pending_output_tokens
+        if pending:
+            length = request.num_tokens + pending
+            if length - request.num_computed_tokens != 1:
+                return []
+            room = min(
+                self.speculative.num_speculative_tokens,
+                self._draft_room(request, pending),
+                budget_left,
+            )
+            return [PLACEHOLDER_TOKEN_ID] * max(0, room)
+        if not request.spec_token_ids:
             return []
         if request.num_tokens - request.num_computed_tokens != 1:
             return []
         return request.spec_token_ids[: max(0, budget_left)]
 
+    def _draft_room(self, request: Request, pending: int = 0) -> int:
+        """Drafts the request can still use: all but its next token's room under
+        max_model_len and max_tokens, counting `pending` tokens in flight."""
+        room = self.config.max_model_len - request.num_tokens - pending - 1
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - pending - 1)
+        return room
+
     def _preempt(self, victim: Request) -> None:
         victim.spec_token_ids = []
+        self.kv_cache.free(victim)  # reads restore_state: its state checkpoint is the backup
         victim.restore_state = False
-        self.kv_cache.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_pending_output_tokens = 0  # an in-flight token is recomputed later
+        self._drafts_in_flight.pop(victim.request_id, None)
         victim.num_preemptions += 1
         self.num_preemptions += 1
         if self._sent_tokens.pop(victim.request_id, None) is not None:
@@ -135,6 +172,9 @@ class Scheduler:
             if self._ends_with_pending_token(request):
                 index += 1  # its in-flight token is its last: nothing more to schedule
                 continue
+            if self.kv_cache.has_linear_groups and request.request_id in self._drafts_in_flight:
+                index += 1  # a rejected draft rolls its linear state back: wait for the count
+                continue
             num_new = self._chunk_size(request, budget)
             spec = self._drafts_for(request, budget - num_new)
             while not self.kv_cache.allocate_slots(
@@ -147,6 +187,10 @@ class Scheduler:
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
+                    if not self.running and not scheduled:
+                        # Alone in an idle pool and still no room for its next chunk: it
+                        # would be rescheduled and preempted forever.
+                        self._reject_unfittable(request)
                     break
             else:
                 if request.restore_state:
@@ -169,7 +213,16 @@ class Scheduler:
                 request, num_new, hit.blocks, num_lookahead_tokens=lookahead
             ):
                 request.num_computed_tokens = 0
-                break
+                if not hit.num_tokens or self.running or scheduled:
+                    break
+                # An idle pool whose free state runs all hold a page of this hit: start
+                # over without the hit rather than wait forever.
+                hit = self.kv_cache.no_hit()
+                num_new = self._chunk_size(request, budget)
+                if not self.kv_cache.allocate_slots(
+                    request, num_new, num_lookahead_tokens=lookahead
+                ):
+                    break
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = hit.num_tokens
                 self.kv_cache.record_hit(request, hit)
@@ -200,13 +253,19 @@ class Scheduler:
     def _advance_scheduled(self, scheduled: dict[str, int], drafts: dict) -> None:
         """Counts the scheduled tokens as computed now, so a next step can be scheduled
         before this one's results are back (`update_from_output` takes back rejected
-        drafts). A step that reaches a request's end samples a token: pending until then."""
+        drafts). A step that reaches a request's end samples a token, and one more per
+        draft if all are accepted: pending until then (`update_from_output` corrects by
+        the rejected ones)."""
         for request_id, num_tokens in scheduled.items():
             request = self.requests[request_id]
             request.num_computed_tokens += num_tokens
-            real = request.num_computed_tokens - len(drafts.get(request_id, ()))
+            num_drafts = len(drafts.get(request_id, ()))
+            real = request.num_computed_tokens - num_drafts
             if real == request.num_tokens + request.num_pending_output_tokens:
-                request.num_pending_output_tokens += 1
+                request.num_pending_output_tokens += 1 + num_drafts
+            if num_drafts:
+                in_flight = self._drafts_in_flight.get(request_id, 0)
+                self._drafts_in_flight[request_id] = in_flight + 1
 
     def _ends_with_pending_token(self, request: Request) -> bool:
         """Whether the token a step in flight samples for it ends it by length."""
@@ -219,9 +278,9 @@ class Scheduler:
         return request.num_tokens + pending >= self.config.max_model_len
 
     def can_schedule_ahead(self) -> bool:
-        """Whether the next step may be scheduled before this one's tokens are back: not
-        with speculative decoding (drafts are proposed from the tokens)."""
-        return not self.speculative.num_speculative_tokens
+        """Whether the next step may be scheduled before this one's tokens are back. Always:
+        with speculative decoding the step ahead gets placeholder drafts (`_drafts_for`)."""
+        return True
 
     def _build_output(
         self, scheduled: dict[str, int], drafts: dict[str, list[int]]
@@ -277,20 +336,25 @@ class Scheduler:
         advanced, finished = [], []
         now = time.monotonic()  # one clock read for every token of this step
         for request_id, num_tokens in sched_out.num_scheduled_tokens.items():
+            spec = sched_out.scheduled_spec_token_ids.get(request_id, [])
+            if spec:
+                self._draft_step_done(request_id)
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             new_tokens = runner_out.sampled_token_ids.get(request_id, [])
-            spec = sched_out.scheduled_spec_token_ids.get(request_id, [])
             # Counted as computed when scheduled (`_advance_scheduled`); rejected drafts
-            # are taken back and recomputed over later.
+            # (and placeholder slots the worker had no proposal for) are taken back and
+            # recomputed over later.
             computed_before = request.num_computed_tokens - num_tokens
             num_rejected = len(spec) + 1 - len(new_tokens) if spec else 0
             request.num_computed_tokens -= num_rejected
-            if new_tokens and request.num_pending_output_tokens:
-                request.num_pending_output_tokens -= 1
-            if spec:
-                self._record_spec(request, len(spec), len(new_tokens) - 1)
+            if new_tokens:
+                pending = request.num_pending_output_tokens - 1 - len(spec)
+                request.num_pending_output_tokens = max(0, pending)
+            drafted = runner_out.num_draft_tokens.get(request_id, len(spec))
+            if drafted:
+                self._record_spec(request, drafted, len(new_tokens) - 1)
                 if num_rejected and self.kv_cache.has_linear_groups:
                     # The linear state advanced over rejected drafts: restore the backup
                     # next step and recompute the accepted tokens from it.
@@ -315,6 +379,13 @@ class Scheduler:
         return advanced, finished
 
     # -- speculative decoding -------------------------------------------------------
+    def _draft_step_done(self, request_id: str) -> None:
+        left = self._drafts_in_flight.get(request_id, 0) - 1
+        if left > 0:
+            self._drafts_in_flight[request_id] = left
+        else:
+            self._drafts_in_flight.pop(request_id, None)
+
     def _record_spec(self, request: Request, drafted: int, accepted: int) -> None:
         request.num_drafted_tokens += drafted
         request.num_accepted_tokens += accepted
@@ -324,22 +395,18 @@ class Scheduler:
         self.spec_steps += 1
 
     def _propose(self, runner_out: ModelRunnerOutput) -> None:
-        """Drafts for each running request in decode, within its length limits."""
-        k = self.speculative.num_speculative_tokens
-        if not k:
+        """The workers' drafts (every proposer runs there) for each running request in
+        decode, within its length limits. A request with a step in flight gets
+        placeholders instead (`_drafts_for`): these drafts are the worker's already."""
+        if not self.speculative.num_speculative_tokens:
             return
         for request in self.running:
             if request.num_tokens - request.num_computed_tokens != 1 or request.restore_state:
                 continue
-            if self.proposer is not None:
-                spec = self.proposer.propose(request.all_token_ids, k)
-            else:
-                spec = runner_out.spec_token_ids.get(request.request_id, [])
-            params = request.sampling_params
-            room = self.config.max_model_len - request.num_tokens - 1
-            if params.max_tokens is not None:
-                room = min(room, params.max_tokens - request.num_output_tokens - 1)
-            request.spec_token_ids = list(spec[: max(0, room)])
+            if request.num_pending_output_tokens:
+                continue
+            spec = runner_out.spec_token_ids.get(request.request_id, [])
+            request.spec_token_ids = list(spec[: max(0, self._draft_room(request))])
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -112,8 +112,8 @@ class ModelConfig:
 class CacheConfig:
     """The paged KV cache: page geometry, pool size, prefix caching, sanitizer."""
 
-    # Tokens per KV-cache block. None: 16, or for a model with recurrent state the size at
-    # which an attention page holds as much as one state page (cluster/kv_cache/planner.py).
+    # Tokens per KV-cache block. None: 16, hybrids included (a recurrent state spans
+    # several pool pages: docs/kv_cache_pages.md). A value set is always kept.
     block_size: int | None = None
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -130,8 +130,19 @@ class CacheConfig:
     # for float64 models) is exact across long decodes; "auto" (the model dtype, vLLM's
     # default) or "bfloat16"/"float16" halve the state's pages and its per-step traffic.
     linear_state_dtype: str = "float32"
+    # Linear-state checkpoints (prefix caching on hybrid models, docs/kv_cache_pages.md):
+    # kept at the end of every finished or preempted request and of every prompt's
+    # prefill, and every `linear_state_checkpoint_interval` tokens of a prefill (0: off;
+    # a multiple of block_size cuts prefill chunks there). At most
+    # `max_linear_state_checkpoints` are kept per state group (None: as many as fit in
+    # half the pool; 0: none), evicted least recently used first.
+    linear_state_checkpoint_interval: int = 0
+    max_linear_state_checkpoints: int | None = None
 
     def __post_init__(self) -> None:
+        require_int("linear_state_checkpoint_interval", self.linear_state_checkpoint_interval, 0)
+        if self.max_linear_state_checkpoints is not None:
+            require_int("max_linear_state_checkpoints", self.max_linear_state_checkpoints, 0)
         if self.block_size is not None:
             require_int("block_size", self.block_size, 1, 4096)
         if self.num_kv_blocks is not None:

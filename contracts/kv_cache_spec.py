@@ -51,8 +51,10 @@ class MLASpec:
 class LinearStateSpec:
     """Linear attention keeps a fixed-size state per request: conv window + recurrent state.
 
-    `block_size` is the token granularity at which state checkpoints may be cached
-    (align mode); a request's live state occupies one page.
+    `block_size` is the hash granularity of the prefix chain (the attention block size);
+    checkpoints are keyed at any token length. A state occupies `pages_per_state`
+    consecutive pool pages (set by the planner: attention pages are small, a state spans
+    several of them).
     """
 
     block_size: int
@@ -60,6 +62,7 @@ class LinearStateSpec:
     recurrent_state_shape: tuple[int, ...]
     dtype: str
     state_dtype: str = "float32"
+    pages_per_state: int = 1
 
     @property
     def conv_bytes(self) -> int:

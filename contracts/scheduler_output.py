@@ -30,6 +30,10 @@ class CachedRequestData:
     num_computed_tokens: int
 
 
+# A draft slot reserved for drafts the worker proposes itself (async scheduling).
+PLACEHOLDER_TOKEN_ID = -1
+
+
 @dataclass
 class SchedulerOutput:
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -46,7 +50,8 @@ class SchedulerOutput:
     state_copies_before: list[tuple[int, int]] = field(default_factory=list)
     state_copies_after: list[tuple[int, int]] = field(default_factory=list)
     # request id -> draft tokens verified after its real tokens this step (counted in
-    # num_scheduled_tokens).
+    # num_scheduled_tokens). PLACEHOLDER_TOKEN_ID entries (a step scheduled before the
+    # previous one's drafts were back) are filled by the worker from its own proposals.
     scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property

@@ -179,15 +179,35 @@ def test_reused_request_id_after_finish(tiny_model):
     assert_pool_full(engine)
 
 
-def test_async_scheduling_with_speculation_is_refused(tiny_model):
-    with pytest.raises(ValueError, match="async_scheduling"):
-        make_engine(
-            tiny_model("llama"),
-            True,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-        )
+def test_a_bad_async_scheduling_value_is_refused(tiny_model):
     with pytest.raises(ValueError, match="async_scheduling"):
         make_engine(tiny_model("llama"), "yes")
+
+
+def test_runs_ahead_with_placeholder_drafts(tiny_model):
+    """With speculation the step scheduled ahead reserves placeholder draft slots; the
+    scheduler counts them as computed and pending (all accepted, the longest case) until
+    the step in flight comes back."""
+    from kvloom.contracts.scheduler_output import PLACEHOLDER_TOKEN_ID
+
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    engine = make_engine(tiny_model("llama"), True, speculative_config=spec)
+    prompt = PROMPTS[3]
+    engine.add_request("a", {"prompt_token_ids": prompt}, greedy(6))
+    engine.step()  # the prefill is read back; the first decode was launched before that
+    sched, _ = engine._in_flight
+    assert sched.num_scheduled_tokens == {"a": 3}
+    assert sched.scheduled_spec_token_ids == {"a": [PLACEHOLDER_TOKEN_ID] * 2}
+    request = engine.scheduler.requests["a"]
+    assert request.num_output_tokens == 1
+    assert request.num_computed_tokens == len(prompt) + 3
+    assert request.num_pending_output_tokens == 3  # the decode's token and both drafts
+    want = run_to_completion(make_engine(tiny_model("llama"), False), [prompt], greedy(6))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert outs[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert_pool_full(engine)
 
 
 @pytest.mark.gpu

@@ -52,9 +52,12 @@ def test_zero_length_padding_rows_are_neither_and_untouched(hybrid_model, arch, 
     linear = [g for g, grp in enumerate(groups) if isinstance(grp.spec, LinearStateSpec)]
     assert linear, "a hybrid model has a linear-state group"
 
+    # A state spans pages_per_state pages from its id on: attention blocks come after them.
+    span = groups[linear[0]].spec.pages_per_state
+
     def block_ids(first: int, count: int) -> tuple[list[int], ...]:
         return tuple(
-            [first] if g in linear else list(range(first + 1, first + 1 + count))
+            [first] if g in linear else list(range(first + span, first + span + count))
             for g in range(len(groups))
         )
 

@@ -1,5 +1,5 @@
-"""Control-plane speculative decoding: the prompt-lookup n-gram proposer and the acceptance
-statistics."""
+"""Speculative decoding: the prompt-lookup n-gram proposer (run on the workers) and the
+acceptance statistics (control plane)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from kvloom.cluster.spec_decode.ngram_proposer import NgramProposer
 from kvloom.cluster.spec_decode.stats import SpecDecodeStats
+from kvloom.workers.spec_decode.ngram_proposer import NgramProposer
 
 
 def naive_proposal(tokens, k, max_n, min_n, extend_periodic):

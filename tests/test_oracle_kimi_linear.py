@@ -311,8 +311,9 @@ def test_batched_and_chunked_equal_alone(kimi_dir, alone, kwargs):
 
 @pytest.mark.parametrize("caching", [False, True], ids=["nocache", "cache"])
 def test_preemption_gives_same_tokens(kimi_dir, alone, caching):
+    # 3 KDA states of 7 pages each (docs/kv_cache_pages.md) + MLA blocks per request.
     engine = make_engine(
-        kimi_dir, num_kv_blocks=30, max_num_batched_tokens=16, enable_prefix_caching=caching
+        kimi_dir, num_kv_blocks=90, max_num_batched_tokens=16, enable_prefix_caching=caching
     )
     outs = run_to_completion(engine, PROMPTS, greedy(16))
     assert engine.stats()["num_preemptions"] > 0
@@ -352,17 +353,21 @@ def test_fresh_one_token_prompt_in_recycled_page_among_decodes(kimi_dir, sanitiz
     prompt_d = [PROMPTS[2][3]]
     expected = tokens(run_to_completion(make_engine(kimi_dir), [prompt_d], greedy(8)))[0]
     # Exactly the pages A (4 + 1 tokens), B and C (5 + 2 each) need, plus the null block:
-    # 2 MLA blocks and 3 state pages each. When A finishes, the free queue holds only A's
-    # pages, so D's state pages are recycled ones (pages share memory across groups).
-    engine = make_engine(kimi_dir, num_kv_blocks=16, enable_prefix_caching=False, sanitize=sanitize)
+    # 2 MLA blocks and 3 KDA states each, a state spanning one slab of 7 pages
+    # (docs/kv_cache_pages.md): 9 slabs, and slab 0 holds the null block and the 6 MLA
+    # blocks. When A finishes, the free queue holds only A's pages, so D's states are
+    # recycled ones (pages share memory across groups).
+    engine = make_engine(kimi_dir, num_kv_blocks=70, enable_prefix_caching=False, sanitize=sanitize)
+    assert engine.kv_cache.pool.run_span == 7
     engine.add_request("A", {"prompt_token_ids": PROMPTS[3][:4]}, greedy(2))
     engine.add_request("B", {"prompt_token_ids": PROMPTS[4][:5]}, greedy(12))
     engine.add_request("C", {"prompt_token_ids": PROMPTS[5][:5]}, greedy(12))
     engine.step()  # prefills
     state_a = state_pages(engine, "A")
     assert [o.request_id for o in engine.step() if o.finished] == ["A"]
-    assert engine.stats()["num_free_blocks"] == 5  # A's pages only: every other is B's or C's
-    pages_a = set(range(1, 16)) - all_pages(engine, "B") - all_pages(engine, "C")
+    # A's pages only: every other is B's or C's
+    assert engine.stats()["num_free_blocks"] == 2 + 3 * 7
+    pages_a = set(range(1, 70)) - all_pages(engine, "B") - all_pages(engine, "C")
 
     engine.add_request("D", {"prompt_token_ids": prompt_d}, greedy(8))
     step_outs = engine.step()

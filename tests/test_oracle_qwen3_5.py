@@ -216,9 +216,10 @@ def test_batched_equals_alone_under_token_budgets(model_dir, alone, budget):
 
 
 def test_preemption_gives_same_tokens(model_dir, alone):
-    # Each request needs up to 19 attention blocks of 4 plus one state page; 30 blocks
-    # cannot hold the 8 together, so the scheduler preempts (recompute).
-    engine = make_engine(model_dir, num_kv_blocks=30, enable_prefix_caching=False)
+    # Each request needs up to 19 attention blocks of 4 plus its states, each spanning
+    # several pages (docs/kv_cache_pages.md); 90 pages cannot hold the 8 together, so the
+    # scheduler preempts (recompute).
+    engine = make_engine(model_dir, num_kv_blocks=90, enable_prefix_caching=False)
     outs = run_to_completion(engine, PROMPTS, greedy(24))
     assert engine.stats()["num_preemptions"] > 0
     assert [o.outputs[0].token_ids for o in outs] == alone

@@ -240,9 +240,10 @@ def test_fresh_one_token_prompt_on_a_recycled_state_page(model_dir, alone, sanit
     """Seed 000/001's bug class: a step whose rows are all one token long — two ongoing
     decodes and a brand-new one-token prompt whose state page was just freed by a finished
     request — must give the new prompt exactly the tokens it gets alone. The pool is sized
-    so the only free pages are the finished request's (least recently freed go first)."""
+    so the only free pages are the finished request's (least recently freed go first; a
+    state spans 4 pages here, docs/kv_cache_pages.md)."""
     engine = make_engine(
-        model_dir, sanitize=sanitize, enable_prefix_caching=False, num_kv_blocks=26
+        model_dir, sanitize=sanitize, enable_prefix_caching=False, num_kv_blocks=36
     )
     runner = engine.executor.worker.runner
     linear_group = next(

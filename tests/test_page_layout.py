@@ -1,7 +1,7 @@
 """The one block pool on shared page buffers, as the control plane plans it from the specs
-the workers report (cluster/kv_cache/planner.py): groups cut to one size, pages sized so
-attention and recurrent state fit one page, and layers viewing the same memory, so a block
-freed by one group is memory another group can use."""
+the workers report (cluster/kv_cache/planner.py): groups cut to one size, pages sized for
+attention blocks with a recurrent state spanning several of them, and layers viewing the
+same memory, so a block freed by one group is memory another group can use."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 
 from kvloom import Engine
 from kvloom.cluster.kv_cache.planner import (
-    block_size_for_state_pages,
     num_blocks_for_memory,
+    pages_for_state,
     plan_kv_cache,
     plan_layout,
     resolve_block_size,
@@ -35,15 +35,17 @@ ATTN = FullAttentionSpec(16, 2, 256, "bfloat16")
 STATE = LinearStateSpec(16, (8192, 3), (32, 128, 128), "bfloat16")
 
 
-def test_state_page_is_aligned_and_attention_blocks_grow_to_match_it():
+def test_state_page_is_aligned_and_spans_attention_pages():
     assert STATE.conv_bytes == 8192 * 3 * 2  # already a multiple of 256
     assert STATE.page_size_bytes == 49152 + 32 * 128 * 128 * 4
-    specs = {0: STATE, 3: ATTN}
-    # 2,146,304 bytes / 2,048 bytes per token = 1,048 tokens -> the next multiple of 16.
-    assert block_size_for_state_pages(specs, 16, dcp_size=1) == 1056
-    # DCP=2 halves a rank's bytes per token: twice the tokens, a multiple of 16 x 2.
-    at_32 = {0: STATE, 3: FullAttentionSpec(32, 2, 256, "bfloat16")}
-    assert block_size_for_state_pages(at_32, 32, dcp_size=2) == 2112
+    groups = [KVCacheGroup(STATE, [0]), KVCacheGroup(ATTN, [3])]
+    layout = plan_layout(groups, dcp_size=1)
+    # A page holds one 16-token attention block (32 KiB); 2,146,304 state bytes span 66.
+    assert layout.page_bytes == ATTN.page_size_bytes == 32768
+    assert pages_for_state(groups, layout.page_bytes, dcp_size=1) == 66
+    # DCP=2 halves a rank's attention page (32 tokens over two ranks); the state is whole.
+    at_32 = [KVCacheGroup(STATE, [0]), KVCacheGroup(FullAttentionSpec(32, 2, 256, "bfloat16"), [3])]
+    assert pages_for_state(at_32, plan_layout(at_32, 2).page_bytes, dcp_size=2) == 66
     odd = LinearStateSpec(4, (5, 3), (2, 3, 3), "float32")
     assert odd.conv_bytes == 256 and odd.page_size_bytes == 256 + 72
 
@@ -71,7 +73,7 @@ def test_layout_gives_layer_i_of_every_group_buffer_i():
     groups = split_groups([KVCacheGroup(STATE, list(range(6))), KVCacheGroup(ATTN, [6, 7])])
     layout = plan_layout(groups, dcp_size=1)
     assert layout.num_buffers == 2
-    assert layout.page_bytes % 256 == 0 and layout.page_bytes >= STATE.page_size_bytes
+    assert layout.page_bytes % 256 == 0 and layout.page_bytes == ATTN.page_size_bytes
     assert [layout.buffer_of[i] for i in range(8)] == [0, 1, 0, 1, 0, 1, 0, 1]
     assert layout.bytes_per_block == 2 * layout.page_bytes
 
@@ -83,12 +85,13 @@ def test_block_size_is_automatic_unless_set(caplog):
             1: FullAttentionSpec(n, 2, 256, "bfloat16"),
         }
 
+    # Hybrids too: 16 unless set, and a value set is never changed (invariant 10).
     specs, size = resolve_block_size(build, None, dcp_size=1)
-    assert size == 1056 and specs[1].block_size == 1056 and specs[0].block_size == 1056
+    assert size == 16 and specs[1].block_size == 16 and specs[0].block_size == 16
     with caplog.at_level(logging.WARNING):
-        specs, size = resolve_block_size(build, 16, dcp_size=1)
-    assert size == 16 and specs[1].block_size == 16
-    assert "leave block_size unset" in caplog.text
+        specs, size = resolve_block_size(build, 64, dcp_size=1)
+    assert size == 64 and specs[1].block_size == 64
+    assert caplog.text == ""
     dense = {0: FullAttentionSpec(16, 8, 128, "bfloat16")}
     assert resolve_block_size(lambda n: dense, None, dcp_size=1)[1] == 16
 
@@ -108,8 +111,9 @@ def test_the_plan_from_reported_specs():
         draft={1000: attn, 1001: draft_attn},
     )
     plan = plan_kv_cache(specs, CacheConfig(linear_state_dtype="bfloat16"), "bfloat16")
-    # bf16 state: (49,152 + 1,048,576) bytes / 2,048 bytes per token = 536 -> 544 tokens.
-    assert plan.block_size == 544
+    # 16-token attention pages of 32 KiB; the bf16 state, 49,152 + 1,048,576 bytes, spans 34.
+    assert plan.block_size == 16 and plan.layout.page_bytes == 32768
+    assert {g.spec.pages_per_state for g in plan.groups[:3]} == {34}
     kinds = [(type(g.spec).__name__, g.layer_names) for g in plan.groups]
     assert kinds == [
         ("LinearStateSpec", [0, 1]),
@@ -118,13 +122,13 @@ def test_the_plan_from_reported_specs():
         ("FullAttentionSpec", [6, 7, 1000]),  # the drafter layer with the target's spec
         ("FullAttentionSpec", [1001]),
     ]
-    assert all(g.spec.block_size == 544 for g in plan.groups)
+    assert all(g.spec.block_size == 16 for g in plan.groups)
     assert plan.groups[0].spec.state_dtype == "bfloat16"
     layout = plan.layout
     assert layout.num_buffers == 2 and sorted(layout.buffer_of) == list(range(8))
     assert layout.private_page_bytes == {
-        1000: attn.page_size_bytes * 544,
-        1001: -(-draft_attn.page_size_bytes * 544 // 256) * 256,
+        1000: attn.page_size_bytes * 16,
+        1001: -(-draft_attn.page_size_bytes * 16 // 256) * 256,
     }
     assert plan.bytes_per_block == 2 * layout.page_bytes + sum(layout.private_page_bytes.values())
     assert plan.layer_to_group[1000] == 3 and plan.layer_to_group[1001] == 4
@@ -140,14 +144,15 @@ def test_the_plan_applies_the_cache_settings(caplog):
     assert kept.groups[0].spec == SlidingWindowSpec(16, 2, 64, "float32", sliding_window=8)
     # DCP: a pool block spans the ranks.
     assert plan_kv_cache(specs, CacheConfig(block_size=8), "float32", dcp_size=2).block_size == 16
-    # A fixed block size far below the state page: planned as asked, with a warning.
+    # A small block size beside a large state: planned as asked, the state spans pages,
+    # nothing is padded.
     state = LinearStateSpec(REPORTED_BLOCK_SIZE, (8192, 3), (32, 128, 128), "bfloat16")
     attn = FullAttentionSpec(REPORTED_BLOCK_SIZE, 2, 256, "bfloat16")
     hybrid = KVCacheSpecs(target={0: state, **reported(attn, [1, 2, 3])})
     with caplog.at_level(logging.WARNING):
         plan = plan_kv_cache(hybrid, CacheConfig(block_size=16), "bfloat16")
     assert plan.block_size == 16
-    assert "leave block_size unset" in caplog.text and "is padding" in caplog.text
+    assert "is padding" not in caplog.text and plan.groups[0].spec.pages_per_state == 66
     with pytest.raises(ValueError, match="clash"):
         plan_kv_cache(KVCacheSpecs({0: attn}, {0: attn}), CacheConfig(), "bfloat16")
 
@@ -195,14 +200,16 @@ def test_hybrid_engine_shares_pages_across_groups(eight_layer_hybrid):
     assert engine.kv_cache.groups == plan.groups
     kinds = [(type(g.spec).__name__, len(g.layer_names)) for g in runner.groups]
     assert kinds == [("LinearStateSpec", 2)] * 3 + [("FullAttentionSpec", 2)]
-    # block_size unset: chosen by the plan to match the state page, and reported.
+    # block_size unset: 16 on hybrids too, and reported; a state spans several pages.
     chosen = runner.groups[-1].spec.block_size
-    assert plan.block_size == runner.block_size == chosen
-    assert chosen > 16 and chosen % 16 == 0
+    assert plan.block_size == runner.block_size == chosen == 16
     assert engine.config.cache.block_size == engine.stats()["block_size"] == chosen
+    span = runner.groups[0].spec.pages_per_state
+    assert span > 1
     # A block costs one page in each of 2 buffers, not a page in all 8 layers.
     assert runner.bytes_per_block() == 2 * runner.layout.page_bytes
-    assert engine.stats()["num_blocks"] == budget // runner.bytes_per_block() - 1  # null block
+    slack = (span - 1) * runner.bytes_per_block()  # pages after the last block id
+    assert engine.stats()["num_blocks"] == (budget - slack) // runner.bytes_per_block() - 1
     # The attention layers and the state layers view the same memory.
     layers = runner.model.cache_layers()
     attn = next(la for la in layers if isinstance(la, PagedAttention))

@@ -26,9 +26,9 @@ def linear(bs=4):
     return LinearStateSpec(bs, (8, 3), (2, 4, 4), "float32")
 
 
-def coordinator(*specs, num_blocks=200):
+def coordinator(*specs, num_blocks=200, **kw):
     groups = [KVCacheGroup(s, [i]) for i, s in enumerate(specs)]
-    return KVCacheCoordinator(groups, num_blocks, enable_caching=True)
+    return KVCacheCoordinator(groups, num_blocks, enable_caching=True, **kw)
 
 
 def request(rid, tokens, salt=None):
@@ -64,23 +64,23 @@ def test_full_attention_hit_is_downward_closed():
 
 
 def test_conflicting_groups_settle_on_common_length():
-    """Full attention could serve 36 tokens, but the linear group has checkpoints only at
-    chunk ends (16 and 32): the hit is 32 and the full group is trimmed to 8 blocks."""
-    coord = coordinator(full(), linear())
+    """Full attention could serve 36 tokens of the running request, but the linear group
+    has checkpoints only at the 16-token interval (16 and 32): the hit is 32 and the full
+    group is trimmed to 8 blocks."""
+    coord = coordinator(full(), linear(), checkpoint_interval=16)
     a = request("a", TOKENS)
     compute(coord, a, 16)
     compute(coord, a, 32)
     compute(coord, a, 38)
-    coord.free(a)
     b = request("b", TOKENS)
     hit = coord.find_cache_hit(b)
     assert hit.num_tokens == 32
     assert len(hit.blocks[0]) == 8
-    assert len(hit.blocks[1]) == 8 and hit.blocks[1][-1].block_hash is not None
+    assert len(hit.blocks[1]) == 1 and hit.blocks[1][-1].block_hash is not None
 
 
 def test_missing_linear_checkpoint_shortens_hit():
-    coord = coordinator(full(), linear())
+    coord = coordinator(full(), linear(), checkpoint_interval=16)
     a = request("a", TOKENS)
     # Chunks end at 16 and 30: only the 16-token boundary holds a checkpoint.
     compute(coord, a, 16)
@@ -91,7 +91,7 @@ def test_missing_linear_checkpoint_shortens_hit():
 
 def test_full_groups_with_block_sizes_16_and_32_trimmed_to_common_boundary():
     coord = coordinator(full(16), full(32))
-    assert coord.hash_block_size == 16 and coord.hit_alignment == 32
+    assert coord.hash_block_size == 16
     tokens = list(range(1000, 1100))
     a = request("a", tokens)
     compute(coord, a, 80)  # 5 blocks of 16, 2 full blocks of 32 (64 tokens)
@@ -132,9 +132,9 @@ def test_same_step_writer_is_never_served():
 
 
 def test_aborted_writer_is_never_served():
-    coord = coordinator(full(), linear())
+    coord = coordinator(full(), linear(), checkpoint_interval=16)
     a = request("a", TOKENS)
-    assert coord.allocate_slots(a, 16)  # the step would end on a checkpoint boundary
+    assert coord.allocate_slots(a, 16)  # the step would end on a checkpoint interval
     coord.free(a)  # aborted before the step's results came back
     b = request("b", TOKENS)
     assert coord.find_cache_hit(b).num_tokens == 0
@@ -170,14 +170,15 @@ def test_cache_salt_separates_tenants():
 
 
 def test_hit_copies_checkpoint_into_fresh_live_page():
-    coord = coordinator(full(), linear())
+    coord = coordinator(full(), linear(), checkpoint_interval=16)
     a = request("a", TOKENS)
     compute(coord, a, 16)
     b = request("b", TOKENS[:20])
     hit = coord.find_cache_hit(b)
     b.num_computed_tokens = hit.num_tokens
-    assert coord.allocate_slots(b, 4, hit.blocks)
+    assert coord.allocate_slots(b, 3, hit.blocks)
     copies = coord.drain_copies(["b"])
     live = coord.managers[1].live_page("b").block_id
     assert copies.before == [(hit.blocks[1][-1].block_id, live)]
-    assert copies.after and copies.after[0][0] == live  # 20 is a boundary: checkpoint
+    # 19, one token before b's prompt ends: a checkpoint
+    assert copies.after and copies.after[0][0] == live

@@ -34,7 +34,8 @@ PARAMS = [
 # Small pools and budgets: requests get preempted while a step is in flight.
 SETTINGS = {
     "dense": dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=16),
-    "qwen3_next": dict(block_size=16, num_kv_blocks=20, max_num_batched_tokens=16),
+    # A tiny Qwen3-Next state spans several 16-token pages: 30 pages still preempt.
+    "qwen3_next": dict(block_size=16, num_kv_blocks=30, max_num_batched_tokens=16),
 }
 
 
@@ -126,6 +127,77 @@ def test_async_over_ray_matches_the_synchronous_engine(local_ray, reference, tp)
         eng.shutdown()
 
 
+# Speculation with async scheduling over Ray: (model, method, tp) runs, each against the
+# synchronous in-process engine with the same drafter.
+SPEC_RUNS = [
+    ("dense", "ngram", 1),
+    ("dense", "ngram", 2),
+    ("dense", "draft_model", 1),
+    ("dense", "draft_model", 2),
+    ("qwen3_next", "ngram", 2),
+    ("qwen3_next", "draft_model", 1),
+]
+
+
+@pytest.fixture(scope="module")
+def spec_references(dense_path, hybrid_model, tiny_model):
+    """(model, method) -> (path, settings, the synchronous in-process run), made once."""
+    cache = {}
+
+    def get(model: str, method: str):
+        if (model, method) not in cache:
+            path = dense_path if model == "dense" else hybrid_model(model)
+            if method == "ngram":
+                spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+            else:
+                draft = str(tiny_model("qwen3"))  # an unrelated draft: accepts and rejects
+                spec = {"method": method, "draft_model": draft, "num_speculative_tokens": 3}
+            # Pools that preempt and still keep hits between turns, with lookahead slots
+            # (the unrelated draft's layers form groups of their own: twice the blocks).
+            blocks = {"dense": 26, "qwen3_next": 40}[model] * (2 if method != "ngram" else 1)
+            settings = SETTINGS[model] | dict(speculative_config=spec, num_kv_blocks=blocks)
+            sync = make_engine(path, settings, async_scheduling=False)
+            cache[model, method] = (path, settings, workload(sync), sync.stats())
+        return cache[model, method]
+
+    return get
+
+
+@pytest.mark.parametrize(("model", "method", "tp"), SPEC_RUNS, ids=lambda v: str(v))
+def test_async_speculation_over_ray_matches_the_synchronous_engine(
+    local_ray, spec_references, model, method, tp
+):
+    """The step ahead carries placeholder drafts that every rank fills alike from its
+    own proposals; tokens (and at TP 1 logprobs) are the synchronous engine's."""
+    path, settings, (first, turns, survivors), sync_stats = spec_references(model, method)
+    eng = make_engine(
+        path, settings, executor="ray", tensor_parallel_size=tp, async_scheduling=True
+    )
+    try:
+        assert eng.async_scheduling
+        steps = []
+        submit = eng.executor.submit
+        eng.executor.submit = lambda sched: steps.append(sched) or submit(sched)
+        got_first, got_turns, got_survivors = workload(eng)
+        for want, got in zip(first, got_first, strict=True):
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            assert got.outputs[0].finish_reason == want.outputs[0].finish_reason
+            if tp == 1:
+                assert got.outputs[0].logprobs == want.outputs[0].logprobs
+        assert got_turns == turns
+        assert got_survivors == survivors and len(survivors) == 2
+        stats = eng.stats()
+        assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+        assert stats["spec_drafted_tokens"] > 0 and sync_stats["spec_drafted_tokens"] > 0
+        placeholders = sum(any(-1 in d for d in s.scheduled_spec_token_ids.values()) for s in steps)
+        assert placeholders > len(steps) / 5, (placeholders, len(steps))
+        assert_pool_full(eng)
+        ex = eng.executor
+        assert ex._num_received == ex._num_submitted and not ex._unclaimed
+    finally:
+        eng.shutdown()
+
+
 def test_killed_worker_fails_every_request_fast(local_ray, dense_path):
     eng = make_engine(
         dense_path,
@@ -148,7 +220,7 @@ def test_killed_worker_fails_every_request_fast(local_ray, dense_path):
         eng.shutdown()
 
 
-def test_default_is_on_for_cuda_only_and_speculation_is_refused():
+def test_default_is_on_for_cuda_only_drafter_or_not():
     def config(wanted, method=None):
         return SimpleNamespace(
             scheduler=SimpleNamespace(async_scheduling=wanted),
@@ -161,42 +233,53 @@ def test_default_is_on_for_cuda_only_and_speculation_is_refused():
     assert _use_async_scheduling(config(None), cpu) is False
     assert _use_async_scheduling(config(True), cpu) is True
     assert _use_async_scheduling(config(False), ray_like) is False
-    assert _use_async_scheduling(config(None, "ngram"), ray_like) is False
-    with pytest.raises(ValueError, match="speculative_config"):
-        _use_async_scheduling(config(True, "ngram"), cpu)
+    for method in ("ngram", "draft_model", "eagle"):
+        assert _use_async_scheduling(config(None, method), ray_like) is True
+        assert _use_async_scheduling(config(None, method), cpu) is False
+        assert _use_async_scheduling(config(True, method), cpu) is True
+        assert _use_async_scheduling(config(False, method), ray_like) is False
     with pytest.raises(ValueError, match="launches steps ahead"):
         _use_async_scheduling(config(True), SimpleNamespace(device_type="cpu"))
 
 
 def test_a_refused_setting_leaves_no_workers_behind(local_ray, dense_path):
-    """The refusal comes after the worker actors exist: they and their placement group
-    must be gone when the error reaches the caller."""
-    with pytest.raises(ValueError, match="speculative_config"):
+    """The refusal comes after the worker actors exist (the KV cache is sized from what
+    they report): they and their placement group must be gone when the error reaches
+    the caller."""
+    with pytest.raises(ValueError, match="does not fit"):
         make_engine(
             dense_path,
-            SETTINGS["dense"],
+            SETTINGS["dense"] | dict(num_kv_blocks=None),
             executor="ray",
             async_scheduling=True,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            kv_cache_memory_bytes=1,
         )
     table = local_ray.util.placement_group_table()
     assert [pg for pg in table.values() if pg["state"] != "REMOVED"] == []
 
 
 def test_linear_state_checkpoints_of_two_steps_in_flight(hybrid_model):
-    """Prefill chunks of one block each, every chunk a linear-state checkpoint: the step
-    scheduled ahead takes its checkpoint page before the step in flight is published. Both
-    are published (the same hits as the synchronous engine) and none is leaked."""
+    """Prefill chunks of one block each, every chunk a linear-state checkpoint (interval 16):
+    the step scheduled ahead takes its checkpoint pages before the step in flight is
+    published. All are published (the same hits as the synchronous engine: the prompt but
+    its last token, from the end-of-prompt checkpoint) and none is leaked."""
     path = hybrid_model("qwen3_next")
     runs = []
     for mode in (False, True):
-        eng = make_engine(path, SETTINGS["qwen3_next"], async_scheduling=mode)
+        eng = make_engine(
+            path,
+            SETTINGS["qwen3_next"],
+            async_scheduling=mode,
+            linear_state_checkpoint_interval=16,
+        )
         outs = [run_to_completion(eng, [PROMPTS[7]], greedy(3))[0] for _ in range(2)]
         runs.append(([o.outputs[0].token_ids for o in outs], eng.stats()))
         assert_pool_full(eng)
     (sync_ids, sync_stats), (async_ids, async_stats) = runs
     assert async_ids == sync_ids
-    assert async_stats["prefix_cache_hit_tokens"] == sync_stats["prefix_cache_hit_tokens"] == 48
+    hit = len(PROMPTS[7]) - 1
+    assert async_stats["prefix_cache_hit_tokens"] == sync_stats["prefix_cache_hit_tokens"] == hit
+    assert async_stats["linear_state_checkpoints_kept"] >= 3  # the interval ones too
 
 
 def test_graph_blockers_name_why_graphs_stay_off(tiny_model):

@@ -26,8 +26,18 @@ def model_path(request, tiny_model, hybrid_model):
     return tiny_model("qwen3") if request.param == "dense" else hybrid_model(request.param)
 
 
+POOL_SCALE = {"qwen3_next": 2.5, "kimi_linear": 3}
+
+
 def engine(path, **kw) -> Engine:
-    return Engine(model=str(path), dtype="float64", progress=False, block_size=4, **kw)
+    kw.setdefault("block_size", 4)
+    if kw.get("num_kv_blocks") and kw["block_size"] == 4:
+        # A hybrid's recurrent states span several 4-token pages each (6 for the tiny
+        # Qwen3-Next, 10 for Kimi-Linear: docs/kv_cache_pages.md); these many more pages
+        # keep about the pressure the pool sizes here were chosen for.
+        scale = next((f for arch, f in POOL_SCALE.items() if f"hybrid-{arch}" in str(path)), 1)
+        kw["num_kv_blocks"] = int(kw["num_kv_blocks"] * scale)
+    return Engine(model=str(path), dtype="float64", progress=False, **kw)
 
 
 @pytest.mark.parametrize(
@@ -216,3 +226,159 @@ def test_eagle_head_is_lossless_with_prefix_caching(
     kinds = {type(g.spec).__name__ for g in spec.kv_cache.groups}
     assert "SlidingWindowSpec" not in kinds  # the all-sliding head is booked as full
     assert_pool_full(spec)
+
+
+# -- speculation with async scheduling -------------------------------------------------
+# The step scheduled ahead gets placeholder draft slots; the worker fills them from the
+# drafts it proposed in the step still in flight and corrects the positions by what that
+# step rejected. Tokens must be the synchronous engine's, exactly (float64).
+
+ASYNC_PARAMS = [
+    greedy(24),
+    SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=18, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+    SamplingParams(max_tokens=3, temperature=0.0),
+    SamplingParams(max_tokens=22, temperature=1.0, seed=5, logprobs=2, ignore_eos=True),
+    greedy(24),
+]
+
+
+def record_steps(eng: Engine) -> list:
+    """The SchedulerOutputs the engine launches, in order (wraps the executor's submit)."""
+    seen = []
+    submit = eng.executor.submit
+
+    def recording(sched):
+        seen.append(sched)
+        return submit(sched)
+
+    eng.executor.submit = recording
+    return seen
+
+
+def placeholder_steps(steps) -> int:
+    from kvloom.contracts.scheduler_output import PLACEHOLDER_TOKEN_ID
+
+    return sum(
+        any(PLACEHOLDER_TOKEN_ID in drafts for drafts in s.scheduled_spec_token_ids.values())
+        for s in steps
+    )
+
+
+def abort_two_in_flight(eng: Engine) -> dict[str, list[int]]:
+    """Four requests; two are aborted after two steps (with async, one is in flight)."""
+    prompts = repetitive_prompts(4)
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"ab{i}", {"prompt_token_ids": prompt}, greedy(16))
+    eng.step()
+    eng.step()
+    if eng.async_scheduling:
+        assert eng._in_flight is not None
+    eng.abort_request(["ab1", "ab3"])
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            assert out.request_id in ("ab0", "ab2")
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return done
+
+
+def spec_workload(eng: Engine):
+    """Mixed sampling (greedy, seeded, penalties, logprobs) under a small pool, multi-turn
+    prefix hits, then an abort with a step in flight."""
+    from tests.engine_helpers import multi_turn
+
+    first = run_to_completion(eng, repetitive_prompts(), ASYNC_PARAMS)
+    turns = multi_turn(eng, num_conversations=2, num_turns=3, max_tokens=8)
+    # One long prompt twice in a row: a hit even where the small pool evicts between turns.
+    again = [run_to_completion(eng, [repetitive_prompts(8)[7] * 2], greedy(6))[0] for _ in "ab"]
+    turns.append([(None, o) for o in again])
+    survivors = abort_two_in_flight(eng)
+    return (
+        [
+            (o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].logprobs)
+            for o in first
+        ],
+        [[o.outputs[0].token_ids for _, o in t] for t in turns],
+        survivors,
+    )
+
+
+@pytest.fixture(scope="module", params=["dense", "qwen3_next"])
+def async_target(request, tiny_model, hybrid_model):
+    return tiny_model("qwen3") if request.param == "dense" else hybrid_model("qwen3_next")
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_async_speculation_matches_the_synchronous_engine(async_target, tiny_model, method):
+    spec = NGRAM if method == "ngram" else draft_config(tiny_model("qwen2"))
+    hybrid = "qwen3_next" in str(async_target)
+    setting = dict(
+        speculative_config=spec,
+        block_size=16 if hybrid else 4,
+        num_kv_blocks=40 if hybrid else 48,
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
+        device="cpu",
+    )
+    sync = engine(async_target, async_scheduling=False, **setting)
+    assert not sync.async_scheduling
+    want = spec_workload(sync)
+    eng = engine(async_target, async_scheduling=True, **setting)
+    steps = record_steps(eng)
+    got = spec_workload(eng)
+    assert got == want
+    stats, sync_stats = eng.stats(), sync.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    assert stats["spec_drafted_tokens"] > 0
+    assert placeholder_steps(steps) > len(steps) / 4, (placeholder_steps(steps), len(steps))
+    assert sync_stats["spec_drafted_tokens"] > 0
+    assert_pool_full(eng)
+
+
+def test_async_self_draft_still_accepts_every_draft(tiny_model):
+    """A dense target drafting for itself, greedy: the drafts the worker puts into the
+    placeholder slots are the real ones, so every draft is accepted, as synchronously."""
+    path = tiny_model("qwen3")
+    eng = engine(path, speculative_config=draft_config(path), async_scheduling=True, device="cpu")
+    steps = record_steps(eng)
+    outs = run_to_completion(eng, repetitive_prompts(), greedy(30))
+    want = run_to_completion(engine(path), repetitive_prompts(), greedy(30))
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+    stats = eng.stats()
+    assert stats["spec_accepted_tokens"] == stats["spec_drafted_tokens"] > 0
+    assert stats["spec_mean_accepted_length"] > 3
+    assert placeholder_steps(steps) > len(steps) / 2
+    assert_pool_full(eng)
+
+
+def test_async_eagle_head_matches_the_synchronous_engine(tiny_model, tmp_path):
+    from kvloom.workers.spec_decode.eagle import write_eagle_head
+
+    target = tiny_model("qwen2")
+    head = write_eagle_head(tmp_path / "head", target)
+    spec = {"method": "eagle", "draft_model": str(head), "num_speculative_tokens": 3}
+    setting = dict(speculative_config=spec, num_kv_blocks=60, max_num_batched_tokens=16)
+    want = spec_workload(engine(target, async_scheduling=False, **setting))
+    eng = engine(target, async_scheduling=True, device="cpu", **setting)
+    assert spec_workload(eng) == want
+    assert eng.stats()["spec_drafted_tokens"] > 0
+    assert_pool_full(eng)
+
+
+def test_placeholder_slots_the_worker_cannot_fill_count_as_rejected(tiny_model):
+    """No n-gram recurs in these prompts: the worker has no drafts for the placeholder
+    slots, runs the rows without them and reports so; the scheduler takes the slots back
+    (no drafts counted) and the tokens are the plain engine's."""
+    path = tiny_model("qwen3")
+    prompts = [list(range(5 + 30 * i, 25 + 30 * i)) for i in range(3)]
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3}
+    eng = engine(path, speculative_config=spec, async_scheduling=True, device="cpu")
+    steps = record_steps(eng)
+    outs = run_to_completion(eng, prompts, greedy(6))
+    want = run_to_completion(engine(path), prompts, greedy(6))
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+    assert placeholder_steps(steps) > 0
+    assert eng.stats()["spec_drafted_tokens"] == 0
+    assert_pool_full(eng)

@@ -26,6 +26,22 @@ def page_view(pages: torch.Tensor, dtype: torch.dtype, shape: tuple, offset: int
     return pages[:, offset : offset + nbytes].view(dtype).view(num_blocks, *shape)
 
 
+def span_view(pages: torch.Tensor, dtype: torch.dtype, shape: tuple, offset: int = 0):
+    """Like `page_view` for an entry larger than a page: entry i starts at page i and runs
+    on over the next pages (a recurrent state spanning several small pool pages). The
+    buffer holds slack pages after the last block, so every block id has a full entry:
+    [num_pages - span + 1, *shape], at the page stride."""
+    num_pages, page_bytes = pages.shape
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    span = -(-(offset + nbytes) // page_bytes)
+    if span <= 1:
+        return page_view(pages, dtype, shape, offset)
+    rows = num_pages - span + 1
+    flat = pages.view(-1)[offset:]
+    raw = flat.as_strided((rows, nbytes), (page_bytes, 1))
+    return raw.view(dtype).view(rows, *shape)
+
+
 def allocate_pages(num_blocks: int, page_bytes: int, device) -> torch.Tensor:
     """Zeroed pages: a fresh pool reads as zeros in every dtype."""
     return torch.zeros((num_blocks, page_bytes), dtype=torch.uint8, device=device)

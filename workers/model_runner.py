@@ -18,7 +18,7 @@ from kvloom.contracts.kv_cache_plan import (
 )
 from kvloom.contracts.kv_cache_spec import KVCacheGroup, LinearStateSpec
 from kvloom.contracts.runner_output import ModelRunnerOutput
-from kvloom.contracts.scheduler_output import SchedulerOutput
+from kvloom.contracts.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
 from kvloom.workers.cache_pages import allocate_pages
 from kvloom.workers.cuda_graphs import DecodeGraphs, capture_sizes, graph_size_for
@@ -37,9 +37,11 @@ from kvloom.workers.sampler import (
     sample,
     sample_on_device,
 )
+from kvloom.workers.spec_decode.carry import SpecCarry
 from kvloom.workers.spec_decode.draft_model import DRAFT_LAYER_OFFSET, DraftModel
 from kvloom.workers.spec_decode.drafter import DraftStep
 from kvloom.workers.spec_decode.eagle import EagleProposer
+from kvloom.workers.spec_decode.ngram_proposer import NgramProposer
 from kvloom.workers.spec_decode.rejection_sampler import rejection_sample
 from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
 
@@ -99,7 +101,19 @@ class ModelRunner:
         self.layer_to_group: dict[int, int] = {}
         self.layout: PageLayout | None = None
         self.draft: DraftModel | EagleProposer | None = None
+        self.ngram: NgramProposer | None = None
+        # Speculative decoding: every step verifies and proposes on the host side of the
+        # worker, and leaves its outcome for the step behind it (workers/spec_decode/carry.py).
+        self.speculative = config.speculative.enabled
+        self.spec_carry = SpecCarry()
+        # This step's rows (speculative path): the tokens the worker knows of each sampled
+        # request, the drafts it verifies (placeholders filled) and the slots scheduled.
+        self.step_history: dict[str, list[int]] = {}
+        self.step_drafts: dict[str, list[int]] = {}
+        self.step_draft_slots: dict[str, int] = {}
+        self.step_sample_positions: dict[str, int] = {}
         self.graphs: DecodeGraphs | None = None
+        self.page_buffers: list[torch.Tensor] = []  # the KV-cache pages, by block id
         # The last submitted step's sampled ids (device), their row per request, and the
         # token position each lands at: a step scheduled ahead reads its inputs from them.
         self.prev_sampled: torch.Tensor | None = None
@@ -123,6 +137,8 @@ class ModelRunner:
             )
         self.model = model.eval()
         spec_cfg = self.config.speculative
+        if spec_cfg.method == "ngram":
+            self.ngram = NgramProposer(spec_cfg.prompt_lookup_min, spec_cfg.prompt_lookup_max)
         if spec_cfg.method in ("draft_model", "eagle"):
             if self.dcp is not None:
                 raise ValueError(
@@ -218,16 +234,27 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
         """Every cache-owning layer allocates its pages (KV blocks or state slots), indexed
         by block ids of the one shared pool; then decode CUDA graphs are captured."""
+        # A recurrent state spans `pages_per_state` pages from its block id on: slack pages
+        # after the last block let the last block ids hold one too.
+        span = max(
+            (g.spec.pages_per_state for g in self.groups if isinstance(g.spec, LinearStateSpec)),
+            default=1,
+        )
         shared = [
-            allocate_pages(num_blocks, self.layout.page_bytes, self.device)
+            allocate_pages(num_blocks + span - 1, self.layout.page_bytes, self.device)
             for _ in range(self.layout.num_buffers)
         ]
+        # Every page buffer by block id (raw page copies and the sanitizer's fills).
+        self.page_buffers = [pages[:num_blocks] for pages in shared]
         for layer, key in self.cache_layers():
             spec = self.groups[self.layer_to_group[key]].spec
             if key in self.layout.buffer_of:
                 pages = shared[self.layout.buffer_of[key]]
+                if not isinstance(spec, LinearStateSpec):
+                    pages = pages[:num_blocks]
             else:  # a drafter layer
                 pages = allocate_pages(num_blocks, self.layout.private_page_bytes[key], self.device)
+                self.page_buffers.append(pages)
             layer.allocate_cache(pages, spec)
         sizes = self._graph_sizes()
         if capture_graphs and sizes:
@@ -243,6 +270,7 @@ class ModelRunner:
 
     def release_kv_cache(self) -> None:
         self.graphs = None
+        self.page_buffers = []
         for layer, _ in self.cache_layers():
             layer.release_cache()
 
@@ -287,30 +315,26 @@ class ModelRunner:
         return blockers
 
     def poison_blocks(self, block_ids: list[int]) -> None:
-        """Sanitizer: freed blocks and state slots read as NaN, so a stale read shows up."""
+        """Sanitizer: freed blocks and state runs read as NaN, so a stale read shows up.
+        Whole pages are filled with 0xFF bytes (NaN in every float dtype): a page may hold
+        attention KV or a slice of a recurrent state spanning several pages."""
         if not block_ids:
             return
         ids = to_device(block_ids, torch.long, self.device)
-        for layer, _ in self.cache_layers():
-            layer.poison_cache(ids)
+        for pages in self.page_buffers:
+            pages[ids] = 0xFF
 
     def copy_state_pages(self, pairs: list[tuple[int, int]]) -> None:
-        """Copies linear-state pages src -> dst in every linear-state layer. Layers of
-        equal spec viewing one shared buffer see the same bytes: each buffer is copied
-        once, not once per state group."""
+        """Copies pool pages src -> dst in every page buffer (a buffer holds layer i of
+        whichever group owns the page): the pages of a linear-state checkpoint, or an
+        attention block a prefix hit ends inside. The control plane lists every page of a
+        state run."""
         if not pairs:
             return
         src = to_device([p[0] for p in pairs], torch.long, self.device)
         dst = to_device([p[1] for p in pairs], torch.long, self.device)
-        copied = set()
-        for layer, key in self.cache_layers():
-            spec = self.groups[self.layer_to_group[key]].spec
-            if not isinstance(spec, LinearStateSpec):
-                continue
-            view = (self.layout.buffer_of.get(key, ("private", key)), spec)
-            if view not in copied:
-                copied.add(view)
-                layer.copy_cache(src, dst)
+        for pages in self.page_buffers:
+            pages[dst] = pages[src]
 
     # -- one step -------------------------------------------------------------------
     def build_batch(self, sched: SchedulerOutput):
@@ -323,38 +347,56 @@ class ModelRunner:
         # scheduled ahead): (index in input_ids, row of the previous step's samples).
         fill_from_device: list[tuple[int, int]] = []
         positions_of_samples: dict[str, int] = {}
+        row_lens: list[int] = []
         self.step_pending = {}
+        self.step_history, self.step_drafts, self.step_draft_slots = {}, {}, {}
         for request_id, num_new in sched.num_scheduled_tokens.items():
             state = self.input_batch.requests[request_id]
-            spec = sched.scheduled_spec_token_ids.get(request_id, [])
+            scheduled_spec = sched.scheduled_spec_token_ids.get(request_id, [])
             start = state.num_computed_tokens
-            end = start + num_new
-            real_end = end - len(spec)
             known = len(state.token_ids)
-            pending = self._pending_tokens(request_id, state)
-            self.step_pending[request_id] = pending
-            if real_end > known + pending:
+            tokens, pending, spec = state.token_ids, 0, scheduled_spec
+            if self.speculative:
+                # A step scheduled ahead: the scheduler's count assumed the previous
+                # step's drafts were all accepted; the worker knows how it ended.
+                unseen = self.spec_carry.unseen(request_id, known)
+                if unseen:
+                    start -= self.spec_carry.rejected[request_id]
+                    tokens = state.token_ids + unseen
+                spec = self._drafts_to_verify(request_id, scheduled_spec, bool(unseen))
+            else:
+                pending = self._pending_tokens(request_id, state)
+                self.step_pending[request_id] = pending
+            real_end = start + num_new - len(scheduled_spec)
+            end = real_end + len(spec)
+            available = len(tokens) + pending
+            if real_end > available:
                 raise RuntimeError(
                     f"request {request_id}: step needs tokens up to {real_end}, the worker "
-                    f"knows {known} (+{pending} on the device)"
+                    f"knows {len(tokens)} (+{pending} on the device)"
                 )
-            input_ids.extend(state.token_ids[start:real_end])
-            if real_end > known:  # the one token still on the device
+            input_ids.extend(tokens[start:real_end])
+            if real_end > len(tokens):  # the one token still on the device
                 fill_from_device.append((len(input_ids), self.prev_rows[request_id]))
                 input_ids.append(0)
             input_ids.extend(spec)
             positions.extend(range(start, end))
             computed.append(start)
             seq_lens.append(end)
-            query_start.append(query_start[-1] + num_new)
+            row_lens.append(end - start)
+            query_start.append(query_start[-1] + end - start)
             for g, ids in enumerate(state.block_ids):
                 block_rows[g].append(ids)
                 if isinstance(self.groups[g].spec, LinearStateSpec):
                     continue  # state lives in one page per request, no per-token slots
                 slots[g].extend(self._slots(ids, self.groups[g].spec.block_size, start, end))
-            if real_end == known + pending:
+            if real_end == available:
                 sample_rows.append((request_id, query_start[-1] - 1 - len(spec), spec))
                 positions_of_samples[request_id] = real_end
+                if self.speculative:
+                    self.step_history[request_id] = tokens
+                    self.step_drafts[request_id] = spec
+                    self.step_draft_slots[request_id] = len(scheduled_spec)
         dev = self.device
 
         def tensor(values, dtype=torch.long):
@@ -367,8 +409,7 @@ class ModelRunner:
             if isinstance(self.groups[g].spec, LinearStateSpec):
                 meta.state_indices = tensor([r[0] if r else -1 for r in block_rows[g]])
             groups.append(meta)
-        scheduled = list(sched.num_scheduled_tokens.values())
-        rows = RowClasses(classify_rows(computed, scheduled), scheduled)
+        rows = RowClasses(classify_rows(computed, row_lens), row_lens)
         batch = ForwardBatch(
             positions=tensor(positions),
             query_start_loc=tensor(query_start, torch.int32),
@@ -379,7 +420,7 @@ class ModelRunner:
             rows=rows,
             groups=groups,
             layer_to_group=self.layer_to_group,
-            decode_only=rows.uniform_decode(1) and len(input_ids) == len(scheduled),
+            decode_only=rows.uniform_decode(1) and len(input_ids) == len(row_lens),
         )
         ids = tensor(input_ids)
         if fill_from_device:
@@ -387,7 +428,18 @@ class ModelRunner:
             ids[dst] = self.prev_sampled[tensor([r for _, r in fill_from_device])]
         # Where each sampled token will sit in its request (read by the next step).
         self.prev_positions = positions_of_samples
+        self.step_sample_positions = positions_of_samples
         return ids, batch, sample_rows
+
+    def _drafts_to_verify(self, request_id: str, scheduled: list[int], in_flight: bool):
+        """The drafts this step verifies: the scheduler's, or for placeholder slots the
+        ones this worker proposed in the step before (as many as it has; slots left over
+        count as rejected drafts, and the step's row is that much shorter)."""
+        if not scheduled or scheduled[0] != PLACEHOLDER_TOKEN_ID:
+            return scheduled
+        if not in_flight:
+            return []  # no step of ours is ahead of the scheduler's view: nothing proposed
+        return self.spec_carry.drafts.get(request_id, [])[: len(scheduled)]
 
     def _slots(self, block_ids: list[int], block_size: int, start: int, end: int):
         """Cache slots of positions [start, end). Under DCP a rank writes only positions
@@ -414,8 +466,10 @@ class ModelRunner:
         # A request id may return (finished, then reused): its old positions mean nothing.
         for request_id in sched.finished_request_ids:
             self.prev_positions.pop(request_id, None)
+            self.spec_carry.forget(request_id)
         for new in sched.new_requests:
             self.prev_positions.pop(new.request_id, None)
+            self.spec_carry.forget(new.request_id)
         if self.config.cache.sanitize:
             self.poison_blocks(sched.blocks_to_poison)
         self.copy_state_pages(sched.state_copies_before)
@@ -429,10 +483,13 @@ class ModelRunner:
             hidden = self.graphs.replay(size, input_ids, batch)
         else:
             hidden = self.model(input_ids, batch.positions, batch)
-        if self.draft is not None or any(spec for _, _, spec in sample_rows):
+        if self.speculative:
             out = self.sample_tokens(hidden, sample_rows)
             if self.draft is not None:
                 self._run_drafter(sched, input_ids, batch, hidden, out)
+            elif self.ngram is not None:
+                self._propose_ngram(out)
+            self._carry_over(out)
             pending = PendingStep(ready=out)
         else:
             pending = self._sample_plain(hidden, sample_rows)
@@ -461,6 +518,27 @@ class ModelRunner:
             request_ids=request_ids, tokens=tokens, raw_logprobs=raw_logprobs, rows=rows
         )
 
+    def _carry_over(self, out: ModelRunnerOutput) -> None:
+        """Leaves this step's outcome for a step scheduled behind it (SpecCarry), and
+        tells the scheduler where fewer drafts were verified than it gave slots for."""
+        carry = SpecCarry()
+        for rid, emitted in out.sampled_token_ids.items():
+            slots = self.step_draft_slots[rid]
+            verified = len(self.step_drafts[rid])
+            if verified < slots:
+                out.num_draft_tokens[rid] = verified
+            carry.first_position[rid] = self.step_sample_positions[rid]
+            carry.emitted[rid] = emitted
+            carry.rejected[rid] = slots - (len(emitted) - 1)
+            carry.drafts[rid] = out.spec_token_ids.get(rid, [])
+        self.spec_carry = carry
+
+    def _propose_ngram(self, out: ModelRunnerOutput) -> None:
+        """N-gram drafts from the worker's own token history, emitted tokens included."""
+        k = self.config.speculative.num_speculative_tokens
+        for rid, emitted in out.sampled_token_ids.items():
+            out.spec_token_ids[rid] = self.ngram.propose(self.step_history[rid] + emitted, k)
+
     def _run_drafter(self, sched, input_ids, batch, hidden, out: ModelRunnerOutput) -> None:
         reqs = self.input_batch.requests
         step = DraftStep(
@@ -468,11 +546,11 @@ class ModelRunner:
             input_ids=input_ids,
             batch=batch,
             hidden=hidden,
-            drafts=sched.scheduled_spec_token_ids,
+            drafts=self.step_drafts,
             sampled=out.sampled_token_ids,
             finished=sched.finished_request_ids,
             block_ids={rid: reqs[rid].block_ids for rid in out.sampled_token_ids},
-            num_tokens={rid: len(reqs[rid].token_ids) for rid in out.sampled_token_ids},
+            num_tokens={rid: self.step_sample_positions[rid] for rid in out.sampled_token_ids},
             slots_fn=self._slots,
             groups=self.groups,
             k=self.config.speculative.num_speculative_tokens,
@@ -500,6 +578,21 @@ class ModelRunner:
             else None,
         )
 
+    def _history_state(self, request_id: str) -> RowSamplingState:
+        """A speculative step's row: its full token history is on the host (the worker's
+        tokens and the previous step's emitted ones), so penalties, seeded draws and
+        verification read it as they do without async scheduling."""
+        tokens = self.step_history.get(request_id)
+        if tokens is None:  # not a speculative step (the memory profile's sampling)
+            return self._sampling_state(request_id, history=True)
+        state = self.input_batch.requests[request_id]
+        return RowSamplingState(
+            state.sampling_params,
+            state.sampling_seed,
+            tokens[: state.num_prompt_tokens],
+            tokens[state.num_prompt_tokens :],
+        )
+
     def _pending_tokens(self, request_id: str, state) -> int:
         """1 when the request's newest token was sampled by the previous step and has not
         reached this worker's token list yet (the engine scheduled this step ahead)."""
@@ -513,7 +606,7 @@ class ModelRunner:
         out = ModelRunnerOutput({})
         if plain:
             logits = self.model.compute_logits(hidden[torch.tensor([i for _, i in plain])])
-            rows = [self._sampling_state(rid, history=True) for rid, _ in plain]
+            rows = [self._history_state(rid) for rid, _ in plain]
             max_logprobs = max(
                 [r.params.logprobs for r in rows if r.params.logprobs is not None], default=-1
             )
@@ -538,7 +631,7 @@ class ModelRunner:
         draft_ids = torch.tensor(
             [spec + [0] * (k - len(spec)) for _, _, spec in drafted], device=hidden.device
         )
-        rows = [self._sampling_state(rid, history=True) for rid, _, _ in drafted]
+        rows = [self._history_state(rid) for rid, _, _ in drafted]
         result = rejection_sample(logits, draft_ids, [len(s) for _, _, s in drafted], rows)
         for (rid, _, _), tokens, row_logits in zip(drafted, result.tolist(), logits):
             out.sampled_token_ids[rid] = tokens

@@ -92,8 +92,9 @@ class WorkerActor:
         before it is read back (rank 0 sends its output) only after that, so step N+1 is
         queued on the device behind N and reads N's sampled ids there. A flush marker
         (the scheduler waits for the newest step and sends nothing after it) reads back
-        the step still open, so a scheduler waiting for a result always gets it. Every
-        rank gets the same messages and so launches the same steps in the same order
+        the step still open, so a scheduler waiting for a result always gets it. A step
+        that completed on the host inside `submit` (speculative decoding) is sent at
+        once, in order after the open one. Every rank gets the same messages and so launches the same steps in the same order
         (their collectives match)."""
         subscriber = StepSubscriber(step_address, msg_type=SchedulerOutput)
         sender = ResultSender(result_address, rank=self.rank) if self.rank == 0 else None
@@ -114,6 +115,13 @@ class WorkerActor:
                     if sender is not None:
                         sender.send(out)
                 open_step = launched
+                if open_step is not None and open_step.ready is not None:
+                    # Finished on the host already (a speculative step verifies and
+                    # proposes within submit): send it now, so the scheduler's update
+                    # overlaps the next step instead of waiting behind it.
+                    if sender is not None:
+                        sender.send(open_step.ready)
+                    open_step = None
         finally:
             subscriber.close()
             if sender is not None:

@@ -11,10 +11,10 @@ it and a linear-attention state while a state group owns it, never both. For tha
 - groups are cut to (about) the same number of layers: an 18-layer Gated DeltaNet group
   beside a 6-layer attention group becomes three 6-layer groups, each with its own block
   per request (a request then owns 3 state blocks and its attention blocks);
-- every page is as large as the largest page any group needs. A model with recurrent
-  state (megabytes per layer and request) sizes its attention blocks so that one attention
-  page is about one state page, unless the user fixed `block_size` (then attention pages
-  are padded, and a warning says how much is wasted).
+- a page is as large as the largest attention (or MLA) page at the block size (16
+  tokens unless set); a recurrent state (megabytes per layer and request) spans that many
+  consecutive pages (`pages_for_state`), so attention keeps fine-grained blocks and no
+  page is padded to a state's size.
 
 Drafter layers keep pages of their own (their layer count and sizes are unrelated).
 """
@@ -22,7 +22,6 @@ Drafter layers keep pages of their own (their layer count and sizes are unrelate
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import replace
 
 from kvloom.contracts.config import CacheConfig, SchedulerConfig
@@ -39,8 +38,6 @@ from kvloom.contracts.kv_cache_spec import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16
-# Attention block sizes chosen to match a state page are multiples of this.
-BLOCK_SIZE_QUANTUM = 16
 
 
 def align_up(n: int, to: int) -> int:
@@ -107,21 +104,6 @@ def group_layers(layer_specs: dict[str, KVCacheSpec]) -> list[KVCacheGroup]:
     return groups
 
 
-def block_size_for_state_pages(specs: dict, block_size: int, dcp_size: int) -> int:
-    """The smallest block size (a multiple of BLOCK_SIZE_QUANTUM × dcp_size) at which every
-    token-paged layer's page holds at least one state page. `specs` were built with
-    `block_size` tokens per block."""
-    state_page = max(s.page_size_bytes for s in specs.values() if isinstance(s, LinearStateSpec))
-    quantum = BLOCK_SIZE_QUANTUM * dcp_size
-    best = quantum
-    for spec in specs.values():
-        if isinstance(spec, LinearStateSpec):
-            continue
-        per_token = rank_page_bytes(spec, dcp_size) / block_size
-        best = max(best, align_up(math.ceil(state_page / per_token), quantum))
-    return best
-
-
 def split_groups(groups: list[KVCacheGroup]) -> list[KVCacheGroup]:
     """Groups cut to one size, so layer i of every group can share buffer i. The size is
     the smallest group's layer count, or the largest one's when padding every group up to
@@ -139,8 +121,11 @@ def split_groups(groups: list[KVCacheGroup]) -> list[KVCacheGroup]:
 
 def plan_layout(groups: list[KVCacheGroup], dcp_size: int) -> PageLayout:
     """Shared buffers for `groups` (cut to one size): layer i of every group views buffer
-    i, whose pages are as large as the largest page any group needs."""
-    page = max(rank_page_bytes(g.spec, dcp_size) for g in groups)
+    i. A page is as large as the largest token-paged (attention, MLA) page; a recurrent
+    state spans `pages_for_state` consecutive pages. A model of state groups only gets
+    pages of one state each."""
+    token_pages = [rank_page_bytes(g.spec, dcp_size) for g in groups if not is_state(g)]
+    page = max(token_pages or [rank_page_bytes(g.spec, dcp_size) for g in groups])
     buffer_of = {}
     for group in groups:
         for i, layer in enumerate(group.layer_names):
@@ -149,43 +134,37 @@ def plan_layout(groups: list[KVCacheGroup], dcp_size: int) -> PageLayout:
     return PageLayout(align_up(page, PAGE_ALIGN), num_buffers, buffer_of)
 
 
+def is_state(group: KVCacheGroup) -> bool:
+    return isinstance(group.spec, LinearStateSpec)
+
+
+def pages_for_state(groups: list[KVCacheGroup], page_bytes: int, dcp_size: int) -> int:
+    """Consecutive pool pages one recurrent state spans (the same for every state group,
+    so the pool hands out runs of one length)."""
+    states = [rank_page_bytes(g.spec, dcp_size) for g in groups if is_state(g)]
+    return max([-(-b // page_bytes) for b in states], default=1)
+
+
 def padding_fraction(layout: PageLayout, groups: list[KVCacheGroup], dcp_size: int) -> float:
     """Share of the shared pages that `groups` (those laid out on them) leave unused."""
-    used = sum(rank_page_bytes(g.spec, dcp_size) * len(g.layer_names) for g in groups)
-    return 1.0 - used / (layout.page_bytes * layout.num_buffers * len(groups))
+    span = pages_for_state(groups, layout.page_bytes, dcp_size)
+    used = held = 0
+    for g in groups:
+        pages = span if is_state(g) else 1
+        used += rank_page_bytes(g.spec, dcp_size) * len(g.layer_names)
+        held += layout.page_bytes * layout.num_buffers * pages
+    return 1.0 - used / held
 
 
 def resolve_block_size(
     build_specs, requested: int | None, dcp_size: int
 ) -> tuple[dict[object, KVCacheSpec], int]:
-    """Specs at the block size to use, and that size. `build_specs(n)` returns the model's
-    specs at n tokens per block (per rank n / dcp_size). `requested` None means automatic:
-    16, or for a model with recurrent state the size at which attention and state pages
-    match (logged, since it differs from the usual 16)."""
+    """Specs at the block size to use, and that size: the one requested, else 16 (per
+    DCP rank), hybrids included. `build_specs(n)` returns the model's specs at n tokens
+    per block (per rank n / dcp_size). The block size is never changed behind the user's
+    back: a recurrent state spans several small pages instead (`pages_for_state`)."""
     size = (requested or DEFAULT_BLOCK_SIZE) * dcp_size
-    specs = build_specs(size)
-    if not has_state_and_tokens(specs):
-        return specs, size
-    matched = block_size_for_state_pages(specs, size, dcp_size)
-    if requested is None:
-        if matched != size:
-            logger.info(
-                "block_size set to %d tokens so an attention page holds as much as one "
-                "recurrent-state page (set block_size to override)",
-                matched // dcp_size,
-            )
-            specs = build_specs(matched)
-        return specs, matched
-    used = min(1.0, size / matched)
-    if used < 0.5:
-        logger.warning(
-            "block_size %d: attention pages use %.0f%% of the shared page a recurrent state "
-            "needs; leave block_size unset (automatic: %d) to waste none",
-            requested,
-            100 * used,
-            matched // dcp_size,
-        )
-    return specs, size
+    return build_specs(size), size
 
 
 def plan_kv_cache(
@@ -222,7 +201,8 @@ def plan_kv_cache(
             ", ".join(f"{type(g.spec).__name__}×{len(g.layer_names)}" for g in groups),
         )
     # A drafter layer shares the block ids of the first target group with its spec (its
-    # pages are its own), else it gets a group of its own.
+    # pages are its own, each a whole state for a state layer), else it gets a group of
+    # its own.
     for key, spec in draft.items():
         group = next((g for g in groups if g.spec == spec), None)
         if group is None:
@@ -230,16 +210,36 @@ def plan_kv_cache(
             groups.append(group)
         group.layer_names.append(key)
         layout.private_page_bytes[key] = align_up(rank_page_bytes(spec, dcp_size), PAGE_ALIGN)
+    span = pages_for_state(groups, layout.page_bytes, dcp_size)
+    for group in groups:
+        if is_state(group):
+            group.spec = replace(group.spec, pages_per_state=span)
     return KVCachePlan(block_size, groups, layout)
+
+
+def slack_bytes(plan: KVCachePlan) -> int:
+    """Pages after the last block of each shared buffer, so a state starting at the last
+    block ids still has all its pages (workers/cache_pages.span_view)."""
+    span = max(
+        (g.spec.pages_per_state for g in plan.groups if isinstance(g.spec, LinearStateSpec)),
+        default=1,
+    )
+    return (span - 1) * plan.layout.page_bytes * plan.layout.num_buffers
 
 
 def num_blocks_for_memory(plan: KVCachePlan, memory: KVCacheMemory, sched: SchedulerConfig) -> int:
     """Pool blocks that fit the memory a worker reported, capped at what every sequence
     could hold at full length (more would sit unused). Raises if fewer than 2 fit."""
+    # A state group holds a live state, a draft backup and checkpoints: about three runs.
     useful = sched.max_num_seqs * sum(
-        -(-sched.max_model_len // g.spec.block_size) for g in plan.groups
+        3 * g.spec.pages_per_state
+        if isinstance(g.spec, LinearStateSpec)
+        else -(-sched.max_model_len // g.spec.block_size)
+        for g in plan.groups
     )
-    num_blocks = min(memory.available_bytes // plan.bytes_per_block, useful)
+    num_blocks = min(
+        max(0, memory.available_bytes - slack_bytes(plan)) // plan.bytes_per_block, useful
+    )
     if num_blocks < 2:
         raise ValueError(
             f"the model does not fit: no room for the KV cache ({memory.source}; one block "

@@ -1,1 +1,2 @@
-"""Speculative decoding, control plane: draft proposers and acceptance statistics."""
+"""Speculative decoding, control plane: acceptance statistics (proposers run on the
+workers, workers/spec_decode)."""

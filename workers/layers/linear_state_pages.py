@@ -1,15 +1,15 @@
 """The state pages of a linear-attention layer (Gated DeltaNet, KDA).
 
-Each block of the one pool holds, per layer, a causal-conv window and a recurrent state:
-a request's live state, or a prefix-cache checkpoint of it. The pages are indexed by pool
-block id, like attention KV blocks.
+A run of consecutive blocks of the one pool holds, per layer, a causal-conv window and a
+recurrent state: a request's live state, or a prefix-cache checkpoint of it. A state is
+indexed by the pool block id of its run's first page.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvloom.workers.cache_pages import page_view
+from kvloom.workers.cache_pages import span_view
 from kvloom.workers.dtypes import TORCH_DTYPES
 
 
@@ -18,9 +18,11 @@ class LinearStatePages:
     recurrent_state: torch.Tensor | None = None
 
     def allocate_cache(self, pages: torch.Tensor, spec) -> None:
-        """Views the pool's pages: the conv window first, the recurrent state after it."""
-        self.conv_state = page_view(pages, TORCH_DTYPES[spec.dtype], spec.conv_state_shape)
-        self.recurrent_state = page_view(
+        """Views the pool's pages: the conv window first, the recurrent state after it. A
+        state larger than a page runs on over the next pages (`span_view`): the pool hands
+        state groups runs of `spec.pages_per_state` consecutive pages."""
+        self.conv_state = span_view(pages, TORCH_DTYPES[spec.dtype], spec.conv_state_shape)
+        self.recurrent_state = span_view(
             pages, TORCH_DTYPES[spec.state_dtype], spec.recurrent_state_shape, spec.conv_bytes
         )
 

@@ -1,1 +1,2 @@
-"""Speculative decoding, data plane: verifying drafted tokens against the target."""
+"""Speculative decoding, data plane: proposing drafts (n-gram, draft model, EAGLE) and
+verifying them against the target."""

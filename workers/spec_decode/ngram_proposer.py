@@ -1,7 +1,10 @@
 """Prompt-lookup n-gram drafting: propose the tokens that followed the most recent earlier
 occurrence of the request's last n tokens (n from max_n down to min_n).
 
-Deterministic and model-free, so it runs in the control plane. A match near the end of the
+Deterministic and model-free. It runs on the worker, from the worker's copy of the
+token history (the scheduler's tokens and the ones the worker itself just emitted), so a
+step scheduled before the previous one's tokens are back (async scheduling) still gets
+real drafts, and n-gram and model drafters share one path. A match near the end of the
 sequence has fewer than k tokens after it; with `extend_periodic` the proposal continues
 through its own tokens (as LZ77 copies overlap), which is what the text does if the repeat
 goes on: for ... x y z x y z with n = 3 the proposal is x y z x y ... up to k tokens.
