@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
 
+from kvloom.cluster.chat_template import ChatTemplate
 from kvloom.cluster.engine import Engine, PromptInput
 from kvloom.cluster.outputs import RequestOutput
 from kvloom.contracts.sampling_params import SamplingParams
@@ -15,17 +17,63 @@ from kvloom.contracts.sampling_params import SamplingParams
 class LLM:
     def __init__(self, model: str, progress: bool = True, **kwargs: Any):
         self.engine = Engine(model=model, progress=progress, **kwargs)
+        self._chat_template: ChatTemplate | None = None
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several, rendered with the model's chat
+        template (its BOS included; tools given to the template) and generated as
+        `generate` does. The outputs' text is the raw completion, as vLLM's."""
+        conversations = (
+            [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        )
+        template = self._template()
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            rendered = template.render(
+                conversation,
+                tools,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            ids = tokenizer.encode(rendered.text, add_special_tokens=False)
+            prompts.append({"prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _template(self) -> ChatTemplate:
+        if self._chat_template is None:
+            model_dir = self.engine.config.model.model
+            template = ChatTemplate.from_model_dir(model_dir)
+            if template is None:
+                raise ValueError(
+                    f"messages: the model {model_dir} has no chat template "
+                    "(tokenizer_config.json chat_template or chat_template.jinja)"
+                )
+            self._chat_template = template
+        return self._chat_template
 
     def generate(
         self,
         prompts: PromptInput | list[PromptInput],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in prompt order."""
+        """Runs every prompt to completion; outputs come back in prompt order (a progress
+        bar on stderr unless `use_tqdm=False`, as vLLM's)."""
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):

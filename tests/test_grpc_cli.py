@@ -62,6 +62,11 @@ def test_serve_answers_then_drains_on_sigterm(model_dir):
         line = process.stdout.readline()
         match = re.search(r"serving .* at grpc://127\.0\.0\.1:(\d+)", line)
         assert match, line + process.stderr.read()
+        summary = process.stdout.readline()  # the start-up summary
+        assert re.search(r"KV cache \d+ blocks of \d+ tokens", summary), summary
+        assert "max_model_len 128" in summary and "dtype auto (" in summary, summary
+        assert "tool calls hermes, reasoning none" in summary, summary
+        assert f"grpc 127.0.0.1:{match.group(1)}" in summary, summary
         with Client(f"127.0.0.1:{match.group(1)}", timeout=30) as client:
             assert client.health() == "SERVING"
             info = client.model_info()

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from kvloom import SamplingParams
+from kvloom.cluster.engine_channel import RequestError
 from kvloom.cluster.frontend.async_engine import AsyncEngine, _abort_output
 from kvloom.cluster.frontend.errors import EngineDead, QueueFull, RequestIdInUse
 from kvloom.cluster.frontend.output_deltas import OutputDeltaTracker
@@ -225,6 +226,46 @@ def test_async_engine_failures(demo_tokenizer_dir):
         assert len(fatal) == 1 and not engine.running
         with pytest.raises(EngineDead):
             engine.add("r2", [1], SamplingParams(max_tokens=1))
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+class OneReplicaLost(CountingEngine):
+    """Request "lost" ends with a lost replica's error on step 2; the rest carry on."""
+
+    def step(self):
+        outs = super().step()
+        if self.steps == 2 and "lost" in self.requests:
+            del self.requests["lost"]
+            outs = [o for o in outs if o.request_id != "lost"]
+            outs.append(
+                RequestError("lost", "model replica 1 failed (worker died)", replica_lost=True)
+            )
+        return outs
+
+
+def test_a_lost_replica_fails_only_its_streams(demo_tokenizer_dir):
+    """With data-parallel replicas, a replica's failure ends its own streams with
+    ReplicaUnavailable (an EngineFailed: UNAVAILABLE to clients) and is not the engine's
+    failure: other streams finish, nothing fatal, new requests are admitted."""
+    from kvloom.cluster.frontend.async_engine import EngineFailed, ReplicaUnavailable
+
+    async def main():
+        fatal = []
+        engine = AsyncEngine(lambda: OneReplicaLost(str(demo_tokenizer_dir)), on_fatal=fatal.append)
+        engine.coalesce = False
+        await engine.start()
+        lost = engine.add("lost", [1], SamplingParams(max_tokens=50))
+        kept = engine.add("kept", [1], SamplingParams(max_tokens=6))
+        with pytest.raises(ReplicaUnavailable, match="model replica 1 failed") as err:
+            async for _ in lost:
+                pass
+        assert isinstance(err.value, EngineFailed)
+        assert [o async for o in kept][-1].outputs[0].token_ids == [0, 1, 2, 3, 4, 5]
+        assert not fatal and engine.running
+        late = engine.add("late", [1], SamplingParams(max_tokens=2))
+        assert [o async for o in late][-1].finished
         await engine.shutdown()
 
     asyncio.run(main())

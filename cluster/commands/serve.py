@@ -273,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
                 f"kvloom: metrics at http://{options.host}:{server.metrics_port}/metrics",
                 flush=True,
             )
+        print(f"kvloom: {server.summary}", flush=True)
 
     def on_signal(sig: signal.Signals, count: int) -> None:
         name = signal.Signals(sig).name

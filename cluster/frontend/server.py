@@ -410,6 +410,7 @@ class KvloomServer:
         self.executor: ThreadPoolExecutor | None = None
         self.render_pool: RenderPool | None = None
         self.ready = False
+        self.summary = ""  # the start-up summary line, once ready
         self.draining = False
         self.start_time = time.time()
         self.port: int | None = None
@@ -433,7 +434,40 @@ class KvloomServer:
             raise
         self.ready = True
         await self._health.set(SERVICE_NAME, SERVING)
-        logger.info("kvloom serving %s on %s:%d", self.options.model, self.options.host, self.port)
+        self.summary = await self._summary()
+        logger.info("kvloom: %s", self.summary)
+
+    async def _summary(self) -> str:
+        """One line for the operator: model, dtype, grid, KV pool, concurrency, parsers,
+        addresses (printed by `kvloom serve` once ready)."""
+        config = self.engine.config
+        stats = await self.engine.stats()
+        grid = f"tp {config.parallel.tensor_parallel_size} x dcp "
+        grid += str(config.parallel.decode_context_parallel_size)
+        if stats.get("data_parallel_size", 1) > 1:
+            grid += f" x {stats['data_parallel_size']} replicas ({stats['routing']} routing)"
+        blocks, block_size = stats["num_blocks"], stats.get("block_size") or 0
+        files = self.files
+        parsers = [
+            f"tool calls {getattr(files, 'tool_call_parser', None) or 'none'}",
+            f"reasoning {getattr(files, 'reasoning_parser', None) or 'none'}",
+        ]
+        addresses = [f"grpc {self.options.host}:{self.port}"]
+        if self.http_port is not None:
+            addresses.append(f"http {self.options.host}:{self.http_port}")
+        if self.metrics_port is not None:
+            addresses.append(f"metrics {self.options.host}:{self.metrics_port}")
+        dtype = config.model.dtype
+        if dtype == "auto":  # the checkpoint's own
+            hf = config.model.text_config
+            dtype = f"auto ({hf.get('torch_dtype') or hf.get('dtype') or 'float32'})"
+        return (
+            f"{self.options.model}: dtype {dtype}, {grid}; KV cache {blocks} "
+            f"blocks of {block_size} tokens ({blocks * block_size} tokens); up to "
+            f"{config.scheduler.max_num_seqs} running and {self.options.max_waiting} waiting "
+            f"requests, max_model_len {config.scheduler.max_model_len}; parsers: "
+            f"{', '.join(parsers)}; {', '.join(addresses)}"
+        )
 
     async def _start(self) -> None:
         options = self.options
