@@ -6,6 +6,8 @@ interleaved (all conversations' turn k run together). Writes JSON (--out) and pr
 markdown table.
 
     python benchmarks/multi_turn_replay.py --arch llama --size small --out results.json
+    python benchmarks/multi_turn_replay.py --model QWEN3_NEXT_DIR --system-tokens 200 \
+        --user-tokens 400 --turns 9 --conversations 2    # hybrid prompts of 200-4000 tokens
 """
 
 from __future__ import annotations
@@ -84,7 +86,9 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=384)
     parser.add_argument("--user-tokens", type=int, default=48)
     parser.add_argument("--output-tokens", type=int, default=16)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="default: the engine's (16, hybrids too)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="default: the model's own positions"

@@ -19,6 +19,9 @@ from typing import Any
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_next", "kimi_linear")
 SIZES = ("tiny", "small")
 DTYPES = ("float32", "bfloat16", "float16")
+# "tokenizers": tokenizer.json; "tiktoken": Kimi's layout (tiktoken.model + special tokens
+# in tokenizer_config.json after the ranks, 258 slots), loaded by cluster/tiktoken_tokenizer.
+TOKENIZER_FORMATS = ("tokenizers", "tiktoken")
 DEFAULT_VOCAB_SIZE = {"tiny": 512, "small": 2048}
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -46,6 +49,7 @@ _CHECKPOINT_FILES = (
     "vocab.json",
     "merges.txt",
     "tokenizer.model",
+    "tiktoken.model",
     "chat_template.jinja",
     "chat_template.json",
 )
@@ -157,6 +161,40 @@ def _tokenizer_config(tokenizer) -> dict:
         "model_max_length": MAX_POSITION_EMBEDDINGS,
         "chat_template": CHAT_TEMPLATE_PATH.read_text(encoding="utf-8"),
     }
+
+
+def _tiktoken_files(tokenizer) -> tuple[str, dict, dict[str, int]]:
+    """The trained BPE in Kimi's tiktoken layout: the plain tokens ranked in merge order
+    (the trainer numbers them that way), then the special and added tokens, then reserved
+    ids up to NUM_SPECIAL_SLOTS. Returns (tiktoken.model text, tokenizer_config, special ids,
+    vocabulary size)."""
+    import base64
+
+    from kvloom.cluster.tiktoken_tokenizer import NUM_SPECIAL_SLOTS, _bytes_to_unicode
+
+    byte_of = {char: b for b, char in _bytes_to_unicode().items()}
+    added_ids = set(tokenizer.get_added_tokens_decoder())
+    plain = sorted((tid, tok) for tok, tid in tokenizer.get_vocab(with_added_tokens=False).items())
+    lines = [
+        f"{base64.b64encode(bytes(byte_of[c] for c in tok)).decode()} {rank}"
+        for rank, (_, tok) in enumerate(t for t in plain if t[0] not in added_ids)
+    ]
+    num_base = len(lines)
+    ids = {text: num_base + k for k, text in enumerate(SPECIAL_TOKENS + ADDED_TOKENS)}
+    config = _tokenizer_config(tokenizer)
+    config["tokenizer_class"] = "TikTokenTokenizer"
+    config["added_tokens_decoder"] = {
+        str(i): {
+            "content": text,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": text in SPECIAL_TOKENS,
+        }
+        for text, i in ids.items()
+    }
+    return "\n".join(lines) + "\n", config, ids, num_base + NUM_SPECIAL_SLOTS
 
 
 def _model_config(arch: str, size: str, vocab_size: int, bos: int, eos: int, tie: bool):
@@ -276,14 +314,18 @@ def write_demo_model(
     vocab_size: int | None = None,
     force: bool = False,
     tie_word_embeddings: bool = False,
+    tokenizer_format: str = "tokenizers",
 ) -> Path:
     """Write a demo checkpoint of `arch` into `out_dir` and return its path.
 
     `out_dir` must be missing or empty unless `force`, which replaces checkpoint files there
     (config, weights, tokenizer files) and leaves anything else. `tie_word_embeddings` is off
     by default because a tied tiny random model greedily repeats its last input token.
+    `tokenizer_format="tiktoken"` writes Kimi's tokenizer layout instead of tokenizer.json
+    (the same trained BPE; the model's vocabulary grows to the tiktoken ids).
     """
     _check_choice("arch", arch, ARCHS)
+    _check_choice("tokenizer_format", tokenizer_format, TOKENIZER_FORMATS)
     _check_choice("size", size, SIZES)
     _check_choice("dtype", dtype, DTYPES)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -298,7 +340,10 @@ def write_demo_model(
     import transformers
     from transformers.utils import logging as hf_logging
 
-    bos, eos = tokenizer.token_to_id(ENDOFTEXT), tokenizer.token_to_id(IM_END)
+    ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+    if tokenizer_format == "tiktoken":
+        tiktoken_text, tok_config, ids, vocab_size = _tiktoken_files(tokenizer)
+    bos, eos = ids[ENDOFTEXT], ids[IM_END]
     config = _model_config(arch, size, vocab_size, bos, eos, tie_word_embeddings)
     bar_was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -311,15 +356,19 @@ def write_demo_model(
         model.config.dtype = dtype
         model.config.kvloom_demo = True  # is_demo_model: say the replies are random
         model.generation_config = transformers.GenerationConfig(
-            bos_token_id=bos, eos_token_id=[eos, tokenizer.token_to_id(ENDOFTEXT)], pad_token_id=bos
+            bos_token_id=bos, eos_token_id=[eos, ids[ENDOFTEXT]], pad_token_id=bos
         )
         model.save_pretrained(out, safe_serialization=True)
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()
 
-    tokenizer.save(str(out / "tokenizer.json"))
-    config_text = json.dumps(_tokenizer_config(tokenizer), indent=2, ensure_ascii=False)
+    if tokenizer_format == "tiktoken":
+        (out / "tiktoken.model").write_text(tiktoken_text, encoding="ascii")
+    else:
+        tokenizer.save(str(out / "tokenizer.json"))
+        tok_config = _tokenizer_config(tokenizer)
+    config_text = json.dumps(tok_config, indent=2, ensure_ascii=False)
     (out / "tokenizer_config.json").write_text(config_text + "\n", encoding="utf-8")
     return out
 

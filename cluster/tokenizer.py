@@ -1,4 +1,9 @@
-"""Tokenizer loading from a Hugging Face directory, through the `tokenizers` library."""
+"""Tokenizer loading from a Hugging Face directory.
+
+`Tokenizer(model_dir)` reads `tokenizer.json` through the `tokenizers` library; a directory
+that ships a tiktoken vocabulary instead (`tiktoken.model`, as Kimi models do) gets a
+`TiktokenTokenizer` (cluster/tiktoken_tokenizer.py) with the same interface.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,9 @@ import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+
+TOKENIZER_JSON = "tokenizer.json"
+TIKTOKEN_MODEL = "tiktoken.model"
 
 
 def _token_text(value: object) -> str | None:
@@ -15,25 +23,49 @@ def _token_text(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def read_tokenizer_config(model_dir: Path) -> dict:
+    config_file = model_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file} must hold a JSON object")
+    return config
+
+
 class Tokenizer:
     """Encodes and decodes; knows the special tokens and the EOS ids."""
 
+    def __new__(cls, model_dir: str | Path | None = None):
+        # None: unpickling, which restores the instance's own class and state.
+        path = Path(model_dir) if model_dir is not None else None
+        if (
+            cls is Tokenizer
+            and path is not None
+            and not (path / TOKENIZER_JSON).is_file()
+            and (path / TIKTOKEN_MODEL).is_file()
+        ):
+            from kvloom.cluster.tiktoken_tokenizer import TiktokenTokenizer
+
+            return super().__new__(TiktokenTokenizer)
+        return super().__new__(cls)
+
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
-        tokenizer_file = model_dir / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise ValueError(f"model: no tokenizer.json in {model_dir}")
-        self._tok = HFTokenizer.from_file(str(tokenizer_file))
-        config_file = model_dir / "tokenizer_config.json"
-        self.config: dict = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        self.config: dict = read_tokenizer_config(model_dir)
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
+        self._load(model_dir)
+        self.eos_token_ids = self._read_eos_ids(model_dir)
+
+    def _load(self, model_dir: Path) -> None:
+        tokenizer_file = model_dir / TOKENIZER_JSON
+        if not tokenizer_file.is_file():
+            raise ValueError(f"model: no {TOKENIZER_JSON} (or {TIKTOKEN_MODEL}) in {model_dir}")
+        self._tok = HFTokenizer.from_file(str(tokenizer_file))
         self.special_ids = {
             token.id if hasattr(token, "id") else tid
             for tid, token in self._tok.get_added_tokens_decoder().items()
             if token.special
         }
-        self.eos_token_ids = self._read_eos_ids(model_dir)
 
     def _read_eos_ids(self, model_dir: Path) -> tuple[int, ...]:
         ids: list[int] = []
@@ -45,7 +77,7 @@ class Tokenizer:
                     ids = value if isinstance(value, list) else [value]
                     break
         if not ids and self.eos_token is not None:
-            eos = self._tok.token_to_id(self.eos_token)
+            eos = self.token_to_id(self.eos_token)
             ids = [] if eos is None else [eos]
         return tuple(int(i) for i in ids)
 
@@ -55,7 +87,7 @@ class Tokenizer:
 
     @property
     def bos_token_id(self) -> int | None:
-        return None if self.bos_token is None else self._tok.token_to_id(self.bos_token)
+        return None if self.bos_token is None else self.token_to_id(self.bos_token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -65,3 +97,6 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)

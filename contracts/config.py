@@ -32,10 +32,13 @@ def require_int(
 
 @dataclass
 class ModelConfig:
-    """What to load: a Hugging Face checkpoint directory and the compute dtype."""
+    """What to load: a Hugging Face checkpoint directory (or a Hub repo id, resolved to its
+    snapshot in the Hugging Face cache: contracts/model_source.py) and the compute dtype."""
 
     model: str
     dtype: str = "auto"
+    # The Hub revision (branch, tag or commit) of a repo id; None: the default branch.
+    revision: str | None = None
     max_model_len: int | None = None
     seed: int = 0
     # "safetensors" reads the checkpoint; "dummy" fills the weights with seeded random
@@ -48,8 +51,25 @@ class ModelConfig:
     hf_config: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        require(isinstance(self.model, str | os.PathLike), "model", "a directory path", self.model)
+        require(
+            isinstance(self.model, str | os.PathLike),
+            "model",
+            "a directory path or a Hugging Face repo id",
+            self.model,
+        )
+        require(
+            self.revision is None or (isinstance(self.revision, str) and bool(self.revision)),
+            "revision",
+            "a non-empty string or None",
+            self.revision,
+        )
         self.model = str(self.model)
+        if not Path(self.model).is_dir():
+            # Imported here: workers receive configs already resolved (and it may import
+            # huggingface_hub).
+            from kvloom.contracts.model_source import resolve_model
+
+            self.model = resolve_model(self.model, self.revision)
         path = Path(self.model)
         require(path.is_dir(), "model", "an existing Hugging Face checkpoint directory", self.model)
         config_file = path / "config.json"
@@ -91,8 +111,14 @@ class ModelConfig:
 
     @property
     def text_config(self) -> dict:
-        """The language-model part (multimodal checkpoints nest it under text_config)."""
-        return self.hf_config.get("text_config") or self.hf_config
+        """The language-model part (multimodal checkpoints nest it under text_config; a
+        tie_word_embeddings set only beside it applies to it)."""
+        nested = self.hf_config.get("text_config")
+        if not nested:
+            return self.hf_config
+        if "tie_word_embeddings" not in nested and "tie_word_embeddings" in self.hf_config:
+            nested = {**nested, "tie_word_embeddings": self.hf_config["tie_word_embeddings"]}
+        return nested
 
     @property
     def architecture(self) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-# name -> (default, what it does); docs/configuration.md renders the same list.
+# name -> (default, what it does); docs/configuration.md lists them for users.
 VARIABLES: dict[str, tuple[str, str]] = {
     "KVLOOM_HOST": ("127.0.0.1", "the address `kvloom serve` binds (the image sets 0.0.0.0)"),
     "KVLOOM_SANITIZE": ("", "1: freed KV blocks and state slots are filled with NaN"),
@@ -17,6 +17,11 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "how long a worker grid waits for its Ray resources before start fails",
     ),
     "KVLOOM_WORKER_THREADS": ("1", "torch CPU threads of each Ray worker actor"),
+    "KVLOOM_MULTI_RANK_CUDA_GRAPHS": (
+        "",
+        "1: capture decode CUDA graphs at tensor_parallel_size > 1 (the NCCL all-reduce "
+        "inside the graph); off until a multi-GPU run verifies it",
+    ),
 }
 
 
@@ -39,3 +44,7 @@ def _positive_float(name: str) -> float:
 
 def placement_timeout_s() -> float:
     return _positive_float("KVLOOM_PLACEMENT_TIMEOUT_S")
+
+
+def multi_rank_cuda_graphs() -> bool:
+    return get("KVLOOM_MULTI_RANK_CUDA_GRAPHS").strip().lower() in ("1", "true", "yes", "on")

@@ -282,7 +282,7 @@ def test_linear_state_checkpoints_of_two_steps_in_flight(hybrid_model):
     assert async_stats["linear_state_checkpoints_kept"] >= 3  # the interval ones too
 
 
-def test_graph_blockers_name_why_graphs_stay_off(tiny_model):
+def test_graph_blockers_name_why_graphs_stay_off(tiny_model, monkeypatch):
     """CUDA graphs stay off at TP > 1, DCP > 1 and with a drafter; each reason is named
     (the GPU work lifts them one by one)."""
     eng = make_engine(tiny_model("llama"), SETTINGS["dense"])
@@ -294,3 +294,8 @@ def test_graph_blockers_name_why_graphs_stay_off(tiny_model):
     reasons = " | ".join(runner.graph_blockers())
     for what in ("tensor_parallel_size", "decode_context_parallel_size", "drafter"):
         assert what in reasons
+    # The switch for a multi-GPU run lifts the TP entry only.
+    monkeypatch.setenv("KVLOOM_MULTI_RANK_CUDA_GRAPHS", "1")
+    reasons = " | ".join(runner.graph_blockers())
+    assert "tensor_parallel_size" not in reasons
+    assert "decode_context_parallel_size" in reasons and "drafter" in reasons

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvloom.contracts import envs
 from kvloom.contracts.config import EngineConfig
 from kvloom.contracts.kv_cache_plan import (
     REPORTED_BLOCK_SIZE,
@@ -304,8 +305,11 @@ class ModelRunner:
             blockers.append("enforce_eager")
         if self.device.type != "cuda":
             blockers.append("not a CUDA device")
-        if self.tp.world_size > 1:
-            blockers.append("tensor_parallel_size > 1 (collectives are not graph-safe yet)")
+        if self.tp.world_size > 1 and not envs.multi_rank_cuda_graphs():
+            blockers.append(
+                "tensor_parallel_size > 1 (collectives are not verified graph-safe yet; "
+                "KVLOOM_MULTI_RANK_CUDA_GRAPHS=1 captures the NCCL all-reduce)"
+            )
         if self.dcp is not None:
             blockers.append("decode_context_parallel_size > 1 (collectives are not graph-safe yet)")
         if self.draft is not None:

@@ -9,6 +9,8 @@ ValueError naming the tensor.
 from __future__ import annotations
 
 import json
+import logging
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -16,6 +18,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -77,6 +81,14 @@ def resolve_name(
     return module_path, param_name, 0
 
 
+def _unpacked(weights: Iterable[tuple[str, torch.Tensor]], unpack, ignored: tuple) -> Iterator:
+    """The checkpoint's tensors with packed ones split by the model's `unpack_weight`
+    (ignored ones passed through untouched: their shapes are not the model's business)."""
+    for name, tensor in weights:
+        parts = unpack(name, tensor) if unpack and not name.startswith(ignored) else None
+        yield from parts if parts is not None else ((name, tensor),)
+
+
 def load_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
@@ -88,15 +100,23 @@ def load_weights(
     tied: module -> module whose tensor it reuses when the checkpoint lacks its own.
     A model with its own naming (e.g. per-expert MoE tensors) defines
     `map_weight_name(ckpt_name) -> (module path, param name, shard) | None`; None falls
-    back to the rules above."""
+    back to the rules above. A model whose checkpoints may pack several module tensors in
+    one (3-D expert stacks) defines `unpack_weight(ckpt_name, tensor) -> [(name, tensor)] |
+    None`. Tensors under `ignored_prefixes` (vision towers, MTP heads) are skipped with one
+    log line per prefix."""
     custom = getattr(model, "map_weight_name", None)
+    unpack = getattr(model, "unpack_weight", None)
     modules = loadable_modules(model)
     expected = expected_entries(modules)
     tied = tied or {}
     loaded: set[tuple[str, str, int]] = set()
     kept: dict[tuple[str, str, int], torch.Tensor] = {}  # sources of tied modules only
-    for ckpt_name, tensor in weights:
-        if ckpt_name.startswith(ignored_prefixes) or ckpt_name.endswith("rotary_emb.inv_freq"):
+    skipped: Counter[str] = Counter()
+    for ckpt_name, tensor in _unpacked(weights, unpack, ignored_prefixes):
+        if ckpt_name.startswith(ignored_prefixes):
+            skipped[next(p for p in ignored_prefixes if ckpt_name.startswith(p))] += 1
+            continue
+        if ckpt_name.endswith("rotary_emb.inv_freq"):
             continue
         entry = (custom(ckpt_name) if custom else None) or resolve_name(ckpt_name, stacked_params)
         module = modules.get(entry[0])
@@ -115,6 +135,8 @@ def load_weights(
             if src in kept:
                 modules[target].load_shard(entry[1], kept[src], entry[2])
                 loaded.add(entry)
+    for prefix, count in skipped.items():
+        logger.info("skipped %d checkpoint tensor(s) under %r (not used by kvloom)", count, prefix)
     missing = sorted(f"{m}.{p}" + (f"[shard {s}]" if s else "") for m, p, s in expected - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")

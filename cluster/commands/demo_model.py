@@ -37,6 +37,12 @@ def register(subparsers) -> None:
         ),
     )
     parser.add_argument(
+        "--tokenizer-format",
+        choices=demo_model.TOKENIZER_FORMATS,
+        default="tokenizers",
+        help="tokenizer.json (tokenizers) or Kimi's tiktoken.model layout (tiktoken)",
+    )
+    parser.add_argument(
         "--tie-word-embeddings",
         action="store_true",
         help="share the input embedding with the LM head",
@@ -73,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
             vocab_size=args.vocab_size,
             force=args.force,
             tie_word_embeddings=args.tie_word_embeddings,
+            tokenizer_format=args.tokenizer_format,
         )
     except ValueError as e:
         print(f"kvloom demo-model: error: {e}", file=sys.stderr)

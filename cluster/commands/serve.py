@@ -29,7 +29,15 @@ def register(subparsers) -> None:
         description="Serve a Hugging Face checkpoint directory over gRPC (kvloom.v1.Generation).",
     )
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    engine.add_argument(
+        "--model",
+        required=True,
+        help="Hugging Face checkpoint directory, or a Hub repo id (org/name) fetched into the "
+        "Hugging Face cache (HF_HUB_OFFLINE=1: the cache only)",
+    )
+    engine.add_argument(
+        "--revision", default=None, help="Hub revision (branch, tag or commit) of a repo id"
+    )
     engine.add_argument("--tp", type=int, default=1, help="tensor parallel size (default 1)")
     engine.add_argument("--dcp", type=int, default=1, help="decode context parallel size")
     engine.add_argument(
@@ -237,11 +245,18 @@ def run(args: argparse.Namespace) -> int:
     from kvloom.cluster.frontend import engine_factory, serve_until_signal
     from kvloom.cluster.frontend.engine_builder import REPLICA_KWARGS
     from kvloom.contracts.config import EngineConfig
+    from kvloom.contracts.model_source import resolve_model
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        # A repo id becomes its local snapshot once, here (downloading with a progress bar),
+        # so the engine and the front door read the same directory; HTTP keeps the id.
+        source = args.model
+        args.model = resolve_model(args.model, args.revision)
+        if args.served_model_name is None and args.model != source:
+            args.served_model_name = source
         kwargs = engine_kwargs(args)
         if args.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {args.data_parallel_size}")

@@ -34,7 +34,8 @@ class ModelFiles:
 
     @property
     def model_type(self) -> str:
-        return str(self.text_config.get("model_type") or self.hf_config.get("model_type") or "")
+        # The checkpoint's own type ("qwen3_5"), not its text half's ("qwen3_5_text").
+        return str(self.hf_config.get("model_type") or self.text_config.get("model_type") or "")
 
     @property
     def architectures(self) -> list[str]:

@@ -1,14 +1,19 @@
-"""Qwen3.5 (text): Qwen3-Next's hybrid decoder with a dense MLP in every layer and Gated
-DeltaNet layers whose input projections are separate (in_proj_qkv / _z / _b / _a).
+"""Qwen3.5 (text): Qwen3-Next's hybrid decoder with Gated DeltaNet layers whose input
+projections are separate (in_proj_qkv / _z / _b / _a), and a dense MLP (Qwen3.5) or a
+sparse MoE with a gated shared expert (Qwen3.5-MoE) in every layer.
 
-Follows transformers' `modeling_qwen3_5` (Qwen3_5ForCausalLM, Qwen3_5TextConfig). The
+Follows transformers' `modeling_qwen3_5` and `modeling_qwen3_5_moe` (the ForCausalLM text
+models and the text half of the ForConditionalGeneration checkpoints). The
 rotary embedding there is Qwen3-VL's interleaved multimodal rope: three position streams
 (temporal, height, width) share the frequencies by `mrope_section`. For text every stream
 holds the same position, so it is exactly 1-D rope over the first `partial_rotary_factor`
 of each head, which is what Qwen3NextAttention applies (tests/test_oracle_qwen3_5.py checks
 the equality against transformers). Multi-token-prediction (`mtp.*`) and vision
 (`model.visual.*`) weights are not used; a checkpoint that nests the decoder under
-`model.language_model.` (the multimodal layout) is read by stripping that prefix.
+`model.language_model.` (the multimodal layout) is read by stripping that prefix. Experts
+load from per-expert tensors (`experts.<e>.gate_proj.weight`, what transformers writes) or
+from the 3-D `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] tensors some
+published Qwen3.5-MoE checkpoints hold.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from torch import nn
 
 from kvloom.workers.layers.gated_deltanet_split import GatedDeltaNetSplit
 from kvloom.workers.layers.mlp import GatedMLP
+from kvloom.workers.layers.moe import map_expert_weight
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
 from kvloom.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from kvloom.workers.models.qwen3_next import (
@@ -26,6 +32,7 @@ from kvloom.workers.models.qwen3_next import (
     Qwen3NextDecoderLayer,
     Qwen3NextForCausalLM,
     Qwen3NextModel,
+    Qwen3NextSparseMoe,
     layer_types,
     zero_centred_norm,
 )
@@ -34,21 +41,34 @@ from kvloom.workers.weight_loader import resolve_name
 MULTIMODAL_PREFIX = "model.language_model."
 
 
-def check_text_config(config: dict) -> None:
+MOE_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
+# 3-D expert tensors -> (per-expert projection names, split of dim 1 into them)
+FUSED_EXPERTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def check_text_config(config: dict, moe: bool, name: str) -> None:
     if "hidden_size" not in config and "text_config" in config:
         raise ValueError(
-            "config: Qwen3_5ForCausalLM needs the text config (Qwen3_5TextConfig); this one "
-            "nests it under text_config (a multimodal Qwen3_5ForConditionalGeneration config)"
+            f"config: {name} needs the text config; this one nests it under text_config "
+            "(a multimodal ForConditionalGeneration config: pass its text_config)"
         )
-    if config.get("num_experts"):
-        raise ValueError(
-            f"num_experts: Qwen3_5ForCausalLM is dense, got num_experts={config['num_experts']}"
-        )
+    if not moe and config.get("num_experts"):
+        raise ValueError(f"num_experts: {name} is dense, got num_experts={config['num_experts']}")
+    if moe:
+        for key in MOE_FIELDS:
+            value = config.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key}: {name} needs a positive integer, got {value!r}")
 
 
 class Qwen3_5DecoderLayer(Qwen3NextDecoderLayer):
     """Qwen3-Next's layer (same forward and cache layer) with the split-projection Gated
-    DeltaNet and a dense MLP."""
+    DeltaNet and a dense MLP or Qwen3-Next's sparse MoE (same router and shared expert)."""
 
     def __init__(self, config: dict, index: int, kind: str, tp: TPGroup, dtype: torch.dtype):
         # Built here rather than by Qwen3NextDecoderLayer.__init__, which would construct
@@ -60,13 +80,16 @@ class Qwen3_5DecoderLayer(Qwen3NextDecoderLayer):
         else:
             self.self_attn = Qwen3NextAttention(config, index, tp, dtype)
         hidden = config["hidden_size"]
-        self.mlp = GatedMLP(
-            hidden,
-            config["intermediate_size"],
-            config.get("hidden_act", "silu"),
-            tp=tp,
-            dtype=dtype,
-        )
+        if config.get("num_experts"):  # Qwen3.5-MoE: every layer is sparse
+            self.mlp = Qwen3NextSparseMoe(config, tp, dtype)
+        else:
+            self.mlp = GatedMLP(
+                hidden,
+                config["intermediate_size"],
+                config.get("hidden_act", "silu"),
+                tp=tp,
+                dtype=dtype,
+            )
         self.input_layernorm = zero_centred_norm(hidden, config, dtype)
         self.post_attention_layernorm = zero_centred_norm(hidden, config, dtype)
 
@@ -87,10 +110,13 @@ class Qwen3_5Model(Qwen3NextModel):
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     stacked_params = STACKED_PARAMS
     ignored_weight_prefixes: tuple[str, ...] = ("mtp.", "model.visual.")
+    moe = False
 
     def __init__(self, config: dict, dtype: torch.dtype, tp: TPGroup | None = None):
         nn.Module.__init__(self)  # Qwen3NextForCausalLM.__init__ would build Qwen3NextModel
-        check_text_config(config)
+        check_text_config(config, self.moe, type(self).__name__)
+        if self.moe:  # transformers' Qwen3.5-MoE router always renormalises its top-k
+            config = {**config, "norm_topk_prob": True}
         tp = tp or LocalGroup()
         self.config = config
         self.model = Qwen3_5Model(config, tp, dtype)
@@ -100,7 +126,35 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     @staticmethod
     def map_weight_name(ckpt_name: str) -> tuple[str, str, int] | None:
         """The multimodal layout's `model.language_model.X` is the text model's `model.X`;
-        every other name follows the default rules."""
+        per-expert tensors go into the stacked FusedMoE weights; every other name follows
+        the default rules."""
         if ckpt_name.startswith(MULTIMODAL_PREFIX):
-            return resolve_name("model." + ckpt_name[len(MULTIMODAL_PREFIX) :], STACKED_PARAMS)
-        return None
+            ckpt_name = "model." + ckpt_name[len(MULTIMODAL_PREFIX) :]
+            return map_expert_weight(ckpt_name) or resolve_name(ckpt_name, STACKED_PARAMS)
+        return map_expert_weight(ckpt_name)
+
+    @staticmethod
+    def unpack_weight(ckpt_name: str, tensor: torch.Tensor):
+        """`<...>.experts.gate_up_proj` [E, 2I, H] and `<...>.experts.down_proj` [E, H, I]
+        as the per-expert tensors they stack (views, no copy); None for any other name."""
+        prefix, _, proj = ckpt_name.rpartition(".")
+        if not prefix.endswith(".experts") or proj not in FUSED_EXPERTS:
+            return None
+        parts = FUSED_EXPERTS[proj]
+        if tensor.dim() != 3 or tensor.shape[1] % len(parts):
+            raise ValueError(
+                f"{ckpt_name}: expected a 3-D [experts, rows, cols] tensor with rows divisible "
+                f"by {len(parts)}, got shape {tuple(tensor.shape)}"
+            )
+        return [
+            (f"{prefix}.{e}.{part}.weight", chunk)
+            for e in range(tensor.shape[0])
+            for part, chunk in zip(parts, tensor[e].chunk(len(parts), dim=0), strict=True)
+        ]
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE text model: softmax top-k routing (always renormalised) over
+    `num_experts`, plus a shared expert scaled by sigmoid(shared_expert_gate(x))."""
+
+    moe = True

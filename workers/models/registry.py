@@ -13,6 +13,11 @@ MODELS = {
     "Qwen3NextForCausalLM": "qwen3_next:Qwen3NextForCausalLM",
     "KimiLinearForCausalLM": "kimi_linear:KimiLinearForCausalLM",
     "Qwen3_5ForCausalLM": "qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM": "qwen3_5:Qwen3_5MoeForCausalLM",
+    # Multimodal checkpoints: their text model (config.json's text_config, weights under
+    # model.language_model.); the vision tower (model.visual.) is skipped at load.
+    "Qwen3_5ForConditionalGeneration": "qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5:Qwen3_5MoeForCausalLM",
 }
 
 
