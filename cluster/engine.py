@@ -6,6 +6,7 @@ import itertools
 from dataclasses import replace
 from typing import Any
 
+from kvloom.cluster.engine_channel import RequestError
 from kvloom.cluster.executor import Executor, make_executor
 from kvloom.cluster.kv_cache.coordinator import KVCacheCoordinator
 from kvloom.cluster.kv_cache.planner import num_blocks_for_memory, plan_kv_cache
@@ -15,6 +16,7 @@ from kvloom.cluster.prompt_checks import check_prompt_token_ids
 from kvloom.cluster.ray_executor import WorkerFailure
 from kvloom.cluster.request import Request, RequestStatus
 from kvloom.cluster.scheduler import Scheduler
+from kvloom.cluster.structured_outputs import GrammarCompilers
 from kvloom.cluster.tokenizer import Tokenizer
 from kvloom.contracts.config import EngineConfig
 from kvloom.contracts.sampling_params import SamplingParams
@@ -71,14 +73,18 @@ class Engine:
             bytes_per_block=self.kv_cache_plan.bytes_per_block,
         )
         spec = self.config.speculative
+        self.vocab_size = int(self.config.model.text_config["vocab_size"])
+        self.grammars = GrammarCompilers(
+            self.config.model.model, self.vocab_size, self.tokenizer.eos_token_ids
+        )
         self.scheduler = Scheduler(
             self.config.scheduler,
             self.kv_cache,
             self.config.model.seed,
             speculative=spec,
+            grammars=self.grammars,
         )
         self.outputs = OutputProcessor(self.tokenizer)
-        self.vocab_size = int(self.config.model.text_config["vocab_size"])
         self._counter = itertools.count()
         self.num_finished = 0
         self.num_aborted = 0
@@ -181,8 +187,9 @@ class Engine:
         return str(next(self._counter))
 
     # -- stepping -------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Runs one scheduled step; returns outputs of requests that advanced.
+    def step(self) -> list[RequestOutput | RequestError]:
+        """Runs one scheduled step; returns outputs of requests that advanced, and a
+        RequestError for each request refused after admission (its grammar did not compile).
 
         With async scheduling the next step is scheduled and launched before this one's
         output is read back, so the host's work overlaps the device's."""
@@ -192,6 +199,10 @@ class Engine:
                 self.num_finished += 1
                 outputs.append(self.outputs.make_output(request, finished=True))
             self.scheduler.rejected = []
+        for request in self.scheduler.grammar_failures:
+            self.outputs.abort_output(request)  # drops its text state
+            outputs.append(RequestError(request.request_id, str(request.stop_reason)))
+        self.scheduler.grammar_failures = []
         return outputs
 
     def _step(self) -> list[RequestOutput]:
@@ -279,6 +290,8 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stops the workers (and frees a Ray placement group). Safe to call twice."""
+        if getattr(self, "grammars", None) is not None:
+            self.grammars.shutdown()
         if self.executor is not None:
             self.executor.shutdown()
             self.executor = None

@@ -190,10 +190,13 @@ class ReplicaSet:
     def _take(self, index: int, out, results: list) -> None:
         if out.request_id not in self._where:
             return
+        # An output ending in error is the replica's failure only when the replica says it
+        # failed; else it is the request's own (the KV cache cannot hold it).
         lost = (isinstance(out, RequestError) and out.engine_down) or (
             isinstance(out, RequestOutput)
             and out.finished
             and out.outputs[0].finish_reason == "error"
+            and self.replicas[index].failure is not None
         )
         if lost:
             reason = out.message if isinstance(out, RequestError) else out.outputs[0].stop_reason

@@ -12,9 +12,11 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from kvloom.cluster.kv_cache.coordinator import KVCacheCoordinator
 from kvloom.cluster.request import Request, RequestStatus
+from kvloom.cluster.structured_outputs import GrammarCompilers, RequestGrammar
 from kvloom.contracts.config import SchedulerConfig, SpeculativeConfig
 from kvloom.contracts.runner_output import ModelRunnerOutput
 from kvloom.contracts.scheduler_output import (
@@ -32,6 +34,7 @@ class Scheduler:
         kv_cache: KVCacheCoordinator,
         seed: int = 0,
         speculative: SpeculativeConfig | None = None,
+        grammars: GrammarCompilers | None = None,
     ):
         self.config = config
         self.kv_cache = kv_cache
@@ -53,6 +56,14 @@ class Scheduler:
         self.spec_drafted = 0
         self.spec_accepted = 0
         self.spec_steps = 0
+        # Structured outputs: requests whose grammar is compiling (they enter the queue
+        # when it is ready), and the matcher of each admitted one.
+        self.grammars = grammars
+        self._compiling: dict[str, tuple[Request, Future]] = {}
+        self._grammar_of: dict[str, RequestGrammar] = {}
+        # Requests whose grammar did not compile: refused (the engine reports each one as
+        # a RequestError, the request's fault, not the engine's).
+        self.grammar_failures: list[Request] = []
 
     # -- requests in and out --------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -62,8 +73,38 @@ class Scheduler:
         self._sampling_seeds[request.request_id] = (
             seed if seed is not None else self._seed_rng.getrandbits(63)
         )
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs: this scheduler has no grammar compiler")
+            future = self.grammars.submit(constraint)
+            self.requests[request.request_id] = request
+            self._compiling[request.request_id] = (request, future)
+            return
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def _admit_compiled(self) -> None:
+        """Queues requests whose grammar is ready (FCFS among them); ends those whose
+        grammar failed to compile with the compiler's message. Waits briefly only when
+        nothing else could run, so compiling never stalls other requests."""
+        if not self._compiling:
+            return
+        if not self.waiting and not self.running:
+            futures = [future for _, future in self._compiling.values()]
+            wait(futures, timeout=0.05, return_when=FIRST_COMPLETED)
+        for request_id, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            error = future.exception()
+            if error is not None:
+                request.stop_reason = str(error)
+                self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+                self.grammar_failures.append(request)
+                continue
+            self._grammar_of[request_id] = RequestGrammar(future.result(), self.grammars.vocab_size)
+            self.waiting.append(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Ends a request (abort, or a stop string found by the output processor)."""
@@ -85,9 +126,11 @@ class Scheduler:
             self._forget.append(request.request_id)
         self._sent_blocks.pop(request.request_id, None)
         self._drafts_in_flight.pop(request.request_id, None)
+        self._compiling.pop(request.request_id, None)
+        self._grammar_of.pop(request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._compiling)
 
     # -- one step -------------------------------------------------------------------
     def _chunk_size(self, request: Request, budget: int) -> int:
@@ -160,6 +203,7 @@ class Scheduler:
         self.waiting.appendleft(victim)
 
     def schedule(self) -> SchedulerOutput:
+        self._admit_compiled()
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         preempted = False
@@ -175,8 +219,14 @@ class Scheduler:
             if self.kv_cache.has_linear_groups and request.request_id in self._drafts_in_flight:
                 index += 1  # a rejected draft rolls its linear state back: wait for the count
                 continue
+            if request.num_pending_output_tokens and request.request_id in self._grammar_of:
+                index += 1  # its next token's mask needs the token in flight: not ahead
+                continue
             num_new = self._chunk_size(request, budget)
             spec = self._drafts_for(request, budget - num_new)
+            grammar = self._grammar_of.get(request.request_id)
+            if spec and grammar is not None:  # drafts the grammar forbids cannot be accepted
+                spec = spec[: grammar.valid_draft_prefix(spec)]
             while not self.kv_cache.allocate_slots(
                 request, num_new, num_draft_tokens=len(spec), num_lookahead_tokens=lookahead
             ):
@@ -296,6 +346,14 @@ class Scheduler:
             scheduled_spec_token_ids=drafts,
         )
         self._forget = []
+        for request_id, num_tokens in scheduled.items():
+            grammar = self._grammar_of.get(request_id)
+            request = self.requests[request_id]
+            spec = drafts.get(request_id, ())
+            if grammar is not None and request.num_computed_tokens + num_tokens - len(spec) >= (
+                request.num_tokens
+            ):  # this step samples its next token(s): the grammar says which are allowed
+                out.grammar_bitmasks[request_id] = grammar.draft_bitmasks(list(spec))
         for request_id in scheduled:
             request = self.requests[request_id]
             if request_id not in self._sent_tokens:
@@ -362,9 +420,11 @@ class Scheduler:
                     request.restore_state = True
             request.spec_token_ids = []
             self.kv_cache.publish_computed_blocks(request)
+            grammar = self._grammar_of.get(request_id)
             for token_id in new_tokens:
                 request.append_output_token(token_id, now)
-                status = self._check_stop(request, token_id)
+                status = None if grammar is None else self._check_grammar(request, grammar)
+                status = status or self._check_stop(request, token_id)
                 if status is not None:
                     request.status = status
                     break
@@ -407,6 +467,22 @@ class Scheduler:
                 continue
             spec = runner_out.spec_token_ids.get(request.request_id, [])
             request.spec_token_ids = list(spec[: max(0, self._draft_room(request))])
+
+    def _check_grammar(self, request: Request, grammar: RequestGrammar) -> RequestStatus | None:
+        """Advances the request's matcher by its newest token: a completed grammar ends
+        the request ("stop"); a token outside it (only where nothing allowed could be
+        sampled, e.g. min_tokens banning the stop token the grammar requires) is an error."""
+        token_id = request.output_token_ids[-1]
+        if not grammar.accept(token_id):
+            request.stop_reason = (
+                f"structured_outputs: token {token_id} is outside the grammar (the sampler "
+                "had no allowed token left; check min_tokens and stop_token_ids)"
+            )
+            return RequestStatus.FINISHED_ERROR
+        if grammar.terminated:
+            request.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        return None
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

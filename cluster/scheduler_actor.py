@@ -95,7 +95,11 @@ class SchedulerActor:
                 for command in self._take_commands(wait):
                     self._apply(command, events, encoder)
                 if engine.has_unfinished_requests():
-                    events.deltas += [encoder.delta(out) for out in engine.step()]
+                    for out in engine.step():
+                        if isinstance(out, RequestError):  # refused after admission
+                            events.rejections.append(Rejection(out.request_id, out.message))
+                        else:
+                            events.deltas.append(encoder.delta(out))
                 if engine.failure is not None and not failure_sent:
                     events.failure = engine.failure
                     failure_sent = True

@@ -2,12 +2,100 @@
 
 from __future__ import annotations
 
+import json as jsonlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvloom.contracts.config import require, require_int
 
 # Temperatures below this sample greedily (vLLM's threshold).
 GREEDY_BELOW = 1e-5
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrains the output to a shape (vLLM's names); exactly one field is set.
+
+    json: a JSON schema (dict or JSON text); regex: a regular expression the whole output
+    matches; choice: the output is one of these strings; grammar: an EBNF grammar
+    (GBNF-style, with a `root` rule); json_object: any JSON object. Compiled by
+    cluster/structured_outputs/ (xgrammar) off the engine loop."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        names = ("json", "regex", "choice", "grammar")
+        given = [name for name in names if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        require(
+            len(given) == 1,
+            "structured_outputs",
+            "exactly one of json, regex, choice, grammar, json_object",
+            given or "none",
+        )
+        require(
+            isinstance(self.json_object, bool),
+            "structured_outputs.json_object",
+            "a bool",
+            self.json_object,
+        )
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = jsonlib.loads(schema)
+                except ValueError as err:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {err}") from None
+            require(
+                isinstance(schema, dict | bool),
+                "structured_outputs.json",
+                "a JSON schema (an object, or its JSON text)",
+                self.json,
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                require(
+                    isinstance(value, str) and value != "",
+                    f"structured_outputs.{name}",
+                    "a non-empty string",
+                    value,
+                )
+        if self.choice is not None:
+            require(
+                isinstance(self.choice, list | tuple)
+                and len(self.choice) > 0
+                and all(isinstance(c, str) and c for c in self.choice),
+                "structured_outputs.choice",
+                "a non-empty list of non-empty strings",
+                self.choice,
+            )
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: json, regex, choice, grammar or json_object."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text: with `kind`, the grammar cache's key."""
+        kind = self.kind
+        if kind == "json_object":
+            return ""
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, str):
+            return jsonlib.dumps(value)  # key order kept: it is the output order
+        if kind == "choice":
+            return jsonlib.dumps(value)
+        return value
 
 
 @dataclass
@@ -34,6 +122,8 @@ class SamplingParams:
     # "cumulative": `Engine.step` returns the request's output each step it advances;
     # "final_only": only when it finishes (what `LLM.generate` needs; saves host time).
     output_kind: str = "cumulative"
+    # Output constrained by a grammar (JSON schema, regex, choice, EBNF, any JSON object).
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from generation_config.json; not a user knob.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -100,6 +190,15 @@ class SamplingParams:
             require_int("stop_token_ids", t, 0)
         if self.logprobs is not None:
             require_int("logprobs", self.logprobs, 0, 1024)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        require(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "a StructuredOutputsParams",
+            self.structured_outputs,
+        )
 
     @property
     def greedy(self) -> bool:

@@ -53,6 +53,12 @@ class SchedulerOutput:
     # num_scheduled_tokens). PLACEHOLDER_TOKEN_ID entries (a step scheduled before the
     # previous one's drafts were back) are filled by the worker from its own proposals.
     scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Structured outputs: request id -> the token bitmask its token sampled this step must
+    # fall in (xgrammar's layout: int32 words, bit j of word i allows token 32 * i + j, as
+    # little-endian bytes). Only requests with a grammar that sample this step appear. A
+    # request verifying drafts has one mask per lane (the next token's, then one after each
+    # draft), concatenated.
+    grammar_bitmasks: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

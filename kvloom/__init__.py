@@ -11,13 +11,17 @@ if (_checkout / "cluster" / "engine.py").is_file() and str(_checkout) not in __p
 
 from kvloom.cluster.engine import Engine  # noqa: E402
 from kvloom.cluster.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from kvloom.contracts.sampling_params import SamplingParams  # noqa: E402
+from kvloom.contracts.sampling_params import (  # noqa: E402
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from kvloom.llm import LLM  # noqa: E402
 
 __all__ = [
     "LLM",
     "Engine",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

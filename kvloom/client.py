@@ -49,6 +49,7 @@ _SAMPLING_FIELDS = (
     "repetition_penalty",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "structured_outputs",
 )
 _FINISH_REASONS = {
     pb.FINISH_REASON_STOP: "stop",
@@ -204,6 +205,25 @@ def _server_error(error: grpc.RpcError) -> ServerError:
 # ----- requests
 
 
+def structured_outputs_message(value: Any) -> pb.StructuredOutputs:
+    """A StructuredOutputsParams, or a dict of its fields (`json` a schema object or its
+    JSON text), as the proto message."""
+    if isinstance(value, pb.StructuredOutputs):
+        return value
+    fields = value if isinstance(value, Mapping) else vars(value)
+    msg = pb.StructuredOutputs()
+    for key, item in fields.items():
+        if item is None or item is False:
+            continue
+        if key == "json" and not isinstance(item, str):
+            item = json.dumps(item, ensure_ascii=False)
+        if key == "choice":
+            msg.choice.extend(item)
+        else:
+            setattr(msg, key, item)
+    return msg
+
+
 def sampling_message(**sampling: Any) -> pb.SamplingParams:
     """SamplingParams from keyword arguments (None means unset: the server's default)."""
     msg = pb.SamplingParams()
@@ -217,7 +237,9 @@ def sampling_message(**sampling: Any) -> pb.SamplingParams:
         if name == "stop" and isinstance(value, str):
             value = [value]
         try:
-            if name in ("stop", "stop_token_ids"):
+            if name == "structured_outputs":
+                msg.structured_outputs.CopyFrom(structured_outputs_message(value))
+            elif name in ("stop", "stop_token_ids"):
                 getattr(msg, name).extend(value)
             else:
                 setattr(msg, name, value)

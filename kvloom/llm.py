@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from kvloom.cluster.chat_template import ChatTemplate
 from kvloom.cluster.engine import Engine, PromptInput
+from kvloom.cluster.engine_channel import RequestError
 from kvloom.cluster.outputs import RequestOutput
 from kvloom.contracts.sampling_params import SamplingParams
 
@@ -96,6 +97,10 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
+                if isinstance(out, RequestError):  # e.g. a grammar that does not compile
+                    self.engine.abort_request(ids)
+                    bar.close()
+                    raise ValueError(out.message)
                 if out.finished:
                     finished[out.request_id] = out
                     bar.update(1)

@@ -327,9 +327,15 @@ BAD_REQUESTS = [
     ("logit_bias", dict(messages=HI, logit_bias={"5": 1.0}), openai.BadRequestError, "logit_bias"),
     (
         "response_format",
-        dict(messages=HI, response_format={"type": "json_object"}),
+        dict(messages=HI, response_format={"type": "xml"}),
         openai.BadRequestError,
-        "response_format",
+        "response_format.type",
+    ),
+    (
+        "response_format schema",
+        dict(messages=HI, response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+        openai.BadRequestError,
+        "response_format.json_schema.schema",
     ),
     ("stop", dict(messages=HI, stop=[""]), openai.BadRequestError, "stop[0]"),
     ("seed", dict(messages=HI, seed=-1), openai.BadRequestError, "seed"),

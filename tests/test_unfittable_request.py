@@ -51,3 +51,33 @@ def test_request_that_outgrows_the_pool_while_decoding_ends_with_an_error(tiny_m
     # It decoded until its 20-token pool was full, then could not go on even alone.
     assert 0 < len(out.token_ids) < 20
     assert_pool_full(engine)
+
+
+def test_through_the_front_door_it_is_that_requests_error_not_the_engines(tiny_model):
+    """An unfittable request ends in error without the engine failing: the front door
+    refuses that request (RequestRejected: INVALID_ARGUMENT) and keeps serving; before, any
+    output ending in error was read as the whole replica's failure."""
+    import asyncio
+
+    import pytest
+
+    from kvloom.cluster.frontend.async_engine import AsyncEngine, RequestRejected
+
+    model = str(tiny_model("llama"))
+
+    async def main():
+        fatal = []
+        engine = AsyncEngine(lambda: make_engine(model), on_fatal=fatal.append)
+        await engine.start()
+        big = engine.add("big", {"prompt_token_ids": list(range(3, 33))}, greedy(4))
+        small = engine.add("small", {"prompt_token_ids": [5, 6, 7, 8, 9]}, greedy(4))
+        with pytest.raises(RequestRejected, match="KV cache cannot hold this request"):
+            async for _ in big:
+                pass
+        assert len([o async for o in small][-1].outputs[0].token_ids) == 4
+        assert not fatal and engine.running
+        stats = await engine.stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"]
+        await engine.shutdown()
+
+    asyncio.run(main())

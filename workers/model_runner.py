@@ -34,6 +34,7 @@ from kvloom.workers.pending_step import PendingStep
 from kvloom.workers.row_kinds import RowClasses, classify_rows
 from kvloom.workers.sampler import (
     RowSamplingState,
+    apply_lane_bitmasks,
     logprob_infos,
     sample,
     sample_on_device,
@@ -121,6 +122,7 @@ class ModelRunner:
         self.prev_rows: dict[str, int] = {}
         self.prev_positions: dict[str, int] = {}
         self.step_pending: dict[str, int] = {}  # this step's rows: tokens read from device
+        self.step_bitmasks: dict[str, bytes] = {}  # this step's structured-output masks
 
     def load_model(self, progress: bool = True) -> None:
         klass = model_class(self.config.model.architecture)
@@ -480,6 +482,8 @@ class ModelRunner:
         if sched.is_empty:
             return PendingStep(ready=ModelRunnerOutput({}))
         input_ids, batch, sample_rows = self.build_batch(sched)
+        # Structured outputs: per request, one mask per sampled lane.
+        self.step_bitmasks = sched.grammar_bitmasks
         size = None
         if self.graphs is not None:
             size = graph_size_for(batch.rows, input_ids.shape[0], self.graphs.sizes)
@@ -580,6 +584,7 @@ class ModelRunner:
             pending_token=self.prev_sampled[self.prev_rows[request_id]]
             if history and pending
             else None,
+            token_bitmask=self.step_bitmasks.get(request_id),
         )
 
     def _history_state(self, request_id: str) -> RowSamplingState:
@@ -595,6 +600,7 @@ class ModelRunner:
             state.sampling_seed,
             tokens[: state.num_prompt_tokens],
             tokens[state.num_prompt_tokens :],
+            token_bitmask=self.step_bitmasks.get(request_id),
         )
 
     def _pending_tokens(self, request_id: str, state) -> int:
@@ -636,7 +642,11 @@ class ModelRunner:
             [spec + [0] * (k - len(spec)) for _, _, spec in drafted], device=hidden.device
         )
         rows = [self._history_state(rid) for rid, _, _ in drafted]
-        result = rejection_sample(logits, draft_ids, [len(s) for _, _, s in drafted], rows)
+        target = logits
+        if any(row.token_bitmask is not None for row in rows):
+            target = logits.clone()  # logprobs stay the model's own
+            apply_lane_bitmasks(target, rows)
+        result = rejection_sample(target, draft_ids, [len(s) for _, _, s in drafted], rows)
         for (rid, _, _), tokens, row_logits in zip(drafted, result.tolist(), logits):
             out.sampled_token_ids[rid] = tokens
             top_n = self.input_batch.requests[rid].sampling_params.logprobs

@@ -32,6 +32,8 @@ class RowSamplingState:
     # The last output token when it is still on the device (a step scheduled ahead):
     # penalties count it from there, so the host never waits for it.
     pending_token: torch.Tensor | None = None
+    # Structured outputs: the allowed next tokens (SchedulerOutput.grammar_bitmasks).
+    token_bitmask: bytes | None = None
 
     @property
     def output_position(self) -> int:
@@ -67,6 +69,55 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowSamplingState]) -> None:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(p.eos_token_ids))
             if banned:
                 logits[i, to_device(banned, torch.long, device)] = float("-inf")
+
+
+_BYTE_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 bitmask words [R, W] -> allowed [R, vocab] (bit j of word i: token 32i + j).
+    Tokens past the mask's width are disallowed. Unpacked a byte at a time through a
+    [256, 8] table (words are little-endian, as on every device kvloom runs on)."""
+    table = _BYTE_BITS.get(words.device)
+    if table is None:
+        codes = torch.arange(256, device=words.device)
+        table = ((codes[:, None] >> torch.arange(8, device=words.device)) & 1).bool()
+        _BYTE_BITS[words.device] = table
+    allowed = table[words.contiguous().view(torch.uint8).long()].flatten(1)
+    if allowed.shape[1] >= vocab:
+        return allowed[:, :vocab]
+    pad = torch.zeros(allowed.shape[0], vocab - allowed.shape[1], dtype=torch.bool)
+    return torch.cat([allowed, pad.to(words.device)], dim=1)
+
+
+def apply_token_bitmasks(logits: torch.Tensor, rows: list[RowSamplingState]) -> None:
+    """In place: -inf at every token a row's grammar disallows (rows without a mask are
+    left alone). One host->device copy of the masked rows' words and one masked fill."""
+    masked = [i for i, row in enumerate(rows) if row.token_bitmask is not None]
+    if not masked:
+        return
+    joined = bytearray(b"".join(rows[i].token_bitmask for i in masked))
+    words = torch.frombuffer(joined, dtype=torch.int32).view(len(masked), -1)
+    allowed = unpack_bitmask(to_device(words, torch.int32, logits.device), logits.shape[1])
+    if len(masked) == len(rows):
+        logits.masked_fill_(~allowed, float("-inf"))
+        return
+    index = to_device(masked, torch.long, logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def apply_lane_bitmasks(logits: torch.Tensor, rows: list[RowSamplingState]) -> None:
+    """In place, for draft verification: logits [R, K+1, V]; a row's mask holds one mask per
+    lane it samples (its drafts + 1), the lanes after them are padding and left alone."""
+    vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        if row.token_bitmask is None:
+            continue
+        words = torch.frombuffer(bytearray(row.token_bitmask), dtype=torch.int32)
+        words = words.view(-1, (vocab + 31) // 32)
+        allowed = unpack_bitmask(to_device(words, torch.int32, logits.device), vocab)
+        lanes = allowed.shape[0]
+        logits[i, :lanes] = logits[i, :lanes].masked_fill(~allowed, float("-inf"))
 
 
 def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -117,15 +168,19 @@ def sample_on_device(
     row asks for them. No host sync for greedy and seeded rows alike: a row's keyed noise
     is drawn on the host and copied over, so the step can be read back later."""
     penalised = any(r.params.reads_token_history or r.params.min_tokens for r in rows)
-    if max_logprobs < 0 and not penalised and all(r.params.greedy for r in rows):
+    constrained = any(r.token_bitmask is not None for r in rows)
+    if max_logprobs < 0 and not (penalised or constrained) and all(r.params.greedy for r in rows):
         # One fused pass over the logits, same rules as below (NaN never wins, first +inf,
         # token 0 when nothing is selectable): no float copy, no [rows, vocab] temporaries.
         return greedy_argmax(logits), None
     raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if max_logprobs >= 0 else None
     logits = logits.float()
-    if penalised:
+    if penalised or constrained:
         logits = logits.clone()
+    if penalised:
         apply_penalties(logits, rows)
+    # Raw logprobs above are the model's own; the grammar only narrows what is sampled.
+    apply_token_bitmasks(logits, rows)
     # Invariant 5: no NaN reaches an argmax (same rules as the rejection sampler, so a row
     # draws the same token with or without speculation, NaN or not).
     logits, _ = sanitize_logits(

@@ -324,7 +324,8 @@ class AsyncEngine:
                     logger.exception("engine step failed; the engine is stopped")
                     failure = EngineFailed(f"the engine failed while stepping: {exc!r}")
                     return self._fail(failure, live, batch)
-                failure = self._take_outputs(outputs, live, batch)
+                failed = getattr(engine, "failure", None) is not None
+                failure = self._take_outputs(outputs, live, batch, failed)
                 if failure is not None:
                     logger.error("%s; the engine is stopped", failure)
                     return self._fail(failure, live, batch)
@@ -332,9 +333,13 @@ class AsyncEngine:
                 self._send(self._deliver, batch)
 
     @staticmethod
-    def _take_outputs(outputs: list, live: dict, batch: list) -> EngineFailed | None:
-        """Queues a step's outputs for delivery. An output that ended in error means the
-        engine failed under every request (a worker died): that failure is returned."""
+    def _take_outputs(
+        outputs: list, live: dict, batch: list, engine_failed: bool
+    ) -> EngineFailed | None:
+        """Queues a step's outputs for delivery. An output that ended in error while the
+        engine reports a failure means it failed under every request (a worker died): that
+        failure is returned. Without one, the error is that request's own (the KV cache
+        cannot hold it): it is refused, and everyone else is served."""
         failure = None
         for out in outputs:
             if out.request_id not in live:
@@ -351,8 +356,13 @@ class AsyncEngine:
                 batch.append((out.request_id, RequestRejected(out.message)))
                 continue
             if out.finished and out.outputs[0].finish_reason == "error":
-                failure = EngineFailed(f"the model replica failed: {out.outputs[0].stop_reason}")
-                continue  # stays live: it ends with the failure, like the rest
+                if engine_failed:
+                    reason = out.outputs[0].stop_reason
+                    failure = EngineFailed(f"the model replica failed: {reason}")
+                    continue  # stays live: it ends with the failure, like the rest
+                del live[out.request_id]
+                batch.append((out.request_id, RequestRejected(str(out.outputs[0].stop_reason))))
+                continue
             if out.finished:
                 del live[out.request_id]
             else:

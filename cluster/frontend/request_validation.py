@@ -10,13 +10,20 @@ import math
 from dataclasses import replace
 
 from kvloom.cluster.frontend.errors import InvalidArgument
-from kvloom.cluster.frontend.limits import DEFAULT_LIMITS, FrontendLimits, check_count, check_text
-from kvloom.contracts.sampling_params import SamplingParams
+from kvloom.cluster.frontend.limits import (
+    DEFAULT_LIMITS,
+    FrontendLimits,
+    check_count,
+    check_text,
+    parse_json,
+)
+from kvloom.contracts.sampling_params import SamplingParams, StructuredOutputsParams
 from kvloom.protos.kvloom.v1 import generation_pb2 as pb
 
 MAX_ID_LENGTH = 256  # request ids and cache salts
 MAX_LOGPROBS = 1024  # the engine's own limit
 MAX_SEED = 2**63 - 1
+MAX_CHOICES = 1024  # structured_outputs.choice
 
 
 def _float32(value: float) -> float:
@@ -139,10 +146,44 @@ def sampling_params(
         kwargs["skip_special_tokens"] = msg.skip_special_tokens
     elif skip_special_tokens is not None:
         kwargs["skip_special_tokens"] = skip_special_tokens
+    if msg.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_outputs(msg.structured_outputs, limits)
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:  # a check above should have caught it first
         raise InvalidArgument(f + str(exc).split(" ", 1)[0], str(exc)) from None
+
+
+def structured_outputs(
+    msg: pb.StructuredOutputs, limits: FrontendLimits = DEFAULT_LIMITS
+) -> StructuredOutputsParams:
+    """The request's constraint. Whether it compiles is known only when the engine compiles
+    it (off its loop): a failure then ends the request with INVALID_ARGUMENT too."""
+    f = "sampling.structured_outputs."
+    kwargs: dict = {}
+    size = limits.max_tool_schema_bytes
+    if msg.json:
+        check_text(f + "json", msg.json, size)
+        kwargs["json"] = parse_json(f + "json", msg.json, limits.max_json_depth)
+    for name in ("regex", "grammar"):
+        value = getattr(msg, name)
+        if value:
+            check_text(f + name, value, size)
+            kwargs[name] = value
+    if msg.choice:
+        check_count(f + "choice", len(msg.choice), MAX_CHOICES, "choices")
+        for i, choice in enumerate(msg.choice):
+            if not choice:
+                raise InvalidArgument(f"{f}choice[{i}]", "must not be empty")
+            check_text(f"{f}choice[{i}]", choice, size)
+        kwargs["choice"] = list(msg.choice)
+    if msg.json_object:
+        kwargs["json_object"] = True
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0].removesuffix(":")
+        raise InvalidArgument("sampling." + field, str(exc)) from None
 
 
 def fill_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int) -> SamplingParams:

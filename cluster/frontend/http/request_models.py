@@ -1,9 +1,9 @@
 """The OpenAI request bodies kvloom serves, as pydantic models.
 
 Unknown fields are ignored (as vLLM does: clients send `user`, `store`, `metadata`, ...);
-fields kvloom knows but cannot honour (`n` > 1, `logit_bias`, structured `response_format`)
-are refused by to_proto.py, naming the field. Fields whose OpenAI type is a union (`stop`,
-`content`, `prompt`, `tool_choice`) are taken as they come and checked there, so an error
+fields kvloom knows but cannot honour (`n` > 1, `logit_bias`) are refused by to_proto.py,
+naming the field. Fields whose OpenAI type is a union (`stop`, `content`, `prompt`,
+`tool_choice`, `response_format`) are taken as they come and checked there, so an error
 names the field rather than a union member.
 """
 

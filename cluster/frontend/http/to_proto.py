@@ -184,10 +184,33 @@ def _tool_choice(choice: Any) -> pb.ToolChoice:
     return pb.ToolChoice(mode=pb.ToolChoice.TOOL_CHOICE_NAMED, function_name=name)
 
 
+def _response_format(value: Any, sampling: pb.SamplingParams, names: FieldNames) -> None:
+    """OpenAI's response_format -> structured outputs: `json_schema` (its `schema`) or
+    `json_object` (any JSON object); `text` (or none) leaves the output free."""
+    if value is None:
+        return
+    kind = value.get("type", "text")
+    if kind == "text":
+        return
+    if kind == "json_object":
+        sampling.structured_outputs.json_object = True
+        names.set("sampling.structured_outputs.json_object", "response_format")
+        return
+    if kind != "json_schema":
+        raise InvalidArgument(
+            "response_format.type", f'must be "text", "json_object" or "json_schema", got {kind!r}'
+        )
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict | bool):
+        raise InvalidArgument(
+            "response_format.json_schema.schema", "must be a JSON schema (an object)"
+        )
+    sampling.structured_outputs.json = json.dumps(spec["schema"], ensure_ascii=False)
+    names.set("sampling.structured_outputs.json", "response_format.json_schema.schema")
+
+
 def chat_request(req: ChatCompletionRequest, request_id: str) -> tuple[pb.ChatRequest, FieldNames]:
     names = FieldNames()
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise InvalidArgument("response_format", "structured outputs are not supported yet")
     max_tokens = req.max_tokens
     if req.max_completion_tokens is not None:  # the newer name wins, as in vLLM
         max_tokens = req.max_completion_tokens
@@ -199,6 +222,7 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> tuple[pb.ChatRe
         top = req.top_logprobs or 0
         sampling.logprobs = _int_in("top_logprobs", top, 0, _UINT32)
     names.set("sampling.logprobs", "top_logprobs")
+    _response_format(req.response_format, sampling, names)
     out = pb.ChatRequest(
         request_id=request_id,
         messages=[_message(i, m) for i, m in enumerate(req.messages)],
