@@ -1,5 +1,6 @@
 """`--data-parallel-size` through the front door: a gRPC server over three replicas on
-local Ray serves the tokens one in-process engine gives, and /metrics reports each replica."""
+local Ray serves the tokens one in-process engine gives; GetServerInfo and /metrics report
+each replica."""
 
 from __future__ import annotations
 
@@ -33,6 +34,14 @@ def test_three_replicas_behind_one_grpc_door(local_ray, tiny_model):
                     client.generate(prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
                 )
                 assert got.token_ids == want.outputs[0].token_ids
+            info = client.server_info()
+            assert info.routing == "round-robin"
+            assert [(r.index, r.up, r.num_routed) for r in info.replicas] == [
+                (0, True, 3),
+                (1, True, 3),
+                (2, True, 2),
+            ]
+            assert all(r.num_running_requests == 0 for r in info.replicas)
         stats = server.stats()
         assert stats["data_parallel_size"] == 3 and stats["num_replicas_up"] == 3
         assert [r["routed"] for r in stats["replicas"]] == [3, 3, 2]

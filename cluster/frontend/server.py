@@ -389,7 +389,25 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             info.num_running_requests = stats["num_running"]
             info.num_waiting_requests = stats["num_waiting"]
             info.kv_cache_usage = stats["kv_cache_usage"]
+            info.routing = stats.get("routing", "")
+            for index, replica in enumerate(stats.get("replicas") or []):
+                info.replicas.append(_replica_info(index, replica))
         return info
+
+
+def _replica_info(index: int, replica: dict[str, Any]) -> pb.ReplicaInfo:
+    """A replica's entry of GetServerInfo (a down replica has its routing figures only)."""
+    return pb.ReplicaInfo(
+        index=index,
+        up=bool(replica.get("up")),
+        num_in_flight_requests=int(replica.get("in_flight", 0)),
+        num_running_requests=int(replica.get("num_running", 0)),
+        num_waiting_requests=int(replica.get("num_waiting", 0)),
+        kv_cache_usage=float(replica.get("kv_cache_usage", 0.0)),
+        prefix_cache_hit_rate=float(replica.get("prefix_cache_hit_rate", 0.0)),
+        num_routed=int(replica.get("routed", 0)),
+        num_routed_by_prefix=int(replica.get("routed_by_prefix", 0)),
+    )
 
 
 class KvloomServer:

@@ -355,7 +355,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "ready", "draining", "tensor_parallel_size", "decode_context_parallel_size", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "num_running_requests", "num_waiting_requests", "kv_cache_usage", "start_time")
+    __slots__ = ("version", "ready", "draining", "tensor_parallel_size", "decode_context_parallel_size", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "num_running_requests", "num_waiting_requests", "kv_cache_usage", "start_time", "replicas", "routing")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
@@ -370,6 +370,8 @@ class ServerInfo(_message.Message):
     NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     START_TIME_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
     version: str
     ready: bool
     draining: bool
@@ -384,4 +386,28 @@ class ServerInfo(_message.Message):
     num_waiting_requests: int
     kv_cache_usage: float
     start_time: float
-    def __init__(self, version: _Optional[str] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., decode_context_parallel_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., start_time: _Optional[float] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
+    routing: str
+    def __init__(self, version: _Optional[str] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., decode_context_parallel_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., start_time: _Optional[float] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., routing: _Optional[str] = ...) -> None: ...
+
+class ReplicaInfo(_message.Message):
+    __slots__ = ("index", "up", "num_in_flight_requests", "num_running_requests", "num_waiting_requests", "kv_cache_usage", "prefix_cache_hit_rate", "num_routed", "num_routed_by_prefix")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    NUM_IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROUTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROUTED_BY_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    up: bool
+    num_in_flight_requests: int
+    num_running_requests: int
+    num_waiting_requests: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    num_routed: int
+    num_routed_by_prefix: int
+    def __init__(self, index: _Optional[int] = ..., up: _Optional[bool] = ..., num_in_flight_requests: _Optional[int] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_routed: _Optional[int] = ..., num_routed_by_prefix: _Optional[int] = ...) -> None: ...
