@@ -19,12 +19,10 @@ import transformers
 from kvloom.cluster.demo_model import write_demo_model
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path)
-    out = parser.parse_args().out
+def write_model(out: Path, tokenizer_dir: Path | None = None, vocab_size: int = 512) -> Path:
+    """Saves the checkpoint to `out` with the demo tokenizer (or `tokenizer_dir`'s)."""
     config = transformers.Qwen3NextConfig(
-        vocab_size=512,
+        vocab_size=vocab_size,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=4,
@@ -54,10 +52,16 @@ def main() -> None:
                 p.normal_(0.0, 0.1)
     model.save_pretrained(out)
     with tempfile.TemporaryDirectory() as tmp:
-        src = write_demo_model(Path(tmp) / "m", arch="qwen3_next")
+        src = tokenizer_dir or write_demo_model(Path(tmp) / "m", arch="qwen3_next")
         for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
             shutil.copy(src / name, out / name)
-    print(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    print(write_model(parser.parse_args().out))
 
 
 if __name__ == "__main__":

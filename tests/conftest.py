@@ -153,3 +153,25 @@ def local_ray():
     connect_ray(num_cpus_for_local=16, log_to_driver=False)
     yield ray
     shutdown_ray()
+
+
+@pytest.fixture(scope="session")
+def certificate(tmp_path_factory):
+    """A self-signed certificate for 127.0.0.1 (and kvloom.test), made by the openssl CLI,
+    for the TLS tests of both doors. No openssl is a failure, not a skip: the TLS tests
+    would otherwise vanish unnoticed."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.fail("the openssl CLI is needed to make the TLS tests' certificate")
+    out = tmp_path_factory.mktemp("tls")
+    cert, key = out / "cert.pem", out / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=kvloom.test",
+         "-addext", "subjectAltName=DNS:kvloom.test,IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return cert, key

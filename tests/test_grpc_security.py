@@ -3,9 +3,6 @@ a self-signed certificate (made by the openssl CLI); message size limits; reflec
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import grpc
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
@@ -29,22 +26,6 @@ def start(model_dir: str, **kwargs) -> BackgroundServer:
     return BackgroundServer(
         engine_factory(model=model_dir, progress=False, **ENGINE), options
     ).start()
-
-
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl CLI is needed to make a test certificate")
-    out = tmp_path_factory.mktemp("tls")
-    cert, key = out / "cert.pem", out / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=kvloom.test",
-         "-addext", "subjectAltName=DNS:kvloom.test,IP:127.0.0.1"],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
-    return cert, key
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,8 @@ bearer token and TLS on every route but /health."""
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import ssl
-import subprocess
 import threading
 import time
 import urllib.error
@@ -218,22 +216,6 @@ def test_health_is_503_until_the_model_is_ready(demo_tokenizer_dir):
     finally:
         release.set()
         server.stop()
-
-
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl CLI is needed to make a test certificate")
-    out = tmp_path_factory.mktemp("tls")
-    cert, key = out / "cert.pem", out / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=kvloom.test",
-         "-addext", "subjectAltName=DNS:kvloom.test,IP:127.0.0.1"],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
-    return cert, key
 
 
 TOKEN = "s3cret-http-token-0123"

@@ -6,7 +6,6 @@ requests sharing a system prompt hit it after one warm request."""
 from __future__ import annotations
 
 import random
-import shutil
 
 import pytest
 
@@ -20,45 +19,12 @@ VOCAB = 512
 def qwen3_next_real_widths(hybrid_model, tmp_path_factory):
     """Qwen3-Next with Gated DeltaNet at its released widths (16 key heads and 32 value
     heads of 128, a 4-tap conv) in few layers (3 GDN + 1 attention), a small hidden size
-    and vocabulary, float32 random weights (std 0.1 so greedy margins are real)."""
-    import torch
-    import transformers
+    and vocabulary, float32 random weights (std 0.1 so greedy margins are real): the
+    checkpoint benchmarks/hybrid_gdn_widths_model.py writes."""
+    from benchmarks.hybrid_gdn_widths_model import write_model
 
-    config = transformers.Qwen3NextConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
-        max_position_embeddings=4096,
-        bos_token_id=0,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.1)
     out = tmp_path_factory.mktemp("qwen3-next-gdn-widths")
-    model.save_pretrained(out)
-    src = hybrid_model("qwen3_next")
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(src / name, out / name)
-    return out
+    return write_model(out, hybrid_model("qwen3_next"), vocab_size=VOCAB)
 
 
 def engine(path, caching: bool, **kw) -> Engine:

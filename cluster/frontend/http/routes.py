@@ -216,34 +216,40 @@ class OpenAIRoutes:
     # ----- routes
 
     async def chat_completions(self, request: Request) -> Response:
-        names = FieldNames()
-        try:
-            req = self._parse(ChatCompletionRequest, await self._json(request))
-            request_id = _request_id(request)
-            message, names = chat_request(req, request_id)
-            names.set("request_id", REQUEST_ID_HEADER)
-            started = await self.generation.start_chat(message, request_id)
-        except FrontendError as exc:
-            raise from_frontend(exc, names.openai) from None
-        output = ChatOutput(f"chatcmpl-{request_id}", self.model_name, logprobs=req.logprobs)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        relay = _Relay(self.server, request_id, started)
-        return await self._respond(request, relay, output, names, req.stream, include_usage)
+        return await self._complete(
+            request,
+            ChatCompletionRequest,
+            chat_request,
+            self.generation.start_chat,
+            lambda req, rid: ChatOutput(f"chatcmpl-{rid}", self.model_name, logprobs=req.logprobs),
+        )
 
     async def completions(self, request: Request) -> Response:
+        return await self._complete(
+            request,
+            CompletionRequest,
+            generate_request,
+            self.generation.start_generate,
+            lambda req, rid: CompletionOutput(
+                f"cmpl-{rid}", self.model_name, logprobs=req.logprobs is not None
+            ),
+        )
+
+    async def _complete(self, request, model, to_message, start, make_output) -> Response:
+        """One OpenAI request: parse, turn into the gRPC door's message, start it through
+        the servicer, answer whole or as server-sent events."""
         names = FieldNames()
         try:
-            req = self._parse(CompletionRequest, await self._json(request))
+            req = self._parse(model, await self._json(request))
             request_id = _request_id(request)
-            message, names = generate_request(req, request_id)
+            message, names = to_message(req, request_id)
             names.set("request_id", REQUEST_ID_HEADER)
-            started = await self.generation.start_generate(message, request_id)
+            started = await start(message, request_id)
         except FrontendError as exc:
             raise from_frontend(exc, names.openai) from None
-        logprobs = req.logprobs is not None
-        output = CompletionOutput(f"cmpl-{request_id}", self.model_name, logprobs=logprobs)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         relay = _Relay(self.server, request_id, started)
+        output = make_output(req, request_id)
         return await self._respond(request, relay, output, names, req.stream, include_usage)
 
     async def models(self) -> dict[str, Any]:
