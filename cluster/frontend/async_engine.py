@@ -375,8 +375,13 @@ class AsyncEngine:
         self._error = failure
         batch += [(rid, failure) for rid in live]
         live.clear()
-        self._send(self._deliver, batch)
-        self._send(self._fatal, failure)
+        # One callback: readiness must drop before any stream's handler can run on the
+        # error (two sends would let the loop serve the error between them).
+        self._send(self._deliver_then_fatal, batch, failure)
+
+    def _deliver_then_fatal(self, batch: list, failure: EngineFailed) -> None:
+        self._deliver(batch)
+        self._fatal(failure)
 
     def _refuse(self, commands: list[tuple]) -> None:
         """Answers commands that arrive after the engine stopped: nobody may wait forever."""
