@@ -244,24 +244,45 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.decode_context_parallel_size
 
 
-SPEC_METHODS = ("ngram", "draft_model", "eagle")
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "dflash")
+# Methods whose drafter is a separate checkpoint directory (`model`); `mtp` reads the
+# target's own `mtp.*` tensors and `ngram` has no weights.
+SPEC_METHODS_WITH_MODEL = ("draft_model", "eagle", "eagle3", "dflash")
+SPEC_PLACEMENTS = ("local", "remote")
 
 
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding: a proposer drafts tokens that the target verifies in one step.
 
-    Given as `speculative_config={"method": "ngram", "num_speculative_tokens": 3}`.
+    Given as `speculative_config={"method": "ngram", "num_speculative_tokens": 3}` or
+    `{"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}` (vLLM's names).
     """
 
     method: str | None = None
     num_speculative_tokens: int = 0
-    # draft_model: a checkpoint with the target's tokenizer; eagle: a KvloomEagleHead dir
+    # The drafter's checkpoint directory (vLLM's key). draft_model: a model with the
+    # target's tokenizer; eagle: a KvloomEagleHead dir; eagle3 / dflash: published heads.
+    model: str | None = None
+    # Older spelling of `model`, kept so existing configs keep working.
     draft_model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    # "remote": the drafter runs in its own Ray actor (issue 21 item 4).
+    placement: str = "local"
 
     def __post_init__(self) -> None:
+        if self.model is not None and self.draft_model is not None:
+            require(
+                self.model == self.draft_model,
+                "speculative_config.model",
+                "the same directory as speculative_config.draft_model (give one of them)",
+                self.model,
+            )
+        model = self.model or self.draft_model
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)
+        self.model = self.draft_model = model
         if self.method is None:
             self.num_speculative_tokens = 0
             return
@@ -276,12 +297,18 @@ class SpeculativeConfig:
         require_int(
             "speculative_config.prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min
         )
-        if self.method in ("draft_model", "eagle"):
+        require(
+            self.placement in SPEC_PLACEMENTS,
+            "speculative_config.placement",
+            f"one of {SPEC_PLACEMENTS}",
+            self.placement,
+        )
+        if self.method in SPEC_METHODS_WITH_MODEL:
             require(
-                isinstance(self.draft_model, str) and Path(self.draft_model).is_dir(),
-                "speculative_config.draft_model",
+                isinstance(self.model, str) and Path(self.model).is_dir(),
+                "speculative_config.model",
                 "a checkpoint directory",
-                self.draft_model,
+                self.model,
             )
 
     @property

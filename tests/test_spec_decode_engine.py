@@ -181,7 +181,7 @@ def test_bad_speculative_config_names_the_field(tiny_model):
         )
     with pytest.raises(ValueError, match="speculative_config.method"):
         engine(tiny_model("qwen2"), speculative_config={"method": "eagle9"})
-    with pytest.raises(ValueError, match="draft_model"):
+    with pytest.raises(ValueError, match="speculative_config.model"):
         engine(
             tiny_model("qwen2"),
             speculative_config={"method": "draft_model", "num_speculative_tokens": 2},
@@ -382,3 +382,16 @@ def test_placeholder_slots_the_worker_cannot_fill_count_as_rejected(tiny_model):
     assert placeholder_steps(steps) > 0
     assert eng.stats()["spec_drafted_tokens"] == 0
     assert_pool_full(eng)
+
+
+def test_speculative_config_takes_vllms_model_key(tiny_model):
+    """`model` is vLLM's key for the drafter's directory; `draft_model` stays an alias."""
+    from kvloom.contracts.config import SpeculativeConfig
+
+    path = tiny_model("qwen2")
+    spec = SpeculativeConfig(method="draft_model", num_speculative_tokens=2, model=path)
+    assert spec.model == spec.draft_model == str(path)
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        SpeculativeConfig(method="eagle", num_speculative_tokens=2, model=path, draft_model="/x")
+    with pytest.raises(ValueError, match="speculative_config.placement"):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=2, placement="moon")

@@ -43,6 +43,7 @@ from kvloom.workers.spec_decode.carry import SpecCarry
 from kvloom.workers.spec_decode.draft_model import DRAFT_LAYER_OFFSET, DraftModel
 from kvloom.workers.spec_decode.drafter import DraftStep
 from kvloom.workers.spec_decode.eagle import EagleProposer
+from kvloom.workers.spec_decode.factory import build_drafter
 from kvloom.workers.spec_decode.ngram_proposer import NgramProposer
 from kvloom.workers.spec_decode.rejection_sampler import rejection_sample
 from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
@@ -142,25 +143,21 @@ class ModelRunner:
         spec_cfg = self.config.speculative
         if spec_cfg.method == "ngram":
             self.ngram = NgramProposer(spec_cfg.prompt_lookup_min, spec_cfg.prompt_lookup_max)
-        if spec_cfg.method in ("draft_model", "eagle"):
+        elif spec_cfg.method is not None:
             if self.dcp is not None:
                 raise ValueError(
                     f"speculative_config.method {spec_cfg.method!r} does not support "
                     "decode_context_parallel_size > 1 yet"
                 )
-            if spec_cfg.method == "draft_model":
-                self.draft = DraftModel(
-                    spec_cfg.draft_model,
-                    self.dtype,
-                    self.tp,
-                    self.device,
-                    int(self.config.model.text_config["vocab_size"]),
-                    progress=progress,
-                )
-            else:
-                self.draft = EagleProposer(
-                    spec_cfg.draft_model, model, self.dtype, self.tp, self.device, progress
-                )
+            self.draft = build_drafter(
+                spec_cfg,
+                model,
+                self.dtype,
+                self.tp,
+                self.device,
+                int(self.config.model.text_config["vocab_size"]),
+                progress,
+            )
         if self.dcp is not None:
             self._attach_dcp(model, model.kv_cache_specs(REPORTED_BLOCK_SIZE, self.dtype_name))
 
