@@ -12,16 +12,33 @@ from kvloom.cluster.chat_template import ChatTemplate
 from kvloom.cluster.engine import Engine, PromptInput
 from kvloom.cluster.engine_channel import RequestError
 from kvloom.cluster.outputs import RequestOutput
+from kvloom.cluster.tokenizer import Tokenizer
 from kvloom.contracts.sampling_params import SamplingParams
 
 
 class LLM:
     def __init__(self, model: str, progress: bool = True, **kwargs: Any):
-        self.engine = Engine(model=model, progress=progress, **kwargs)
+        """`data_parallel_size=N` (vLLM's name) runs N replicas on Ray, each its own
+        scheduler actor and TP × DCP grid, with requests routed between them as
+        `kvloom serve --data-parallel-size` does (`routing=` picks the policy)."""
+        if kwargs.get("data_parallel_size", 1) != 1 or "routing" in kwargs:
+            from kvloom.cluster.frontend.engine_builder import build_engine
+
+            self.engine = build_engine(progress=progress, model=model, **kwargs)
+        else:
+            kwargs.pop("data_parallel_size", None)
+            self.engine = Engine(model=model, progress=progress, **kwargs)
         self._chat_template: ChatTemplate | None = None
+        self._tokenizer = getattr(self.engine, "tokenizer", None)
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        if self._tokenizer is None:  # replicas tokenize in their own actors
+            self._tokenizer = Tokenizer(self.engine.config.model.model)
+        return self._tokenizer
+
+    def shutdown(self) -> None:
+        """Frees the engine's workers (and, with replicas, their Ray actors)."""
+        self.engine.shutdown()
 
     def chat(
         self,
