@@ -336,6 +336,15 @@ class EngineConfig:
         """Builds the config from the flat keyword arguments of `LLM(...)` / `Engine(...)`."""
         kwargs = dict(kwargs)
         device = kwargs.pop("device", "auto")
+        # Batch-invariant mode (ARCHITECTURE §7's name) is refused until it exists, rather
+        # than accepted and silently not honoured (invariant 10).
+        deterministic = kwargs.pop("deterministic", False)
+        require(
+            deterministic is False,
+            "deterministic",
+            "False (the batch-invariant mode is not built yet)",
+            deterministic,
+        )
         spec = kwargs.pop("speculative_config", None) or {}
         if isinstance(spec, SpeculativeConfig):
             speculative = spec
