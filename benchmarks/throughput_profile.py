@@ -130,7 +130,7 @@ def main() -> None:
         timer.wrap_submit(engine.executor, "submit")
         timer.wrap_submit(engine.executor, "execute_model")
         timer.wrap(engine.scheduler, "update_from_output", "update_from_output")
-        timer.wrap(engine.outputs, "process", "outputs.process")
+        timer.wrap(engine.output_processor, "process", "output_processor.process")
         step_ms, profiles = [], {}
         start = time.perf_counter()
         while engine.has_unfinished_requests():

@@ -156,6 +156,7 @@ def make_engine(model: str, args) -> Engine:
         enable_prefix_caching=getattr(args, "enable_prefix_caching", False),
         async_scheduling=False if getattr(args, "no_async_scheduling", False) else None,
         linear_state_dtype=getattr(args, "linear_state_dtype", "float32"),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
     )
     freeze_startup_objects()  # as `kvloom serve` does: the run is this engine's
     return engine
@@ -318,6 +319,7 @@ def run(args) -> dict:
         model=args.model or args.shape,
         dtype=args.dtype,
         linear_state_dtype=getattr(args, "linear_state_dtype", "float32"),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
     )
     return result

@@ -24,6 +24,11 @@ import time
 
 from kvloom.cluster.placement import place_grid
 from kvloom.cluster.ray_local import connect_ray, first_line
+from kvloom.cluster.spec_decode.drafter_actor import (
+    check_remote_placement,
+    drafter_answers,
+    start_drafter_actor,
+)
 from kvloom.contracts.config import EngineConfig
 from kvloom.contracts.kv_cache_plan import KVCacheMemory, KVCachePlan, KVCacheSpecs
 from kvloom.contracts.runner_output import ModelRunnerOutput
@@ -46,6 +51,10 @@ class RayExecutor:
         from kvloom.workers.ray_worker import WorkerActor
 
         self.config = config
+        self.drafter = None  # speculative_config.placement "remote": the drafter actor
+        remote_drafter = config.speculative.enabled and config.speculative.placement == "remote"
+        if remote_drafter:
+            check_remote_placement(config)
         world = config.parallel.world_size
         # CPU slots of an embedded Ray are logical: enough for any grid we start here.
         connect_ray(num_cpus_for_local=max(16, world + 1))
@@ -70,6 +79,9 @@ class RayExecutor:
         try:
             init_address = ray.get(self.actors[0].node_address.remote())
             self._call_all("setup", init_address)
+            if remote_drafter:
+                self.drafter = start_drafter_actor(config, self.use_gpu)
+                self._call_all("attach_drafter", self.drafter)
         except Exception:
             self.shutdown()
             raise
@@ -118,6 +130,10 @@ class RayExecutor:
         self.loop_refs = [
             a.run_loop.remote(self.publisher.address, self.results.address) for a in self.actors
         ]
+
+    def drafter_available(self) -> bool | None:
+        """Whether the remote drafter actor answers now (None: no remote drafter)."""
+        return None if self.drafter is None else drafter_answers(self.drafter)
 
     def _check_workers(self) -> None:
         """Raises WorkerFailure if any step loop ended. The first rank to fail is often a
@@ -206,6 +222,8 @@ class RayExecutor:
         finally:
             for actor in self.actors:
                 ray.kill(actor)
+            if self.drafter is not None:
+                ray.kill(self.drafter)
             self.placement.remove()
 
 

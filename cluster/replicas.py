@@ -1,10 +1,11 @@
 """Data-parallel replicas behind one front door (`kvloom serve --data-parallel-size N`).
 
 Each replica is a scheduler actor with its own TP × DCP worker grid, driven through its
-`RemoteEngine`. `ReplicaSet` has the same engine interface, so the front door's
-AsyncEngine runs on it unchanged: `add_request` routes (cluster/routing.py), `step` sends
-every replica what was queued for it and gathers the outputs that arrived from any of them,
-waiting on all their channels at once.
+`RemoteEngineCore`. `ReplicaSetCore` has the same engine-core interface: `add_request`
+routes (cluster/routing.py), `step` sends every replica what was queued for it and gathers
+the outputs that arrived from any of them, waiting on all their channels at once.
+`ReplicaSet` puts the front door's one output processor in front of it (cluster/engine.py
+`OutputEngine`), so the front door's AsyncEngine runs on it as on one engine.
 
 A replica that fails (its scheduler actor died, or its engine lost a worker) leaves routing
 at once; its requests end with `RequestError(replica_lost=True)` (UNAVAILABLE to clients),
@@ -25,10 +26,11 @@ from typing import Any
 
 import zmq
 
+from kvloom.cluster.engine import OutputEngine
 from kvloom.cluster.engine_channel import RequestError
-from kvloom.cluster.outputs import RequestOutput
+from kvloom.cluster.outputs import EngineCoreOutput
 from kvloom.cluster.routing import Router
-from kvloom.cluster.scheduler_actor import POLL_S, RemoteEngine, ReplicaFailed
+from kvloom.cluster.scheduler_actor import POLL_S, RemoteEngineCore, ReplicaFailed
 from kvloom.contracts.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -37,8 +39,8 @@ RESTART_ATTEMPTS = 3
 RESTART_BACKOFF_S = 2.0
 
 
-class ReplicaSet:
-    """Engine-like front of N replicas; use it from one thread (as RemoteEngine)."""
+class ReplicaSetCore:
+    """EngineCore-like front of N replicas; use it from one thread (as RemoteEngineCore)."""
 
     def __init__(
         self,
@@ -46,26 +48,26 @@ class ReplicaSet:
         num_replicas: int,
         routing: str = "prefix",
         restart: bool = True,
-        start_replica: Callable[[dict[str, Any]], RemoteEngine] = RemoteEngine,
+        start_replica: Callable[[dict[str, Any]], RemoteEngineCore] = RemoteEngineCore,
     ):
         self._kwargs = dict(engine_kwargs)
         self._start_replica = start_replica
         self.restart = restart
-        self.replicas: list[RemoteEngine | None] = self._start_all(num_replicas)
+        self.replicas: list[RemoteEngineCore | None] = self._start_all(num_replicas)
         first = self.replicas[0]
         self.config = first.config
         self.vocab_size = first.vocab_size
         self.router = Router(num_replicas, routing, first.hash_block_size)
         self._where: dict[str, int] = {}  # request id -> replica serving it
         self._errors: list[RequestError] = []  # failures to hand back from the next step
-        self._restarted: dict[int, RemoteEngine] = {}  # rebuilt, waiting to rejoin
+        self._restarted: dict[int, RemoteEngineCore] = {}  # rebuilt, waiting to rejoin
         self._restarts: dict[int, threading.Thread] = {}
         self._lock = threading.Lock()
         self.num_replica_failures = 0
         self._closed = False
         self._counter = itertools.count()
 
-    def _start_all(self, n: int) -> list[RemoteEngine | None]:
+    def _start_all(self, n: int) -> list[RemoteEngineCore | None]:
         """Starts the replicas side by side; if any fails, stops the others and raises."""
         with ThreadPoolExecutor(max_workers=n, thread_name_prefix="kvloom-replica") as pool:
             futures = [pool.submit(self._start_replica, dict(self._kwargs)) for _ in range(n)]
@@ -82,40 +84,52 @@ class ReplicaSet:
         return replicas
 
     # -- the Engine interface ------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        prompt: str | None = None,
+    ) -> None:
         request_id = str(request_id)
         if request_id in self._where:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
-            raise ValueError("prompt: the Ray-served engine takes {'prompt_token_ids': [...]}")
         self._rejoin_restarted()
-        index = self.router.choose(list(prompt["prompt_token_ids"]), prompt.get("cache_salt"))
+        index = self.router.choose(list(prompt_token_ids), cache_salt)
         if index is None:
             self._errors.append(
                 RequestError(request_id, "no model replica is up (restarting)", replica_lost=True)
             )
             return
         try:
-            self.replicas[index].add_request(request_id, prompt, params)
+            self.replicas[index].add_request(
+                request_id, prompt_token_ids, params, cache_salt, arrival_time
+            )
         except BaseException:
             self.router.finished(index)
             raise
         self._where[request_id] = index
 
-    def abort_request(self, request_id: str | list[str]) -> None:
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+    def abort_requests(self, request_ids: list[str], stopped: bool = False) -> list[str]:
+        """Ends the requests here at once and in their replicas with the next message."""
         by_replica: dict[int, list[str]] = {}
-        for rid in ids:
+        for rid in dict.fromkeys(request_ids):
             if rid in self._where:
-                by_replica.setdefault(self._where[rid], []).append(rid)
+                by_replica.setdefault(self._where.pop(rid), []).append(rid)
         for index, rids in by_replica.items():
-            self.replicas[index].abort_request(rids)
+            for _ in rids:
+                self.router.finished(index)
+            if self.replicas[index] is not None:
+                self.replicas[index].abort_requests(rids, stopped)
+        return [rid for rids in by_replica.values() for rid in rids]
 
-    def step(self) -> list[RequestOutput | RequestError]:
+    def step(self) -> list[EngineCoreOutput | RequestError]:
         """Outputs (and refusals, and failed replicas' requests) from every replica,
         waiting up to POLL_S on all their channels for the first."""
         self._rejoin_restarted()
-        results: list[RequestOutput | RequestError] = self._errors
+        results: list[EngineCoreOutput | RequestError] = self._errors
         self._errors = []
         busy = self._busy()
         self._gather(busy, results)
@@ -193,13 +207,12 @@ class ReplicaSet:
         # An output ending in error is the replica's failure only when the replica says it
         # failed; else it is the request's own (the KV cache cannot hold it).
         lost = (isinstance(out, RequestError) and out.engine_down) or (
-            isinstance(out, RequestOutput)
-            and out.finished
-            and out.outputs[0].finish_reason == "error"
+            isinstance(out, EngineCoreOutput)
+            and out.finish_reason == "error"
             and self.replicas[index].failure is not None
         )
         if lost:
-            reason = out.message if isinstance(out, RequestError) else out.outputs[0].stop_reason
+            reason = out.message if isinstance(out, RequestError) else out.stop_reason
             self._lose(index, str(reason))
             return
         if isinstance(out, RequestError) or out.finished:
@@ -240,7 +253,7 @@ class ReplicaSet:
         self._restarts[index] = thread
         thread.start()
 
-    def _rebuild(self, index: int, old: RemoteEngine | None) -> None:
+    def _rebuild(self, index: int, old: RemoteEngineCore | None) -> None:
         if old is not None:
             try:
                 old.shutdown()
@@ -285,3 +298,23 @@ def _merge(stats: list[dict[str, Any]]) -> dict[str, Any]:
         averaged = key.endswith(("_rate", "_usage", "_length")) or key == "block_size"
         merged[key] = sum(values) / len(values) if averaged else sum(values)
     return merged
+
+
+class ReplicaSet(OutputEngine):
+    """The Engine interface over N replicas: one output processor (this process's) in
+    front of a `ReplicaSetCore` (its attributes, e.g. `router`, `replicas`, read through)."""
+
+    def __init__(
+        self,
+        engine_kwargs: dict[str, Any],
+        num_replicas: int,
+        routing: str = "prefix",
+        restart: bool = True,
+        start_replica: Callable[[dict[str, Any]], RemoteEngineCore] = RemoteEngineCore,
+    ):
+        core = ReplicaSetCore(engine_kwargs, num_replicas, routing, restart, start_replica)
+        try:
+            super().__init__(core)
+        except BaseException:  # e.g. no tokenizer here: free the replicas
+            core.shutdown()
+            raise

@@ -16,6 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from kvloom.cluster.kv_cache.coordinator import KVCacheCoordinator
 from kvloom.cluster.request import Request, RequestStatus
+from kvloom.cluster.spec_decode.stats import AcceptanceCounts
 from kvloom.cluster.structured_outputs import GrammarCompilers, RequestGrammar
 from kvloom.contracts.config import SchedulerConfig, SpeculativeConfig
 from kvloom.contracts.runner_output import ModelRunnerOutput
@@ -56,6 +57,8 @@ class Scheduler:
         self.spec_drafted = 0
         self.spec_accepted = 0
         self.spec_steps = 0
+        # Accepted drafts by position, for /metrics (vLLM's ..._per_pos counters).
+        self.spec_counts = AcceptanceCounts()
         # Structured outputs: requests whose grammar is compiling (they enter the queue
         # when it is ready), and the matcher of each admitted one.
         self.grammars = grammars
@@ -453,6 +456,7 @@ class Scheduler:
         self.spec_drafted += drafted
         self.spec_accepted += accepted
         self.spec_steps += 1
+        self.spec_counts.add(drafted, accepted)
 
     def _propose(self, runner_out: ModelRunnerOutput) -> None:
         """The workers' drafts (every proposer runs there) for each running request in

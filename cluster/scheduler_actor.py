@@ -1,18 +1,20 @@
-"""The scheduler as a Ray actor, and the engine-like proxy the front door drives.
+"""The scheduler as a Ray actor, and the engine-core proxy the front door drives.
 
-`SchedulerActor` owns the Engine: scheduler, KV-cache coordinator and (through the Ray
+`SchedulerActor` owns the EngineCore: scheduler, KV-cache coordinator and (through the Ray
 executor it creates) the worker actors. Its `serve` call is the engine loop, the same one
-the in-process engine runs: take every command that arrived, step, send the step's output
-deltas. Commands and outputs travel over the zmq channels of `engine_channel` (set up once
-through Ray), so a burst of requests costs one message per loop turn, not one blocking Ray
-call each, and each step's tokens leave as soon as the step ends.
+the in-process engine runs: take every command that arrived, step, send the step's
+engine-core outputs (new token ids, no text). Commands and outputs travel over the zmq
+channels of `engine_channel` (set up once through Ray), so a burst of requests costs one
+message per loop turn, not one blocking Ray call each, and each step's tokens leave as soon
+as the step ends.
 
-`RemoteEngine` has the synchronous Engine's interface (`add_request`, `abort_request`,
-`step`, `has_unfinished_requests`, `stats`, `shutdown`), so the front door's AsyncEngine
-runs unchanged on top of it. Its `add_request` and `abort_request` do not wait: an add the
-engine refuses comes back from `step` as a `RequestError`, and an abort's final output
-comes back from `step` like any other. A dead scheduler actor raises `ReplicaFailed` from
-`step` within a poll interval of Ray noticing it.
+`RemoteEngineCore` has the EngineCore's interface (`add_request`, `abort_requests`, `step`,
+`has_unfinished_requests`, `stats`, `shutdown`); `RemoteEngine` puts the front door's
+output processor in front of it (cluster/engine.py `OutputEngine`), so it is driven as the
+in-process Engine is. Adds and aborts do not wait: an add the engine refuses comes back
+from `step` as a `RequestError`; an abort ends the request's stream here at once. A dead
+scheduler actor raises `ReplicaFailed` from `step` within a poll interval of Ray noticing
+it.
 """
 
 from __future__ import annotations
@@ -23,18 +25,17 @@ import threading
 import time
 from typing import Any
 
+from kvloom.cluster.engine import OutputEngine
 from kvloom.cluster.engine_channel import (
     AbortRequests,
     AddRequest,
     AskStats,
     Commands,
     Events,
-    OutputDecoder,
-    OutputEncoder,
     Rejection,
     RequestError,
 )
-from kvloom.cluster.outputs import RequestOutput
+from kvloom.cluster.outputs import EngineCoreOutput
 from kvloom.cluster.prompt_checks import check_prompt_token_ids
 from kvloom.contracts.sampling_params import SamplingParams
 from kvloom.contracts.step_channel import ResultChannel, ResultSender
@@ -72,10 +73,10 @@ class SchedulerActor:
     def start(self, engine_kwargs: dict[str, Any]):
         """Builds the engine; returns (config, command address, placement or None, the
         prefix cache's hash block size)."""
-        from kvloom.cluster.engine import Engine
+        from kvloom.cluster.engine_core import EngineCore
         from kvloom.contracts.gc_freeze import freeze_startup_objects
 
-        self.engine = Engine(**engine_kwargs)
+        self.engine = EngineCore(**engine_kwargs)
         freeze_startup_objects()  # the actor's process serves this one engine
         self._commands = ResultChannel(msg_type=Commands, host=_node_host())
         placement = getattr(self.engine.executor, "placement", None)
@@ -85,7 +86,6 @@ class SchedulerActor:
     def serve(self, events_address: str) -> None:
         """The engine loop; returns after `shutdown`. The only thread touching the engine."""
         sender = ResultSender(events_address)
-        encoder = OutputEncoder()
         failure_sent = False
         try:
             while not self._stop.is_set():
@@ -93,17 +93,17 @@ class SchedulerActor:
                 events = Events()
                 wait = 0.0 if engine.has_unfinished_requests() else IDLE_WAIT_S
                 for command in self._take_commands(wait):
-                    self._apply(command, events, encoder)
+                    self._apply(command, events)
                 if engine.has_unfinished_requests():
                     for out in engine.step():
                         if isinstance(out, RequestError):  # refused after admission
                             events.rejections.append(Rejection(out.request_id, out.message))
                         else:
-                            events.deltas.append(encoder.delta(out))
+                            events.outputs.append(out)
                 if engine.failure is not None and not failure_sent:
                     events.failure = engine.failure
                     failure_sent = True
-                if events.deltas or events.rejections or events.stats or events.failure:
+                if events.outputs or events.rejections or events.stats or events.failure:
                     sender.send(events)
         finally:
             sender.close()
@@ -128,15 +128,14 @@ class SchedulerActor:
             pass
         return commands
 
-    def _apply(self, command, events: Events, encoder: OutputEncoder) -> None:
+    def _apply(self, command, events: Events) -> None:
         engine = self.engine
         if isinstance(command, AddRequest):
-            prompt = {"prompt_token_ids": command.prompt_token_ids}
             arrival = time.monotonic() - command.age_s
             try:
                 engine.add_request(
                     command.request_id,
-                    prompt,
+                    command.prompt_token_ids,
                     command.params,
                     cache_salt=command.cache_salt,
                     arrival_time=arrival,
@@ -145,16 +144,15 @@ class SchedulerActor:
                 events.rejections.append(Rejection(command.request_id, str(err)))
             except RuntimeError as err:  # the engine is down (a worker died)
                 events.rejections.append(Rejection(command.request_id, str(err), True))
-        elif isinstance(command, AbortRequests):
-            for out in engine.abort_request(command.request_ids):
-                events.deltas.append(encoder.delta(out))
+        elif isinstance(command, AbortRequests):  # nothing to send: the front door ended them
+            engine.abort_requests(command.request_ids, stopped=command.stopped)
         elif isinstance(command, AskStats):
             events.stats[command.ask_id] = engine.stats()
 
 
-class RemoteEngine:
-    """Engine-like proxy of a SchedulerActor (what the front door's AsyncEngine drives).
-    Use it from one thread (its zmq sockets are not thread-safe)."""
+class RemoteEngineCore:
+    """EngineCore-like proxy of a SchedulerActor. Use it from one thread (its zmq sockets
+    are not thread-safe)."""
 
     def __init__(self, engine_kwargs: dict[str, Any]):
         import ray
@@ -180,9 +178,8 @@ class RemoteEngine:
             raise
         self.vocab_size = int(self.config.model.text_config["vocab_size"])
         self._pending: list = []
-        self._decoder = OutputDecoder()
         self._live: set[str] = set()
-        self._ready: list[RequestOutput | RequestError] = []
+        self._ready: list[EngineCoreOutput | RequestError] = []
         self._stats: dict[int, dict[str, Any]] = {}
         self._ask_ids = itertools.count()
         self._counter = itertools.count()
@@ -205,39 +202,39 @@ class RemoteEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: Any,
+        prompt_token_ids: list[int],
         params: SamplingParams,
+        cache_salt: str | None = None,
         arrival_time: float | None = None,
+        prompt: str | None = None,
     ) -> None:
         """Queues the request for the next `step` (raises ValueError for a bad one that can
         be told here; the engine's own refusals come back from `step`)."""
-        if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
-            raise ValueError("prompt: the Ray-served engine takes {'prompt_token_ids': [...]}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         request_id = str(request_id)
         if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_len = int(self.config.scheduler.max_model_len)
-        ids = check_prompt_token_ids(list(prompt["prompt_token_ids"]), self.vocab_size, max_len)
-        cache_salt = prompt.get("cache_salt")
+        ids = check_prompt_token_ids(list(prompt_token_ids), self.vocab_size, max_len)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         now = time.monotonic()
         age = 0.0 if arrival_time is None else max(0.0, now - arrival_time)
         self._pending.append(AddRequest(request_id, ids, params, cache_salt, age))
         self._live.add(request_id)
-        self._decoder.start(request_id, ids)
 
-    def abort_request(self, request_id: str | list[str]) -> None:
-        """Ends the requests; their final outputs (finish_reason "abort") come from `step`.
-        Returns None (not a list): nothing is final until the engine has answered."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        ids = [rid for rid in ids if rid in self._live]
+    def abort_requests(self, request_ids: list[str], stopped: bool = False) -> list[str]:
+        """Ends the requests here at once (outputs still in flight for them are dropped)
+        and in the engine with the next message. Returns the ids that were live."""
+        ids = [rid for rid in dict.fromkeys(request_ids) if rid in self._live]
         if ids:
-            self._pending.append(AbortRequests(ids))
+            self._live.difference_update(ids)
+            self._pending.append(AbortRequests(ids, stopped))
+            self._flush()  # now: nothing else may come to send it, and the blocks wait
+        return ids
 
-    def step(self, wait: float = POLL_S) -> list[RequestOutput | RequestError]:
+    def step(self, wait: float = POLL_S) -> list[EngineCoreOutput | RequestError]:
         """Sends what was queued, then returns the outputs (and refusals) that arrived,
         waiting up to `wait` for the first. Raises ReplicaFailed if the actor is gone
         (checked after a wait that saw nothing; with no wait, call `check_alive`)."""
@@ -300,17 +297,15 @@ class RemoteEngine:
         return got
 
     def _take(self, events: Events, results: list) -> None:
-        for delta in events.deltas:
-            out = self._decoder.apply(delta)
-            if out is None:
-                continue
+        for out in events.outputs:
+            if out.request_id not in self._live:
+                continue  # aborted here meanwhile, or from an earlier engine
             if out.finished:
                 self._live.discard(out.request_id)
             results.append(out)
         for rejection in events.rejections:
             if rejection.request_id in self._live:
                 self._live.discard(rejection.request_id)
-                self._decoder.forget(rejection.request_id)
                 results.append(
                     RequestError(rejection.request_id, rejection.message, rejection.engine_down)
                 )
@@ -352,3 +347,16 @@ class RemoteEngine:
             logger.debug("ray.kill of the scheduler actor: %s", err)
         if self._placement is not None:
             self._placement.remove()
+
+
+class RemoteEngine(OutputEngine):
+    """The Engine interface over a scheduler actor: this process's output processor in
+    front of a `RemoteEngineCore` (its attributes, e.g. `actor`, read through)."""
+
+    def __init__(self, engine_kwargs: dict[str, Any]):
+        core = RemoteEngineCore(engine_kwargs)
+        try:
+            super().__init__(core)
+        except BaseException:  # e.g. no tokenizer here: free the actor and its workers
+            core.shutdown()
+            raise

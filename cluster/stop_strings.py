@@ -16,6 +16,8 @@ class StopStringMatcher:
         self.include = include_stop_str_in_output
         self.max_len = max((len(s) for s in self.stops), default=0)
         self.searched = 0  # text length already searched
+        # Every proper prefix of a stop string: what a text may not end in when streamed.
+        self._prefixes = {stop[:k] for stop in self.stops for k in range(1, len(stop))}
 
     def check(self, text: str) -> tuple[str, str] | None:
         """Returns (truncated text, matched stop) if a stop string occurs, else None."""
@@ -36,8 +38,8 @@ class StopStringMatcher:
 
     def safe_length(self, text: str) -> int:
         """Length of the prefix of `text` that cannot be the start of a stop string."""
+        prefixes = self._prefixes
         for keep in range(min(self.max_len - 1, len(text)), 0, -1):
-            tail = text[-keep:]
-            if any(stop.startswith(tail) for stop in self.stops):
+            if text[-keep:] in prefixes:
                 return len(text) - keep
         return len(text)

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
+# vLLM's names; "fp8" is e4m3 (float8_e4m3fn), the format H100/H200 tensor cores read.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 def require(ok: bool, field_name: str, allowed: str, value: Any) -> None:
@@ -121,6 +123,14 @@ class ModelConfig:
         return nested
 
     @property
+    def quantization(self) -> dict | None:
+        """The checkpoint's own `quantization_config` (None: float weights); parsed and
+        validated when the workers build the model (workers/layers/quantization)."""
+        return self.hf_config.get("quantization_config") or self.text_config.get(
+            "quantization_config"
+        )
+
+    @property
     def architecture(self) -> str:
         archs = self.hf_config.get("architectures") or self.text_config.get("architectures")
         return archs[0]
@@ -156,6 +166,10 @@ class CacheConfig:
     # for float64 models) is exact across long decodes; "auto" (the model dtype, vLLM's
     # default) or "bfloat16"/"float16" halve the state's pages and its per-step traffic.
     linear_state_dtype: str = "float32"
+    # Dtype of attention KV pages (full, sliding-window, MLA latent): "auto" (the model
+    # dtype) or "fp8" / "fp8_e4m3" (float8_e4m3fn with the checkpoint's per-tensor k/v
+    # scales, else 1.0: docs/configuration.md). Linear state keeps `linear_state_dtype`.
+    kv_cache_dtype: str = "auto"
     # Linear-state checkpoints (prefix caching on hybrid models, docs/kv_cache_pages.md):
     # kept at the end of every finished or preempted request and of every prompt's
     # prefill, and every `linear_state_checkpoint_interval` tokens of a prefill (0: off;
@@ -195,6 +209,12 @@ class CacheConfig:
             "linear_state_dtype",
             f"one of {state_dtypes}",
             self.linear_state_dtype,
+        )
+        require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            f"one of {KV_CACHE_DTYPES}",
+            self.kv_cache_dtype,
         )
         if self.sanitize is None:
             self.sanitize = os.environ.get("KVLOOM_SANITIZE", "") not in ("", "0")

@@ -22,6 +22,10 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "1: capture decode CUDA graphs at tensor_parallel_size > 1 (the NCCL all-reduce "
         "inside the graph); off until a multi-GPU run verifies it",
     ),
+    "KVLOOM_DRAFTER_TIMEOUT_S": (
+        "2",
+        "seconds a target waits for a remote drafter's drafts before serving without them",
+    ),
 }
 
 
@@ -48,3 +52,7 @@ def placement_timeout_s() -> float:
 
 def multi_rank_cuda_graphs() -> bool:
     return get("KVLOOM_MULTI_RANK_CUDA_GRAPHS").strip().lower() in ("1", "true", "yes", "on")
+
+
+def drafter_timeout_s() -> float:
+    return _positive_float("KVLOOM_DRAFTER_TIMEOUT_S")

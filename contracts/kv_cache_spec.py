@@ -11,7 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+# The attention cache dtype `kv_cache_dtype="fp8"` stores (values divided by the layer's
+# per-tensor k/v scale): one byte per element, so pages hold twice the bf16 tokens.
+FP8_KV_DTYPE = "float8_e4m3fn"
 PAGE_ALIGN = 256  # bytes: every view into a shared page starts aligned for any dtype
 
 

@@ -18,23 +18,25 @@ class StructuredOutputsParams:
 
     json: a JSON schema (dict or JSON text); regex: a regular expression the whole output
     matches; choice: the output is one of these strings; grammar: an EBNF grammar
-    (GBNF-style, with a `root` rule); json_object: any JSON object. Compiled by
-    cluster/structured_outputs/ (xgrammar) off the engine loop."""
+    (GBNF-style, with a `root` rule); json_object: any JSON object; structural_tag:
+    xgrammar's structural-tag JSON text (what a forced tool_choice compiles to). Compiled
+    by cluster/structured_outputs/ (xgrammar) off the engine loop."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
-        names = ("json", "regex", "choice", "grammar")
+        names = ("json", "regex", "choice", "grammar", "structural_tag")
         given = [name for name in names if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object is True else []
         require(
             len(given) == 1,
             "structured_outputs",
-            "exactly one of json, regex, choice, grammar, json_object",
+            "exactly one of json, regex, choice, grammar, json_object, structural_tag",
             given or "none",
         )
         require(
@@ -56,7 +58,7 @@ class StructuredOutputsParams:
                 "a JSON schema (an object, or its JSON text)",
                 self.json,
             )
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None:
                 require(
@@ -78,8 +80,9 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """Which constraint is set: json, regex, choice, grammar or json_object."""
-        for name in ("json", "regex", "choice", "grammar"):
+        """Which constraint is set: json, regex, choice, grammar, structural_tag or
+        json_object."""
+        for name in ("json", "regex", "choice", "grammar", "structural_tag"):
             if getattr(self, name) is not None:
                 return name
         return "json_object"

@@ -3,7 +3,9 @@
 Same semantics as `kv_cache_write.write_kv_cache_ref`: token t goes to slot
 `slot_mapping[t] = block * block_size + offset`; a negative slot is a padding token and
 writes nothing. Values are cast to the cache's dtype, so the result is bitwise the
-reference's.
+reference's. An FP8 cache (float8_e4m3fn) gets the reference's quantization: in float32,
+times 1 / scale, clamped to +-448 with NaN kept, rounded to nearest even (the GPU's
+`cvt.rn` conversion).
 """
 
 from __future__ import annotations
@@ -18,6 +20,20 @@ from kvloom.kernels.arg_checks_triton import (
     check_same_device,
     next_power_of_2,
 )
+from kvloom.kernels.kv_cache_write import FP8_MAX, check_scale, is_fp8
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def _to_cache(x, inv_scale, dtype: tl.constexpr, QUANT: tl.constexpr):
+    """x as the cache stores it (kv_cache_write.quantize_kv)."""
+    if QUANT:
+        y = x.to(tl.float32) * inv_scale
+        y = tl.maximum(y, -_FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        y = tl.minimum(y, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        return y.to(dtype)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -35,6 +51,9 @@ def _write_kv_cache_kernel(
     stride_co,
     stride_ch,
     block_size,
+    k_inv_scale,
+    v_inv_scale,
+    QUANT: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
@@ -58,14 +77,21 @@ def _write_kv_cache_kernel(
         )
         dst = cache_ptr + block * stride_cb + offset * stride_co
         dst = dst + heads[:, None] * stride_ch + dims[None, :]
-        tl.store(dst, key.to(cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + stride_ckv, value.to(cache_ptr.dtype.element_ty), mask=mask)
+        dtype = cache_ptr.dtype.element_ty
+        tl.store(dst, _to_cache(key, k_inv_scale, dtype, QUANT), mask=mask)
+        tl.store(dst + stride_ckv, _to_cache(value, v_inv_scale, dtype, QUANT), mask=mask)
 
 
 def write_kv_cache_triton(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """key/value: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]; slot < 0 skips."""
+    """key/value: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]; slot < 0 skips.
+    k_scale / v_scale: the per-tensor scales of an FP8 cache (unused otherwise)."""
     if key.dim() != 3 or value.shape != key.shape:
         raise ValueError(
             f"key/value: expected equal shapes [T, Hkv, D], got {tuple(key.shape)} "
@@ -82,7 +108,11 @@ def write_kv_cache_triton(
             f"slot_mapping: expected int32/int64 of shape ({num_tokens},), "
             f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
         )
-    check_dtype("kv_cache", kv_cache)
+    quant = is_fp8(kv_cache.dtype)
+    if not quant:
+        check_dtype("kv_cache", kv_cache)
+    check_scale("k_scale", k_scale)
+    check_scale("v_scale", v_scale)
     check_dtype("key", key)
     check_dtype("value", value)
     check_same_device(key=key, value=value, kv_cache=kv_cache, slot_mapping=slot_mapping)
@@ -104,6 +134,9 @@ def write_kv_cache_triton(
         kv_cache.stride(2),
         kv_cache.stride(3),
         kv_cache.shape[2],
+        1.0 / k_scale,
+        1.0 / v_scale,
+        QUANT=quant,
         NUM_HEADS=num_heads,
         HEAD_DIM=head_dim,
         HEADS_PAD=next_power_of_2(num_heads),

@@ -18,14 +18,17 @@ mix of prefill chunks and decode rows, with the layout conventions of `paged_att
 row i owns queries q[query_start_loc[i]:query_start_loc[i+1]], the last tokens of a context of
 seq_lens[i] tokens already written to the cache.
 
-Cache layout: `latent_cache[block, offset_in_block, r + dr]` ([c | k_pe]).
+Cache layout: `latent_cache[block, offset_in_block, r + dr]` ([c | k_pe]). An FP8 cache
+(float8_e4m3fn, `kv_cache_dtype="fp8"`) holds the row divided by one per-tensor `kv_scale`
+(the layer's k_scale: the row is both key and value), multiplied back when read.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvloom.kernels.paged_attention import attention_over_context
+from kvloom.kernels.kv_cache_write import dequantize_kv, quantize_kv
+from kvloom.kernels.paged_attention import attention_over_context, compute_dtype
 
 
 def _check(field: str, ok: bool, message: str) -> None:
@@ -34,7 +37,11 @@ def _check(field: str, ok: bool, message: str) -> None:
 
 
 def write_mla_cache_ref(
-    latent: torch.Tensor, k_pe: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: float = 1.0,
 ) -> None:
     """latent [T, r], k_pe [T, dr] -> the cache rows at slot = block * block_size + offset;
     slot < 0 is padding (not written)."""
@@ -51,7 +58,7 @@ def write_mla_cache_ref(
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // block_size, slots % block_size
     row = torch.cat([latent[valid], k_pe[valid]], dim=-1)
-    latent_cache[blocks, offsets] = row.to(latent_cache.dtype)
+    latent_cache[blocks, offsets] = quantize_kv(row, latent_cache.dtype, kv_scale)
 
 
 def mla_attention_ref(
@@ -62,6 +69,7 @@ def mla_attention_ref(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    kv_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q_latent [T, H, r] (W_UK already absorbed), q_pe [T, H, dr]; returns
     (o_latent [T, H, r] in q_latent's dtype, lse [T, H] float32, natural log).
@@ -98,6 +106,7 @@ def mla_attention_ref(
         _check("seq_lens", context_len >= end - start, f"row {row} has fewer keys than queries")
         blocks = block_tables[row, : -(-context_len // block_size)].long()
         keys = latent_cache[blocks].flatten(0, 1)[:context_len].unsqueeze(1)  # [m, 1, r + dr]
+        keys = dequantize_kv(keys, compute_dtype(q_latent.dtype), kv_scale)
         q_pos = torch.arange(context_len - (end - start), context_len, device=q_latent.device)
         k_pos = torch.arange(context_len, device=q_latent.device)
         o, row_lse = attention_over_context(

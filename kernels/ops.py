@@ -17,7 +17,7 @@ from kvloom.kernels.dispatch import TRITON_DTYPES, use_triton
 from kvloom.kernels.gated_rms_norm import gated_rms_norm_ref
 from kvloom.kernels.gdn_gates import gdn_gates_ref
 from kvloom.kernels.gemv import GEMV_DISPATCH_MAX_M
-from kvloom.kernels.kv_cache_write import write_kv_cache_ref
+from kvloom.kernels.kv_cache_write import is_fp8, write_kv_cache_ref
 from kvloom.kernels.mla_attention import mla_attention_ref, write_mla_cache_ref
 from kvloom.kernels.paged_attention import paged_attention_ref
 from kvloom.kernels.rms_norm import rms_norm_ref
@@ -48,12 +48,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_ref(x)
 
 
-def write_kv_cache(key, value, kv_cache, slot_mapping) -> None:
-    if use_triton(key) and key.dtype == kv_cache.dtype:
+def _cache_readable(x: torch.Tensor, cache: torch.Tensor) -> bool:
+    """The Triton cache kernels take a cache of x's dtype or an FP8 one."""
+    return cache.dtype == x.dtype or is_fp8(cache.dtype)
+
+
+def write_kv_cache(key, value, kv_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
+    """Stores this step's keys / values (quantized by k_scale / v_scale in an FP8 cache)."""
+    if use_triton(key) and _cache_readable(key, kv_cache):
         from kvloom.kernels.kv_cache_write_triton import write_kv_cache_triton
 
-        return write_kv_cache_triton(key, value, kv_cache, slot_mapping)
-    return write_kv_cache_ref(key, value, kv_cache, slot_mapping)
+        return write_kv_cache_triton(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    return write_kv_cache_ref(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(
@@ -67,11 +73,13 @@ def paged_attention(
     kv_stride: int = 1,
     kv_offset: int = 0,
     max_query_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ):
     """The Triton kernel covers the whole cache (kv_stride 1); a DCP shard uses the reference.
     `max_query_len` (a true host-side bound, e.g. 1 for a decode-only step) lets the Triton
-    path skip the launch for long rows."""
-    if use_triton(q) and kv_stride == 1 and q.dtype == kv_cache.dtype:
+    path skip the launch for long rows. k_scale / v_scale dequantize an FP8 cache."""
+    if use_triton(q) and kv_stride == 1 and _cache_readable(q, kv_cache):
         from kvloom.kernels.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(
@@ -83,6 +91,8 @@ def paged_attention(
             scale,
             sliding_window,
             max_query_len=max_query_len,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     return paged_attention_ref(
         q,
@@ -94,6 +104,8 @@ def paged_attention(
         sliding_window,
         kv_stride=kv_stride,
         kv_offset=kv_offset,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -109,16 +121,18 @@ def latent_cache_as_kv(latent_cache: torch.Tensor) -> torch.Tensor:
     )
 
 
-def write_mla_cache(latent, k_pe, latent_cache, slot_mapping) -> None:
+def write_mla_cache(latent, k_pe, latent_cache, slot_mapping, kv_scale=1.0) -> None:
     """Writes each token's [latent | k_pe] row at its slot (slot < 0: padding, skipped);
-    on CUDA through the KV-write kernel, with no host sync (CUDA graphs)."""
-    if use_triton(latent) and latent.dtype == latent_cache.dtype:
+    on CUDA through the KV-write kernel, with no host sync (CUDA graphs). An FP8 cache
+    stores the row divided by kv_scale."""
+    if use_triton(latent) and _cache_readable(latent, latent_cache):
         from kvloom.kernels.kv_cache_write_triton import write_kv_cache_triton
 
         row = torch.cat([latent, k_pe.to(latent.dtype)], dim=-1).unsqueeze(1)
         # Keys and values alias one row: both writes store the same bytes.
-        return write_kv_cache_triton(row, row, latent_cache_as_kv(latent_cache), slot_mapping)
-    return write_mla_cache_ref(latent, k_pe, latent_cache, slot_mapping)
+        cache = latent_cache_as_kv(latent_cache)
+        return write_kv_cache_triton(row, row, cache, slot_mapping, kv_scale, kv_scale)
+    return write_mla_cache_ref(latent, k_pe, latent_cache, slot_mapping, kv_scale)
 
 
 def mla_attention(
@@ -130,12 +144,13 @@ def mla_attention(
     seq_lens,
     scale,
     max_query_len: int | None = None,
+    kv_scale: float = 1.0,
 ):
     """Absorbed MLA attention -> o_latent [T, H, r]. On CUDA the paged attention kernel
     over the latent cache seen as keys = values (`latent_cache_as_kv`): lengths stay on
     the device (CUDA graphs); it also computes the k_pe part of the values, which is
-    dropped. Elsewhere the reference."""
-    if use_triton(q_latent) and q_latent.dtype == latent_cache.dtype:
+    dropped. Elsewhere the reference. kv_scale dequantizes an FP8 cache."""
+    if use_triton(q_latent) and _cache_readable(q_latent, latent_cache):
         from kvloom.kernels.paged_attention_triton import paged_attention_triton
 
         rank = q_latent.shape[-1]
@@ -148,10 +163,12 @@ def mla_attention(
             seq_lens,
             scale,
             max_query_len=max_query_len,
+            k_scale=kv_scale,
+            v_scale=kv_scale,
         )
         return out[..., :rank]
     return mla_attention_ref(
-        q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, scale
+        q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, scale, kv_scale
     )[0]
 
 
@@ -347,3 +364,68 @@ def greedy_argmax(logits):
 
         return greedy_argmax_triton(logits)
     return greedy_argmax_ref(logits)
+
+
+def apply_token_bitmask_(logits, bitmask, rows=None):
+    """In place: -inf at every token the int32 bitmask of `rows[m]`'s mask m disallows
+    (kernels/token_bitmask.py). One launch on CUDA, no host sync."""
+    if use_triton(logits):
+        from kvloom.kernels.token_bitmask_triton import apply_token_bitmask_triton
+
+        return apply_token_bitmask_triton(logits, bitmask, rows)
+    from kvloom.kernels.token_bitmask import apply_token_bitmask_ref
+
+    return apply_token_bitmask_ref(logits, bitmask, rows)
+
+
+# -- quantized weights (workers/layers/quantization) ---------------------------------------
+
+
+def fp8_linear(x, w_q, w_s, group_size, input_scale=None, bias=None, out_dtype=None):
+    """y = x W^T for e4m3 W with per-row group scales, activations quantized to e4m3
+    (kernels/fp8_gemm.py). Triton on CUDA, else the reference."""
+    if use_triton(x) and input_scale is None:
+        from kvloom.kernels.fp8_gemm_triton import fp8_linear_triton
+
+        return fp8_linear_triton(x, w_q, w_s, group_size, bias, out_dtype)
+    from kvloom.kernels.fp8_gemm import fp8_linear_ref
+
+    return fp8_linear_ref(x, w_q, w_s, group_size, input_scale, bias, out_dtype)
+
+
+def w4a16_linear(x, packed, scale, group_size, bias=None, out_dtype=None):
+    """y = x W^T for int4 group-quantized W, dequantized in the kernel (w4a16_gemm.py)."""
+    if use_triton(x):
+        from kvloom.kernels.w4a16_gemm_triton import w4a16_linear_triton
+
+        return w4a16_linear_triton(x, packed, scale, group_size, bias, out_dtype)
+    from kvloom.kernels.w4a16_gemm import w4a16_linear_ref
+
+    return w4a16_linear_ref(x, packed, scale, group_size, bias, out_dtype)
+
+
+def w4a16_fused_moe(hidden, w13_packed, w13_scale, w2_packed, w2_scale, group, weights, ids):
+    """Routed experts with int4 weights; the route block size is chosen by token count
+    and every choice gives the same bits (invariant 7)."""
+    if use_triton(hidden):
+        from kvloom.kernels.w4a16_moe_triton import w4a16_fused_moe_triton
+
+        return w4a16_fused_moe_triton(
+            hidden, w13_packed, w13_scale, w2_packed, w2_scale, group, weights, ids
+        )
+    from kvloom.kernels.w4a16_moe import w4a16_fused_moe_ref
+
+    return w4a16_fused_moe_ref(
+        hidden, w13_packed, w13_scale, w2_packed, w2_scale, group, weights, ids
+    )
+
+
+def fp8_fused_moe(hidden, w13_q, w13_s, w2_q, w2_s, group13, group2, weights, ids):
+    """Routed experts with e4m3 weights and activations (kernels/fp8_moe.py)."""
+    if use_triton(hidden):
+        from kvloom.kernels.fp8_moe_triton import fp8_fused_moe_triton
+
+        return fp8_fused_moe_triton(hidden, w13_q, w13_s, w2_q, w2_s, group13, group2, weights, ids)
+    from kvloom.kernels.fp8_moe import fp8_fused_moe_ref
+
+    return fp8_fused_moe_ref(hidden, w13_q, w13_s, w2_q, w2_s, group13, group2, weights, ids)

@@ -10,6 +10,9 @@ Cache layout: `kv_cache[0 or 1, block, offset_in_block, kv_head, head_dim]` (0 =
 1 = value); the token at position p of row i lives in block `block_tables[i, p // B]` at
 offset `p % B`.
 
+An FP8 cache (float8_e4m3fn) holds keys / values divided by the per-tensor `k_scale` /
+`v_scale`; they are multiplied back in the compute dtype before attention.
+
 Returns the attention output and its log-sum-exp (natural log, float32, [tokens, q_heads])
 so partial results over disjoint key sets can be merged exactly (decode context
 parallelism); rows with no keys get lse = -inf and output 0.
@@ -18,6 +21,8 @@ parallelism); rows with no keys get lse = -inf and output 0.
 from __future__ import annotations
 
 import torch
+
+from kvloom.kernels.kv_cache_write import dequantize_kv
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -81,6 +86,8 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     kv_stride: int = 1,
     kv_offset: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D]; returns (out [T, Hq, D] in q's dtype, lse [T, Hq] float32).
 
@@ -105,7 +112,9 @@ def paged_attention_ref(
         # blocks may already be freed (NaN under the sanitizer) and 0 * NaN is NaN.
         first_k_pos = 0 if sliding_window is None else max(0, first_q_pos - sliding_window + 1)
         first_local = max(0, -(-(first_k_pos - kv_offset) // kv_stride))
-        keys, values = keys[first_local:], values[first_local:]
+        acc = compute_dtype(q.dtype)
+        keys = dequantize_kv(keys[first_local:], acc, k_scale)
+        values = dequantize_kv(values[first_local:], acc, v_scale)
         k_pos = kv_offset + kv_stride * torch.arange(first_local, num_local, device=q.device)
         o, row_lse = attention_over_context(
             q[start:end], keys, values, q_pos, k_pos, scale, sliding_window

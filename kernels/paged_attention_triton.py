@@ -26,6 +26,12 @@ chunks) run as two launches of the same kernel, each skipping the other's rows. 
 tiling a row gets depends on its own query length only, so a row's result is bitwise the
 same whatever else is batched with it (tested).
 
+FP8 cache (`kv_cache_dtype="fp8"`, float8_e4m3fn pages holding values / scale): tiles are
+loaded as one byte per element and widened exactly to the query's dtype (every e4m3 value
+is a bfloat16, float16 and float32 value), so the dots run as for a cache of q's dtype;
+`k_scale` is folded into the score scale and `v_scale` applied to the output once,
+instead of scaling every cached element.
+
 Split-KV (`num_kv_splits > 1`): each program's tile range is cut into that many
 contiguous pieces, each written as a float32 partial result with its lse, and the pieces
 are merged by the log-sum-exp merge (`merge_attention_states_triton`). Meant for decode
@@ -49,6 +55,7 @@ from kvloom.kernels.arg_checks_triton import (
     check_same_device,
     next_power_of_2,
 )
+from kvloom.kernels.kv_cache_write import check_scale, is_fp8
 from kvloom.kernels.merge_attention_states_triton import merge_attention_states_triton
 
 LOG2E = 1.4426950408889634
@@ -84,6 +91,14 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
 
 
+@triton.jit
+def _widen(x, dtype: tl.constexpr, KV_FP8: tl.constexpr):
+    """An FP8 cache tile in the query's dtype (exact: through float32)."""
+    if KV_FP8:
+        return x.to(tl.float32).to(dtype)
+    return x
+
+
 # Lengths change every step: no recompiles for their values (e.g. 1 or multiples of 16).
 @triton.jit(do_not_specialize=["num_rows", "num_tokens", "window"])
 def _paged_attention_kernel(
@@ -95,6 +110,7 @@ def _paged_attention_kernel(
     out_ptr,
     lse_ptr,
     scale_log2,
+    v_scale,
     num_rows,
     num_tokens,
     window,
@@ -124,6 +140,7 @@ def _paged_attention_kernel(
     SHORT_ROW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -188,6 +205,7 @@ def _paged_attention_kernel(
                 mask=k_ok[None, :] & dim_ok[:, None],
                 other=0.0,
             )
+            k = _widen(k, q.dtype, KV_FP8)
             s = _dot(q, k, DOT_PRECISION, DOT_UPCAST) * scale_log2
             visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
             if HAS_WINDOW:
@@ -204,12 +222,15 @@ def _paged_attention_kernel(
                 mask=k_ok[:, None] & dim_ok[None, :],
                 other=0.0,
             )
+            v = _widen(v, q.dtype, KV_FP8)
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
             m_i = m_new
 
         has_keys = l_i > 0.0
         l_safe = tl.where(has_keys, l_i, 1.0)
         out = acc / l_safe[:, None]
+        if KV_FP8:
+            out = out * v_scale
         lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         split64 = split.to(tl.int64)
         out_ptrs = out_ptr + split64 * stride_os + token[:, None] * stride_ot
@@ -280,8 +301,10 @@ def _check_args(q, kv_cache, block_tables, query_start_loc, seq_lens, sliding_wi
             f"q: {num_q_heads} query heads is not a multiple of kv_cache's {num_kv_heads}"
         )
     check_dtype("q", q)
-    if kv_cache.dtype != q.dtype:
-        raise ValueError(f"kv_cache: dtype {kv_cache.dtype} differs from q's {q.dtype}")
+    if kv_cache.dtype != q.dtype and not is_fp8(kv_cache.dtype):
+        raise ValueError(
+            f"kv_cache: dtype {kv_cache.dtype} is neither q's {q.dtype} nor float8_e4m3fn"
+        )
     if seq_lens.dim() != 1:
         raise ValueError(f"seq_lens: expected [num_rows], got shape {tuple(seq_lens.shape)}")
     num_rows = seq_lens.shape[0]
@@ -336,11 +359,14 @@ def _launch(
     out,
     lse,
     plan,
+    k_scale=1.0,
+    v_scale=1.0,
 ):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
     group = num_q_heads // num_kv_heads
     num_rows = seq_lens.shape[0]
+    fp8 = is_fp8(kv_cache.dtype)
     split_stride_out = out.stride(0) if num_splits > 1 else 0
     split_stride_lse = lse.stride(0) if num_splits > 1 else 0
     out_t, lse_t = (out[0], lse[0]) if num_splits > 1 else (out, lse)
@@ -353,7 +379,8 @@ def _launch(
         seq_lens,
         out,
         lse,
-        float(scale) * LOG2E,
+        float(scale) * LOG2E * (k_scale if fp8 else 1.0),
+        float(v_scale),
         num_rows,
         num_tokens,
         sliding_window or 0,
@@ -383,6 +410,7 @@ def _launch(
         SHORT_ROW=short_row,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=q.dtype == torch.bfloat16 and _interpreted(_paged_attention_kernel),
+        KV_FP8=fp8,
         num_warps=plan["num_warps"],
         num_stages=plan["num_stages"],
     )
@@ -401,6 +429,8 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     max_query_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     _plan_override: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D]; returns (out [T, Hq, D] in q's dtype, lse [T, Hq] float32).
@@ -410,9 +440,12 @@ def paged_attention_triton(
     bound on the rows' query lengths (1 for a decode batch), skips the launch for long rows
     when none can exist; a true bound never changes a result, a false one leaves longer
     rows unwritten. No host sync: lengths stay on the device. Rows must not need more pages
-    than `block_tables` has columns.
+    than `block_tables` has columns. `k_scale` / `v_scale`: the per-tensor scales of an FP8
+    cache (unused for other cache dtypes).
     """
     _check_args(q, kv_cache, block_tables, query_start_loc, seq_lens, sliding_window)
+    check_scale("k_scale", k_scale)
+    check_scale("v_scale", v_scale)
     if max_query_len is not None and (
         isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 0
     ):
@@ -453,14 +486,15 @@ def paged_attention_triton(
             (num_kv_splits, num_tokens, num_q_heads), dtype=torch.float32, device=q.device
         )
     args = (q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window)
+    scales = (k_scale, v_scale)
     if _plan_override is not None:
-        _launch(ROWS_ALL, 0, *args, num_kv_splits, dst_out, dst_lse, _plan_override)
+        _launch(ROWS_ALL, 0, *args, num_kv_splits, dst_out, dst_lse, _plan_override, *scales)
     else:
         short, long = _plans(num_q_heads // kv_cache.shape[3], head_dim, q.dtype)
         short_row = short["BLOCK_Q"]
-        _launch(ROWS_SHORT, short_row, *args, num_kv_splits, dst_out, dst_lse, short)
+        _launch(ROWS_SHORT, short_row, *args, num_kv_splits, dst_out, dst_lse, short, *scales)
         if max_query_len is None or max_query_len > short_row:
-            _launch(ROWS_LONG, short_row, *args, num_kv_splits, dst_out, dst_lse, long)
+            _launch(ROWS_LONG, short_row, *args, num_kv_splits, dst_out, dst_lse, long, *scales)
     if num_kv_splits == 1:
         return out, lse
     return merge_attention_states_triton(dst_out, dst_lse, out=out, out_lse=lse)
@@ -496,6 +530,8 @@ def paged_attention_split_kv_triton(
     num_kv_splits: int | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV paged attention for long-context decode at small batch.
 
@@ -521,4 +557,6 @@ def paged_attention_split_kv_triton(
         out=out,
         lse=lse,
         max_query_len=max_query_len,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )

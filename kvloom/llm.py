@@ -12,6 +12,11 @@ from kvloom.cluster.chat_template import ChatTemplate
 from kvloom.cluster.engine import Engine, PromptInput
 from kvloom.cluster.engine_channel import RequestError
 from kvloom.cluster.outputs import RequestOutput
+from kvloom.cluster.structured_outputs.tool_call_grammar import (
+    default_tool_call_parser,
+    forced_tool_choice,
+    tool_choice_constraint,
+)
 from kvloom.cluster.tokenizer import Tokenizer
 from kvloom.contracts.sampling_params import SamplingParams
 
@@ -50,14 +55,26 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        tool_call_parser: str | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, rendered with the model's chat
         template (its BOS included; tools given to the template) and generated as
-        `generate` does. The outputs' text is the raw completion, as vLLM's."""
+        `generate` does. The outputs' text is the raw completion, as vLLM's.
+
+        `tool_choice` as OpenAI's: "auto" (or None), "none" (the tools are not rendered),
+        "required" or {"type": "function", "function": {"name": ...}}; the last two are
+        enforced by a grammar of the calls in `tool_call_parser`'s format (by default the
+        one the server would pick for this model; docs/structured_outputs.md)."""
         conversations = (
             [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         )
         template = self._template()
+        tools, forced = forced_tool_choice(tools, tool_choice)
+        if forced is not None:
+            sampling_params = self._constrain_to_tools(
+                sampling_params, tools, forced, tool_call_parser
+            )
         tokenizer = self.get_tokenizer()
         prompts = []
         for conversation in conversations:
@@ -71,6 +88,27 @@ class LLM:
             ids = tokenizer.encode(rendered.text, add_special_tokens=False)
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _constrain_to_tools(self, sampling_params, tools, forced, tool_call_parser):
+        parser = tool_call_parser or default_tool_call_parser(
+            self.engine.config.model.model, self._template()
+        )
+        if parser is None:
+            raise ValueError(
+                "tool_call_parser: no known tool-call format for this model; name one "
+                "to force tool_choice"
+            )
+        constraint = tool_choice_constraint(parser, tools, None if forced is True else forced)
+        params = sampling_params or SamplingParams()
+        many = isinstance(params, list)
+        constrained = []
+        for p in params if many else [params]:
+            if p.structured_outputs is not None:
+                raise ValueError(
+                    "tool_choice: a forced tool choice cannot be combined with structured outputs"
+                )
+            constrained.append(replace(p, structured_outputs=constraint))
+        return constrained if many else constrained[0]
 
     def _template(self) -> ChatTemplate:
         if self._chat_template is None:

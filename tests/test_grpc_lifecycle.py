@@ -220,11 +220,11 @@ class FailingEngine:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def step(self):
+    def step_deltas(self):
         if self._fail.is_set():
             self._fail.clear()
             raise RuntimeError("the device fell off the bus")
-        return self._engine.step()
+        return self._engine.step_deltas()
 
 
 def fail_mid_stream(client: Client, fail: threading.Event) -> ServerError:

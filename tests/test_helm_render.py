@@ -232,6 +232,26 @@ def test_one_data_parallel_replica_adds_no_flags():
     assert "--data-parallel-size" not in args and "--routing" not in args
 
 
+def test_speculative_config_reaches_serve_as_one_json_argument():
+    """engine.speculativeConfig renders as `--speculative-config JSON`, the value the CLI
+    parses back to the same object; empty (the default) adds no flag."""
+    import json
+
+    from kvloom.cluster.commands.serve import parse_speculative_config
+
+    spec = {
+        "method": "draft_model",
+        "model": "/models/draft",
+        "num_speculative_tokens": 3,
+        "placement": "remote",
+    }
+    args = serve_args(manifests(render({"engine": {"speculativeConfig": spec}})))
+    assert args.count("--speculative-config") == 1
+    assert parse_speculative_config(flag(args, "--speculative-config")) == spec
+    assert json.loads(flag(args, "--speculative-config"))["num_speculative_tokens"] == 3
+    assert "--speculative-config" not in serve_args(manifests(render({})))
+
+
 @pytest.mark.parametrize(
     "values, message",
     [

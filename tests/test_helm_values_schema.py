@@ -53,6 +53,24 @@ BAD_VALUES = [
     ),
     ("max-num-seqs-zero", {"engine": {"maxNumSeqs": 0}}, "/engine/maxNumSeqs", "minimum"),
     (
+        "spec-method-unknown",
+        {"engine": {"speculativeConfig": {"method": "medusa", "num_speculative_tokens": 2}}},
+        "/engine/speculativeConfig/method",
+        "must be one of",
+    ),
+    (
+        "spec-tokens-zero",
+        {"engine": {"speculativeConfig": {"method": "ngram", "num_speculative_tokens": 0}}},
+        "/engine/speculativeConfig/num_speculative_tokens",
+        "minimum",
+    ),
+    (
+        "spec-key-unknown",
+        {"engine": {"speculativeConfig": {"method": "ngram", "num_speculative_token": 2}}},
+        "/engine/speculativeConfig",
+        "'num_speculative_token' not allowed",
+    ),
+    (
         "engine-key-misspelled",
         {"engine": {"tensorParallelSize": 2}},
         "/engine",

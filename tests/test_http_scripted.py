@@ -313,11 +313,11 @@ class _FailingScriptedEngine(ScriptedEngine):
 
     fail = threading.Event()
 
-    def step(self):
+    def step_deltas(self):
         if self.fail.is_set():
             self.fail.clear()
             raise RuntimeError("the device fell off the bus")
-        return super().step()
+        return super().step_deltas()
 
 
 def test_an_engine_failure_mid_stream_is_an_error_event(demo_tokenizer_dir):

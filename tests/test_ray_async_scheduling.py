@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvloom import Engine, SamplingParams
-from kvloom.cluster.engine import _use_async_scheduling
+from kvloom.cluster.engine_core import _use_async_scheduling
 from tests.engine_helpers import (
     PROMPTS,
     assert_pool_full,

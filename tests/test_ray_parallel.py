@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvloom import Engine
+from kvloom import Engine, SamplingParams
 from tests.engine_helpers import (
     PROMPTS,
     assert_pool_full,
@@ -66,7 +66,7 @@ def test_killed_worker_fails_every_request_fast(local_ray, dense_path):
 
 def test_scheduler_actor_serves_through_its_channels(local_ray, dense_path):
     """The scheduler runs in its own actor; the front door's proxy adds and aborts without
-    waiting, and outputs (deltas rebuilt into cumulative outputs) come back per step."""
+    waiting, and its engine-core outputs come back per step, made into text here."""
     from kvloom.cluster.engine_channel import RequestError
     from kvloom.cluster.scheduler_actor import RemoteEngine
 
@@ -91,16 +91,27 @@ def test_scheduler_actor_serves_through_its_channels(local_ray, dense_path):
             remote.add_request("bad", {"prompt_token_ids": [10**6]}, greedy(2))
         remote.add_request("salty", {"prompt_token_ids": [5, 6], "cache_salt": "a"}, greedy(2))
         remote.add_request("gone", {"prompt_token_ids": PROMPTS[7]}, greedy(50))
-        remote.abort_request("gone")
-        finals = {}
+        # A stop string is matched here, and the request is ended in the actor at once.
+        longest = max(range(len(PROMPTS)), key=lambda i: len(expected[i].outputs[0].text))
+        text = expected[longest].outputs[0].text
+        assert len(text) >= 4, text
+        stop = text[2:4]
+        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True, stop=[stop])
+        remote.add_request("stopped", {"prompt_token_ids": PROMPTS[longest]}, params)
+        # The abort ends the request here at once (its final output, text flushed).
+        finals = {out.request_id: out for out in remote.abort_request("gone")}
         while remote.has_unfinished_requests():
             for out in remote.step():
                 if isinstance(out, RequestError) or out.finished:
                     finals[out.request_id] = out
         assert finals["gone"].outputs[0].finish_reason == "abort"
         assert len(finals["salty"].outputs[0].token_ids) == 2
-        stats = remote.stats()
+        stopped = finals["stopped"].outputs[0]
+        assert (stopped.finish_reason, stopped.stop_reason) == ("stop", stop)
+        assert stopped.text == text[: text.index(stop)]
+        stats = remote.stats()  # answered after the actor took the stop's abort
         assert stats["num_free_blocks"] == stats["num_blocks"]
+        assert stats["num_running"] == 0 and stats["num_aborted"] == 1  # "gone" only
     finally:
         remote.shutdown()
 

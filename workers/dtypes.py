@@ -9,4 +9,5 @@ TORCH_DTYPES = {
     "float64": torch.float64,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,  # kv_cache_dtype="fp8" attention pages
 }

@@ -26,7 +26,9 @@ from kvloom.workers.cuda_graphs import DecodeGraphs, capture_sizes, graph_size_f
 from kvloom.workers.device_copy import to_device
 from kvloom.workers.dtypes import TORCH_DTYPES
 from kvloom.workers.input_batch import InputBatch
+from kvloom.workers.kv_cache_scales import KVCacheScales, has_kv_cache_scheme
 from kvloom.workers.layers.attention import PagedAttention
+from kvloom.workers.layers.quantization.build import build_model
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
 from kvloom.workers.memory_profile import CUDA_GRAPH_MARGIN, profile_memory
 from kvloom.workers.models.registry import model_class
@@ -43,7 +45,7 @@ from kvloom.workers.spec_decode.carry import SpecCarry
 from kvloom.workers.spec_decode.draft_model import DRAFT_LAYER_OFFSET, DraftModel
 from kvloom.workers.spec_decode.drafter import DraftStep
 from kvloom.workers.spec_decode.eagle import EagleProposer
-from kvloom.workers.spec_decode.factory import build_drafter
+from kvloom.workers.spec_decode.factory import build_drafter, check_drafter
 from kvloom.workers.spec_decode.ngram_proposer import NgramProposer
 from kvloom.workers.spec_decode.rejection_sampler import rejection_sample
 from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
@@ -126,19 +128,24 @@ class ModelRunner:
         self.step_bitmasks: dict[str, bytes] = {}  # this step's structured-output masks
 
     def load_model(self, progress: bool = True) -> None:
+        check_drafter(self.config.speculative, self.config.model)  # before the target loads
         klass = model_class(self.config.model.architecture)
-        with torch.device(self.device):
-            model = klass(self.config.model.text_config, self.dtype, self.tp)
+        # Float, or quantized as the checkpoint's quantization_config says.
+        model = build_model(klass, self.config.model, self.dtype, self.tp, self.device)
+        scales = KVCacheScales(
+            has_kv_cache_scheme(self.config.model.hf_config), klass.ignored_weight_prefixes
+        )
         if self.config.model.load_format == "dummy":
             fill_dummy_weights(model, self.config.model.seed)
         else:
             load_weights(
                 model,
-                iterate_checkpoint(Path(self.config.model.model), progress=progress),
+                scales.take(iterate_checkpoint(Path(self.config.model.model), progress=progress)),
                 klass.stacked_params,
                 klass.ignored_weight_prefixes,
                 model.tied,
             )
+        scales.apply(model.cache_layers(), self.config.cache.kv_cache_dtype)
         self.model = model.eval()
         spec_cfg = self.config.speculative
         if spec_cfg.method == "ngram":
@@ -157,6 +164,7 @@ class ModelRunner:
                 self.device,
                 int(self.config.model.text_config["vocab_size"]),
                 progress,
+                target_config=self.config.model,
             )
         if self.dcp is not None:
             self._attach_dcp(model, model.kv_cache_specs(REPORTED_BLOCK_SIZE, self.dtype_name))
@@ -256,6 +264,10 @@ class ModelRunner:
                 pages = allocate_pages(num_blocks, self.layout.private_page_bytes[key], self.device)
                 self.page_buffers.append(pages)
             layer.allocate_cache(pages, spec)
+        # A drafter in its own actor (remote_drafter.py) sizes its pages to this pool.
+        kv_cache_ready = getattr(self.draft, "kv_cache_ready", None)
+        if kv_cache_ready is not None:
+            kv_cache_ready(num_blocks, self.groups)
         sizes = self._graph_sizes()
         if capture_graphs and sizes:
             self.graphs = DecodeGraphs(
@@ -554,11 +566,18 @@ class ModelRunner:
             drafts=self.step_drafts,
             sampled=out.sampled_token_ids,
             finished=sched.finished_request_ids,
-            block_ids={rid: reqs[rid].block_ids for rid in out.sampled_token_ids},
+            # Every scheduled row's (a remote drafter rebuilds the whole batch from them).
+            block_ids={rid: reqs[rid].block_ids for rid in sched.num_scheduled_tokens},
             num_tokens={rid: self.step_sample_positions[rid] for rid in out.sampled_token_ids},
             slots_fn=self._slots,
             groups=self.groups,
             k=self.config.speculative.num_speculative_tokens,
+            # A prefill chunk short of the prompt's end: the prompt token after it.
+            next_tokens={
+                rid: reqs[rid].token_ids[end]
+                for rid, end in zip(sched.num_scheduled_tokens, batch.seq_lens_list)
+                if rid not in out.sampled_token_ids and end < len(reqs[rid].token_ids)
+            },
         )
         out.spec_token_ids.update(self.draft.run(step))
 

@@ -9,11 +9,11 @@ over the result channel.
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
 
 import torch
 
+from kvloom.contracts import envs
 from kvloom.contracts.config import EngineConfig
 from kvloom.contracts.gc_freeze import freeze_startup_objects
 from kvloom.contracts.kv_cache_plan import KVCacheMemory, KVCachePlan, KVCacheSpecs
@@ -52,7 +52,7 @@ class WorkerActor:
         )
         if not use_gpu:
             # One CPU slot per rank: keep torch from oversubscribing the cores.
-            torch.set_num_threads(max(1, int(os.environ.get("KVLOOM_WORKER_THREADS", "1"))))
+            torch.set_num_threads(max(1, int(envs.get("KVLOOM_WORKER_THREADS"))))
         self.worker: Worker | None = None
 
     def node_address(self) -> str:
@@ -80,6 +80,10 @@ class WorkerActor:
     def initialize_kv_cache(self, plan: KVCachePlan, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(plan, num_blocks)
         freeze_startup_objects()  # the worker process is fully built now
+
+    def attach_drafter(self, handle) -> None:
+        """speculative_config.placement "remote": the drafter actor this rank drafts with."""
+        self.worker.runner.draft.attach(handle)
 
     def health(self) -> bool:
         return self.worker is not None

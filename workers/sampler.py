@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.contracts.sampling_params import SamplingParams
-from kvloom.kernels.ops import greedy_argmax
+from kvloom.kernels.ops import apply_token_bitmask_, greedy_argmax
 from kvloom.workers.device_copy import to_device
 
 _MIX = 0x9E3779B97F4A7C15
@@ -71,53 +71,100 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowSamplingState]) -> None:
                 logits[i, to_device(banned, torch.long, device)] = float("-inf")
 
 
-_BYTE_BITS: dict[torch.device, torch.Tensor] = {}
+class _StagingSlot:
+    """Pinned host buffers, their device twins, and the event after the last copy."""
+
+    def __init__(self, num_words: int, num_rows: int, device: torch.device) -> None:
+        self.host_words = torch.empty(num_words, dtype=torch.int32, pin_memory=True)
+        self.host_rows = torch.empty(num_rows, dtype=torch.long, pin_memory=True)
+        self.words = torch.empty(num_words, dtype=torch.int32, device=device)
+        self.rows = torch.empty(num_rows, dtype=torch.long, device=device)
+        self.copied: torch.cuda.Event | None = None
+
+    def fits(self, num_words: int, num_rows: int) -> bool:
+        return self.host_words.numel() >= num_words and self.host_rows.numel() >= num_rows
 
 
-def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
-    """int32 bitmask words [R, W] -> allowed [R, vocab] (bit j of word i: token 32i + j).
-    Tokens past the mask's width are disallowed. Unpacked a byte at a time through a
-    [256, 8] table (words are little-endian, as on every device kvloom runs on)."""
-    table = _BYTE_BITS.get(words.device)
-    if table is None:
-        codes = torch.arange(256, device=words.device)
-        table = ((codes[:, None] >> torch.arange(8, device=words.device)) & 1).bool()
-        _BYTE_BITS[words.device] = table
-    allowed = table[words.contiguous().view(torch.uint8).long()].flatten(1)
-    if allowed.shape[1] >= vocab:
-        return allowed[:, :vocab]
-    pad = torch.zeros(allowed.shape[0], vocab - allowed.shape[1], dtype=torch.bool)
-    return torch.cat([allowed, pad.to(words.device)], dim=1)
+class BitmaskStaging:
+    """A step's token bitmasks and the logits rows they mask, staged in pinned host buffers
+    kept from step to step and copied to device buffers without waiting (grown when a step
+    needs more). Slots take turns, so a step staged while the previous one still runs
+    (async scheduling) never waits for it: a step stages at most twice (plain rows, then
+    draft lanes), and a slot is rewritten only once the copy out of it two steps back has
+    finished (an event, long done by then)."""
+
+    SLOTS = 4
+
+    def __init__(self) -> None:
+        self._slots: dict[torch.device, list[_StagingSlot | None]] = {}
+        self._turn = 0
+
+    def stage(
+        self, masks: list[bytes], rows: list[int], words: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int32 words [M, words], int64 rows [M]) on `device`; `masks` holds M masks of
+        `words` words in all (a row's lanes may sit in one bytes object)."""
+        joined = bytearray(b"".join(masks))
+        host = torch.frombuffer(joined, dtype=torch.int32).view(len(rows), words)
+        if device.type != "cuda":
+            return host.to(device), torch.tensor(rows, dtype=torch.long, device=device)
+        n, m = host.numel(), len(rows)
+        slots = self._slots.setdefault(device, [None] * self.SLOTS)
+        self._turn = (self._turn + 1) % self.SLOTS
+        slot = slots[self._turn]
+        if slot is not None and slot.copied is not None:
+            slot.copied.synchronize()  # its host buffers are free again
+        if slot is None or not slot.fits(n, m):
+            old = (0, 0) if slot is None else (slot.host_words.numel(), slot.host_rows.numel())
+            slot = _StagingSlot(max(n, 2 * old[0]), max(m, 2 * old[1]), device)
+            slots[self._turn] = slot
+        slot.host_words[:n].copy_(host.view(-1))
+        slot.host_rows[:m].copy_(torch.tensor(rows, dtype=torch.long))
+        slot.words[:n].copy_(slot.host_words[:n], non_blocking=True)
+        slot.rows[:m].copy_(slot.host_rows[:m], non_blocking=True)
+        slot.copied = torch.cuda.Event()
+        slot.copied.record()
+        return slot.words[:n].view(m, words), slot.rows[:m]
+
+
+_STAGING = BitmaskStaging()
 
 
 def apply_token_bitmasks(logits: torch.Tensor, rows: list[RowSamplingState]) -> None:
     """In place: -inf at every token a row's grammar disallows (rows without a mask are
-    left alone). One host->device copy of the masked rows' words and one masked fill."""
+    left alone). The masked rows' words go over in one non-blocking copy from a pinned
+    buffer; one kernel launch masks them (kernels/token_bitmask*.py). Nothing at all when
+    no row has a mask."""
     masked = [i for i, row in enumerate(rows) if row.token_bitmask is not None]
     if not masked:
         return
-    joined = bytearray(b"".join(rows[i].token_bitmask for i in masked))
-    words = torch.frombuffer(joined, dtype=torch.int32).view(len(masked), -1)
-    allowed = unpack_bitmask(to_device(words, torch.int32, logits.device), logits.shape[1])
-    if len(masked) == len(rows):
-        logits.masked_fill_(~allowed, float("-inf"))
-        return
-    index = to_device(masked, torch.long, logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    masks = [rows[i].token_bitmask for i in masked]
+    words = len(masks[0]) // 4  # the grammar's vocabulary; tokens past it are disallowed
+    bitmask, index = _STAGING.stage(masks, masked, words, logits.device)
+    apply_token_bitmask_(logits, bitmask, index)
 
 
 def apply_lane_bitmasks(logits: torch.Tensor, rows: list[RowSamplingState]) -> None:
     """In place, for draft verification: logits [R, K+1, V]; a row's mask holds one mask per
-    lane it samples (its drafts + 1), the lanes after them are padding and left alone."""
-    vocab = logits.shape[-1]
+    lane it samples (its drafts + 1), the lanes after them are padding and left alone.
+    All rows' lanes in one copy and one launch, as apply_token_bitmasks."""
+    num_rows, lanes, vocab = logits.shape
+    if not logits.is_contiguous():
+        raise ValueError("logits: lane bitmasks are applied to contiguous logits in place")
+    words = (vocab + 31) // 32
+    mask_bytes = 4 * words
+    masks: list[bytes] = []
+    index: list[int] = []
     for i, row in enumerate(rows):
         if row.token_bitmask is None:
             continue
-        words = torch.frombuffer(bytearray(row.token_bitmask), dtype=torch.int32)
-        words = words.view(-1, (vocab + 31) // 32)
-        allowed = unpack_bitmask(to_device(words, torch.int32, logits.device), vocab)
-        lanes = allowed.shape[0]
-        logits[i, :lanes] = logits[i, :lanes].masked_fill(~allowed, float("-inf"))
+        count = len(row.token_bitmask) // mask_bytes
+        masks.append(row.token_bitmask)
+        index.extend(i * lanes + lane for lane in range(count))
+    if not masks:
+        return
+    bitmask, index_t = _STAGING.stage(masks, index, words, logits.device)
+    apply_token_bitmask_(logits.view(num_rows * lanes, vocab), bitmask, index_t)
 
 
 def filter_probs(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -173,6 +220,12 @@ def sample_on_device(
         # One fused pass over the logits, same rules as below (NaN never wins, first +inf,
         # token 0 when nothing is selectable): no float copy, no [rows, vocab] temporaries.
         return greedy_argmax(logits), None
+    if max_logprobs < 0 and not penalised and all(r.params.greedy for r in rows):
+        # Greedy under grammars: the mask on a copy, then the same fused argmax (its rules
+        # are sanitize-then-argmax's), no float copy or sanitizing temporaries.
+        masked = logits.clone()
+        apply_token_bitmasks(masked, rows)
+        return greedy_argmax(masked), None
     raw_logprobs = torch.log_softmax(logits.float(), dim=-1) if max_logprobs >= 0 else None
     logits = logits.float()
     if penalised or constrained:

@@ -37,6 +37,15 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def checkpoint_keys(model_dir: Path) -> list[str]:
+    """Every tensor name in the checkpoint (headers only, no tensor is read)."""
+    keys: list[str] = []
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            keys.extend(f.keys())
+    return keys
+
+
 def iterate_checkpoint(
     model_dir: Path, progress: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:

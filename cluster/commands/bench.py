@@ -62,6 +62,12 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
         help="recurrent state of hybrid models (vLLM keeps it in the model dtype: auto)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8", "fp8_e4m3"),
+        help="attention KV pages: auto (the model dtype) or fp8 (float8_e4m3fn)",
+    )
+    parser.add_argument(
         "--no-async-scheduling", action="store_true", help="one step at a time (comparisons)"
     )
     parser.add_argument(

@@ -66,6 +66,13 @@ def register(subparsers) -> None:
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV pool size")
+    engine.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8", "fp8_e4m3"),
+        help="attention KV pages: auto (the model dtype) or fp8 (float8_e4m3fn with the "
+        "checkpoint's k/v scales, else 1.0: about twice the tokens in the same memory)",
+    )
     engine.add_argument("--no-prefix-caching", action="store_true")
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -74,6 +81,15 @@ def register(subparsers) -> None:
         "--no-async-scheduling",
         action="store_true",
         help="one step at a time (async scheduling is on by default for one in-process CUDA rank)",
+    )
+    engine.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="speculative decoding, as a JSON object with vLLM's keys, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 3}\' or '
+        '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}\'; '
+        '"placement": "remote" runs the drafter in its own Ray actor (docs/speculative.md)',
     )
     engine.add_argument(
         "--executor",
@@ -154,6 +170,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.no_async_scheduling:
         kwargs["async_scheduling"] = False
+    if args.speculative_config is not None:
+        kwargs["speculative_config"] = parse_speculative_config(args.speculative_config)
     if args.data_parallel_size != 1:
         kwargs.update(
             data_parallel_size=args.data_parallel_size,
@@ -164,7 +182,24 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["max_model_len"] = args.max_model_len
     if args.num_kv_blocks is not None:
         kwargs["num_kv_blocks"] = args.num_kv_blocks
+    if args.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     return kwargs
+
+
+def parse_speculative_config(text: str) -> dict[str, Any]:
+    """--speculative-config's JSON object (its keys are checked with the engine's)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config must be a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"--speculative-config must be a JSON object, got {type(value).__name__} {text!r}"
+        )
+    return value
 
 
 # Engine fields whose flag has another name: errors name the flag the user typed.
@@ -185,6 +220,9 @@ def flag_names(message: str) -> str:
     `--max-num-seqs must be ...` (the field at the start of the message becomes its flag)."""
     field, sep, rest = message.partition(" ")
     name = field.rstrip(":")
+    spec, dot, key = name.partition(".")
+    if spec == "speculative_config":  # a key of the flag's JSON object
+        return f"--speculative-config: {key + ' ' if dot else ''}{rest}"
     if not sep or not name.isidentifier():
         return message
     flag = FLAG_OF_FIELD.get(name) or "--" + name.replace("_", "-")

@@ -2,12 +2,18 @@
 
 The Engine is not thread-safe, so exactly one thread (started here) touches it. The event
 loop talks to that thread through an inbox of commands (add, abort, stats, stop); the thread
-drains the inbox, steps while there is work, and hands each step's RequestOutputs back to
+drains the inbox, steps while there is work, and hands each step's OutputDeltas back to
 the loop in one `call_soon_threadsafe` call. With no work it blocks on the inbox, so an idle
 server burns no CPU.
 
+The engine's `step_deltas` runs the front door's one output processor (detokenization, stop
+strings, which it aborts in the engine core at once): each stream gets per-step deltas,
+never cumulative outputs to diff. An abort ends the stream here at once with the request's
+final delta (held-back text flushed, invariant 8), whichever engine core runs it.
+
 The interface is deliberately small (`start`, `add`, `abort`, `stats`, `shutdown`, `config`);
-the engine underneath is the in-process Engine or a scheduler actor's `RemoteEngine`.
+the engine underneath is an `OutputEngine` (cluster/engine.py) over the in-process core, a
+scheduler actor's (`RemoteEngine`) or data-parallel replicas' (`ReplicaSet`).
 An engine failure (a step that raised, an output that ended in error because a worker
 died, a scheduler actor that died) ends every stream with `EngineFailed` and calls
 `on_fatal`; the engine is then shut down and this object refuses new requests.
@@ -23,13 +29,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any, Protocol
 
 from kvloom.cluster.engine_channel import RequestError
 from kvloom.cluster.frontend.errors import EngineDead, QueueFull, RequestIdInUse
 from kvloom.cluster.frontend.request_metrics import RequestMetrics
-from kvloom.cluster.outputs import CompletionOutput, RequestOutput
+from kvloom.cluster.outputs import OutputDelta
 from kvloom.cluster.scheduler_actor import ReplicaFailed
 from kvloom.contracts.sampling_params import SamplingParams
 
@@ -40,9 +45,8 @@ class EngineLike(Protocol):
     config: Any
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None: ...
-    # None: the final outputs come from later steps (a remote engine)
-    def abort_request(self, request_id: str | list[str]) -> list[RequestOutput] | None: ...
-    def step(self) -> list[RequestOutput | RequestError]: ...
+    def abort_deltas(self, request_ids: list[str]) -> list[OutputDelta]: ...
+    def step_deltas(self) -> list[OutputDelta | RequestError]: ...
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> dict[str, Any]: ...
     def shutdown(self) -> None: ...
@@ -65,27 +69,26 @@ _STOP = ("stop",)
 
 
 class RequestStream:
-    """The outputs of one request: an async iterator that ends after the finished output,
-    or raises the request's error. Outputs are cumulative, so when the
-    consumer falls behind, a backlog collapses to its newest output (nothing is lost) unless
-    `coalesce` is off."""
+    """The OutputDeltas of one request: an async iterator that ends after the finished
+    delta, or raises the request's error. When the consumer falls behind, a backlog of
+    deltas is merged into one (nothing is lost) unless `coalesce` is off."""
 
     def __init__(self, request_id: str, coalesce: bool = True) -> None:
         self.request_id = request_id
         self.coalesce = coalesce
         self.admitted_at = time.monotonic()
-        self._items: deque[RequestOutput | BaseException] = deque()
+        self._items: deque[OutputDelta | BaseException] = deque()
         self._ready = asyncio.Event()
         self._done = False
 
-    def _push(self, item: RequestOutput | BaseException) -> None:
+    def _push(self, item: OutputDelta | BaseException) -> None:
         self._items.append(item)
         self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> OutputDelta:
         if self._done:
             raise StopAsyncIteration
         while not self._items:
@@ -94,32 +97,17 @@ class RequestStream:
         item = self._items.popleft()
         while (
             self.coalesce
-            and isinstance(item, RequestOutput)
+            and isinstance(item, OutputDelta)
             and not item.finished
             and self._items
-            and isinstance(self._items[0], RequestOutput)
+            and isinstance(self._items[0], OutputDelta)
         ):
-            item = self._items.popleft()
+            item = item.merged(self._items.popleft())
         if isinstance(item, BaseException):
             self._done = True
             raise item
         self._done = item.finished
         return item
-
-
-def _abort_output(
-    finals: list[RequestOutput], last: RequestOutput | None, request_id: str, prompt_ids: list[int]
-) -> RequestOutput:
-    """The stream's last output: the engine's final output of the abort (text flushed,
-    invariant 8), or, where the engine made none, the last output marked aborted."""
-    for final in finals:
-        if final.request_id == request_id:
-            return final
-    if last is None:
-        completion = CompletionOutput(index=0, text="", token_ids=[])
-        last = RequestOutput(request_id, None, list(prompt_ids), [completion], finished=False)
-    completion = replace(last.outputs[0], finish_reason="abort", stop_reason=None)
-    return replace(last, outputs=[completion], finished=True)
 
 
 class AsyncEngine:
@@ -128,8 +116,8 @@ class AsyncEngine:
     `max_waiting` bounds the requests admitted beyond those that can run at once
     (`max_num_seqs`); past it, `add` raises QueueFull. `on_fatal` is called on the event
     loop if the engine fails while stepping (the server then reports NOT_SERVING).
-    `coalesce` (on by default) lets a stream that falls behind skip to its newest output;
-    off, every step's output is delivered (tests use this to replay exact splits).
+    `coalesce` (on by default) merges the deltas a stream fell behind on into one; off,
+    every step's delta is delivered (tests use this to replay exact splits).
     """
 
     def __init__(
@@ -185,7 +173,7 @@ class AsyncEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
     ) -> RequestStream:
-        """Queues a request; returns its stream of cumulative RequestOutputs."""
+        """Queues a request; returns its stream of OutputDeltas."""
         self._check_running()
         if request_id in self._streams:
             raise RequestIdInUse(f"request_id: {request_id!r} is already in use")
@@ -201,7 +189,7 @@ class AsyncEngine:
 
     def abort(self, request_ids: Sequence[str]) -> list[str]:
         """Aborts requests; unknown or finished ids are ignored. Returns the ids that were
-        in flight. Their streams end with a finished output whose finish_reason is "abort"."""
+        in flight. Their streams end with a finished delta whose finish_reason is "abort"."""
         live = [rid for rid in dict.fromkeys(request_ids) if rid in self._streams]
         if live and self._thread is not None and self._error is None:
             self._inbox.put(("abort", live))
@@ -240,7 +228,7 @@ class AsyncEngine:
 
     # ----- delivery (event loop side)
 
-    def _deliver(self, batch: list[tuple[str, RequestOutput | BaseException]]) -> None:
+    def _deliver(self, batch: list[tuple[str, OutputDelta | BaseException]]) -> None:
         for request_id, item in batch:
             stream = self._streams.get(request_id)
             if stream is None:
@@ -248,14 +236,13 @@ class AsyncEngine:
             stream._push(item)
             if isinstance(item, BaseException) or item.finished:
                 del self._streams[request_id]
-            if isinstance(item, RequestOutput) and item.finished:
-                completion = item.outputs[0]
+            if isinstance(item, OutputDelta) and item.finished:
                 self.request_metrics.observe(
                     item.metrics,
                     time.monotonic() - stream.admitted_at,
-                    len(item.prompt_token_ids or ()),
-                    len(completion.token_ids),
-                    completion.finish_reason,
+                    item.prompt_tokens,
+                    item.completion_tokens,
+                    item.finish_reason,
                 )
 
     def _fatal(self, error: BaseException) -> None:
@@ -277,9 +264,11 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting start()
             self._send(_set_exception, started, exc)
             return
+        if hasattr(engine, "stream_only"):
+            engine.stream_only()  # only deltas are read here: keep no logprob history
         self._send(_set_result, started, engine.config)
-        # request id -> (last output, prompt ids) for requests the engine holds
-        live: dict[str, tuple[RequestOutput | None, list[int]]] = {}
+        # ids of the requests the engine holds
+        live: set[str] = set()
         try:
             self._serve(engine, live)
         finally:
@@ -298,7 +287,7 @@ class AsyncEngine:
             except Exception:
                 logger.exception("engine shutdown failed")
 
-    def _serve(self, engine: EngineLike, live: dict) -> None:
+    def _serve(self, engine: EngineLike, live: set) -> None:
         while True:
             commands = [self._inbox.get()] if not engine.has_unfinished_requests() else []
             while True:
@@ -306,7 +295,7 @@ class AsyncEngine:
                     commands.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
-            batch: list[tuple[str, RequestOutput | BaseException]] = []
+            batch: list[tuple[str, OutputDelta | BaseException]] = []
             for i, command in enumerate(commands):
                 if command is _STOP:
                     if batch:
@@ -316,7 +305,7 @@ class AsyncEngine:
                 self._apply(engine, command, live, batch)
             if engine.has_unfinished_requests():
                 try:
-                    outputs = engine.step()
+                    outputs = engine.step_deltas()
                 except ReplicaFailed as exc:
                     logger.error("%s; the engine is stopped", exc)
                     return self._fail(EngineFailed(str(exc)), live, batch)
@@ -334,7 +323,7 @@ class AsyncEngine:
 
     @staticmethod
     def _take_outputs(
-        outputs: list, live: dict, batch: list, engine_failed: bool
+        outputs: list, live: set, batch: list, engine_failed: bool
     ) -> EngineFailed | None:
         """Queues a step's outputs for delivery. An output that ended in error while the
         engine reports a failure means it failed under every request (a worker died): that
@@ -346,31 +335,28 @@ class AsyncEngine:
                 continue
             if isinstance(out, RequestError):  # refused at admission (a remote engine)
                 if out.replica_lost:
-                    del live[out.request_id]
+                    live.discard(out.request_id)
                     batch.append((out.request_id, ReplicaUnavailable(out.message)))
                     continue
                 if out.engine_down:
                     failure = EngineFailed(f"the model replica failed: {out.message}")
                     continue  # stays live: it ends with the failure, like the rest
-                del live[out.request_id]
+                live.discard(out.request_id)
                 batch.append((out.request_id, RequestRejected(out.message)))
                 continue
-            if out.finished and out.outputs[0].finish_reason == "error":
+            if out.finish_reason == "error":
                 if engine_failed:
-                    reason = out.outputs[0].stop_reason
-                    failure = EngineFailed(f"the model replica failed: {reason}")
+                    failure = EngineFailed(f"the model replica failed: {out.stop_reason}")
                     continue  # stays live: it ends with the failure, like the rest
-                del live[out.request_id]
-                batch.append((out.request_id, RequestRejected(str(out.outputs[0].stop_reason))))
+                live.discard(out.request_id)
+                batch.append((out.request_id, RequestRejected(str(out.stop_reason))))
                 continue
             if out.finished:
-                del live[out.request_id]
-            else:
-                live[out.request_id] = (out, live[out.request_id][1])
+                live.discard(out.request_id)
             batch.append((out.request_id, out))
         return failure
 
-    def _fail(self, failure: EngineFailed, live: dict, batch: list) -> None:
+    def _fail(self, failure: EngineFailed, live: set, batch: list) -> None:
         """Ends every live request with `failure`, then reports it (the engine is done)."""
         self._error = failure
         batch += [(rid, failure) for rid in live]
@@ -392,7 +378,7 @@ class AsyncEngine:
             elif command[0] == "add":
                 self._send(self._deliver, [(command[1], reason)])
 
-    def _apply(self, engine: EngineLike, command: tuple, live: dict, batch: list) -> None:
+    def _apply(self, engine: EngineLike, command: tuple, live: set, batch: list) -> None:
         kind = command[0]
         if kind == "add":
             _, request_id, prompt, params, cache_salt = command
@@ -407,17 +393,12 @@ class AsyncEngine:
                 logger.exception("engine.add_request(%r) failed", request_id)
                 batch.append((request_id, exc))
                 return
-            prompt_ids = prompt.get("prompt_token_ids", []) if isinstance(prompt, dict) else []
-            live[request_id] = (None, list(prompt_ids))
+            live.add(request_id)
         elif kind == "abort":
-            for request_id in command[1]:
-                if request_id not in live:
-                    continue  # finished meanwhile: its final output is on its way
-                finals = engine.abort_request(request_id)
-                if finals is None:
-                    continue  # a remote engine: the final output comes from a later step
-                last, prompt_ids = live.pop(request_id)
-                batch.append((request_id, _abort_output(finals, last, request_id, prompt_ids)))
+            ids = [rid for rid in command[1] if rid in live]  # else finished meanwhile
+            for final in engine.abort_deltas(ids):
+                live.discard(final.request_id)
+                batch.append((final.request_id, final))
         elif kind == "stats":
             self._send(_set_result, command[1], engine.stats())
         else:

@@ -4,7 +4,7 @@ templates expect them (OpenAI's message and tool dicts)."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvloom.cluster.frontend.errors import InvalidArgument
@@ -16,6 +16,13 @@ from kvloom.cluster.frontend.limits import (
     parse_json,
     utf8_size,
 )
+from kvloom.cluster.parsers import reasoning_parser_class
+from kvloom.cluster.structured_outputs.tool_call_grammar import (
+    ReasoningRoom,
+    ToolChoiceError,
+    tool_choice_constraint,
+)
+from kvloom.contracts.sampling_params import SamplingParams
 from kvloom.protos.kvloom.v1 import generation_pb2 as pb
 
 # OpenAI's function-name rule, plus "." and ":" (Kimi writes functions.NAME:IDX).
@@ -33,6 +40,47 @@ class ChatInputs:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # tool_choice "required" or a named tool (then `tools` is that one): calls are forced.
+    calls_forced: bool = False
+    named_tool: str | None = None
+
+
+def reasoning_room(
+    reasoning_parser: str | None, request: pb.ChatRequest, prompt: str
+) -> ReasoningRoom | None:
+    """The reasoning block a forced tool choice leaves room for: the one the request's
+    reasoning parser reads (none when the server has none or the request turns it off)."""
+    wanted = request.parse_reasoning if request.HasField("parse_reasoning") else True
+    if not wanted or reasoning_parser is None:
+        return None
+    cls = reasoning_parser_class(reasoning_parser)
+    return ReasoningRoom(cls.start_tags[0], cls.end_tags[0], cls.prompt_opens_reasoning(prompt))
+
+
+def constrain_to_tool_choice(
+    params: SamplingParams,
+    inputs: ChatInputs,
+    tool_call_parser: str | None,
+    reasoning: ReasoningRoom | None = None,
+) -> SamplingParams:
+    """`params` with the grammar of a forced tool choice (calls in the parser's format,
+    arguments by the tools' schemas, after a reasoning block where `reasoning` allows);
+    unchanged when tool_choice forces nothing."""
+    if not inputs.calls_forced:
+        return params
+    if params.structured_outputs is not None:
+        raise InvalidArgument(
+            "tool_choice", "a forced tool choice cannot be combined with structured outputs"
+        )
+    if tool_call_parser is None:
+        raise InvalidArgument("tool_choice", "this server has no tool-call parser to force")
+    try:
+        constraint = tool_choice_constraint(
+            tool_call_parser, inputs.tools or [], inputs.named_tool, reasoning
+        )
+    except ToolChoiceError as err:
+        raise InvalidArgument(err.field, err.reason) from None
+    return replace(params, structured_outputs=constraint)
 
 
 class _Budget:
@@ -193,10 +241,14 @@ def chat_inputs(request: pb.ChatRequest, limits: FrontendLimits = DEFAULT_LIMITS
                 "continue_final_message", "the final message must be an assistant message"
             )
         add_generation_prompt = False
+    mode = request.tool_choice.mode
+    named = mode == pb.ToolChoice.TOOL_CHOICE_NAMED
     return ChatInputs(
         messages=messages,
         tools=tools,
         template_kwargs=kwargs,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=request.continue_final_message,
+        calls_forced=named or mode == pb.ToolChoice.TOOL_CHOICE_REQUIRED,
+        named_tool=request.tool_choice.function_name if named else None,
     )

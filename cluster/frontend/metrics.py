@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvloom.cluster.frontend.request_metrics import RequestMetrics
+from kvloom.cluster.spec_decode.stats import accepted_per_position
 
 # stats key -> (metric name, type, help)
 _METRICS = {
@@ -54,6 +55,11 @@ _VLLM_METRICS = {
         "counter",
         "Prompt tokens served from the prefix cache.",
     ),
+    "spec_num_drafts": (
+        "vllm:spec_decode_num_drafts_total",
+        "counter",
+        "Verification steps of a request that had drafts.",
+    ),
     "spec_drafted_tokens": (
         "vllm:spec_decode_num_draft_tokens_total",
         "counter",
@@ -91,10 +97,22 @@ def render_metrics(
             if isinstance(value, int | float) and not isinstance(value, bool):
                 lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
                 lines.append(f"{name}{labels} {value}")
+    if model_name is not None:
+        lines += _per_position_lines(stats, f'model_name="{_label(model_name)}",')
     lines += _replica_lines(stats.get("replicas") or [])
     if request_metrics is not None and model_name is not None:
         lines += request_metrics.lines(f'{{model_name="{_label(model_name)}"}}')
     return "\n".join(lines) + "\n"
+
+
+def _per_position_lines(stats: dict[str, Any], labels: str) -> list[str]:
+    """vLLM's per-position acceptance counter: drafts whose token j was accepted."""
+    counts = accepted_per_position(stats)
+    if not counts:
+        return []
+    name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    lines = [f"# HELP {name} Accepted draft tokens by position.", f"# TYPE {name} counter"]
+    return lines + [f'{name}{{{labels}position="{j}"}} {n}' for j, n in enumerate(counts)]
 
 
 # Per data-parallel replica (cluster/replicas.py), labelled replica="i".

@@ -1,6 +1,8 @@
 """What the front door reads from the model directory itself: the tokenizer, the chat
-template, config.json, and which output parsers fit the model. (The engine reads its own
-copy; the front door never reaches into the engine, which may live in another process.)"""
+template, config.json, and which output parsers fit the model. The front door never
+reaches into the engine, which may live in another process; the tokenizer is the process's
+one (cluster/shared_tokenizer.py), so where the engine runs in this process, the front
+door, its output processor and the engine core share one object."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from kvloom.cluster.parsers import (
     reasoning_parser_class,
     tool_call_parser_class,
 )
+from kvloom.cluster.shared_tokenizer import shared_tokenizer
 from kvloom.cluster.tokenizer import Tokenizer
 
 
@@ -83,7 +86,7 @@ def load_model_files(
     files = ModelFiles(
         model=str(model),
         hf_config=hf_config,
-        tokenizer=Tokenizer(path),
+        tokenizer=shared_tokenizer(path),
         chat_template=ChatTemplate.from_model_dir(path),
         tool_call_parser=None,
         reasoning_parser=None,

@@ -18,6 +18,8 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# Tokens per verification step of one request: 1 (no draft accepted) to 1 + k (k <= 16).
+SPEC_LENGTH_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 12.0, 17.0)
 
 
 @dataclass
@@ -67,6 +69,12 @@ class RequestMetrics:
             "Admission to the final output, seconds.",
             E2E_BUCKETS,
         )
+        # Speculative decoding, per finished request that verified drafts.
+        self.spec_length = Histogram(
+            "kvloom_request_spec_mean_accepted_length",
+            "Tokens emitted per verification step (1 + accepted drafts), per request.",
+            SPEC_LENGTH_BUCKETS,
+        )
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.requests_by_reason: dict[str, int] = {}
@@ -76,6 +84,8 @@ class RequestMetrics:
             self.ttft.observe(float(engine_metrics["ttft_s"]))
         if "tpot_s" in engine_metrics:
             self.tpot.observe(float(engine_metrics["tpot_s"]))
+        if "spec_mean_accepted_length" in engine_metrics:
+            self.spec_length.observe(float(engine_metrics["spec_mean_accepted_length"]))
         self.e2e.observe(e2e_s)
         self.prompt_tokens += prompt
         self.generation_tokens += generated
@@ -98,6 +108,6 @@ class RequestMetrics:
         inner = labels[1:-1] + "," if labels else ""
         for reason, n in sorted(self.requests_by_reason.items()):
             out.append(f'{name}{{{inner}finished_reason="{reason}"}} {n}')
-        for histogram in (self.ttft, self.tpot, self.e2e):
+        for histogram in (self.ttft, self.tpot, self.e2e, self.spec_length):
             out += histogram.lines(labels)
         return out

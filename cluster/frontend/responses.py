@@ -1,8 +1,12 @@
-"""Per-request responders: RequestOutputs in, the stream's protobuf messages out.
+"""Per-request responders: the output processor's OutputDeltas in, the stream's protobuf
+messages out.
 
-Each stream is zero or more deltas, then one Finish, then one Usage. Chat runs the text
-through the request's ChatOutputParser (reasoning, then tool calls) and flushes the parser
-when the request finishes or is aborted, so a partial marker held back is never lost.
+Each stream is zero or more deltas, then one Finish, then one Usage. The deltas come with
+their text already detokenized and cut at stop strings (what may start one held back until
+the finished delta: cluster/output_processor.py), so a responder only shapes messages. Chat
+runs the text through the request's ChatOutputParser (reasoning, then tool calls) and
+flushes the parser when the request finishes or is aborted, so a partial marker held back
+is never lost.
 """
 
 from __future__ import annotations
@@ -10,8 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from kvloom.cluster.frontend.output_deltas import OutputDelta, OutputDeltaTracker
-from kvloom.cluster.outputs import Logprob, RequestOutput
+from kvloom.cluster.outputs import Logprob, OutputDelta
 from kvloom.cluster.parsers import ChatOutputParser, Delta
 from kvloom.protos.kvloom.v1 import generation_pb2 as pb
 
@@ -72,15 +75,8 @@ def usage_message(delta: OutputDelta) -> pb.Usage:
 
 
 class _Responder:
-    def __init__(
-        self,
-        request_id: str,
-        stop: list[str] | None,
-        num_logprobs: int | None,
-        texts: TokenTexts,
-    ) -> None:
+    def __init__(self, request_id: str, num_logprobs: int | None, texts: TokenTexts) -> None:
         self.request_id = request_id
-        self.tracker = OutputDeltaTracker(stop)
         self.num_logprobs = num_logprobs
         self.texts = texts
         self.finished = False
@@ -95,8 +91,7 @@ class _Responder:
 
 
 class GenerateResponder(_Responder):
-    def update(self, out: RequestOutput) -> list[pb.GenerateResponse]:
-        delta = self.tracker.update(out)
+    def update(self, delta: OutputDelta) -> list[pb.GenerateResponse]:
         rid = self.request_id
         messages = []
         if not delta.empty:
@@ -144,8 +139,7 @@ class ChatResponder(_Responder):
         deltas = self.parser.feed(text) if text else []
         return deltas + self.parser.finish() if end else deltas
 
-    def update(self, out: RequestOutput) -> list[pb.ChatResponse]:
-        delta = self.tracker.update(out)
+    def update(self, delta: OutputDelta) -> list[pb.ChatResponse]:
         rid = self.request_id
         chat = [chat_delta(d) for d in self._parse(delta.text, end=delta.finished)]
         if delta.token_ids:

@@ -38,7 +38,12 @@ from grpc_reflection.v1alpha import reflection
 from kvloom.cluster.chat_template import add_special_tokens_for
 from kvloom.cluster.frontend.async_engine import AsyncEngine, EngineFailed, RequestRejected
 from kvloom.cluster.frontend.auth import BearerTokenInterceptor
-from kvloom.cluster.frontend.chat_request import ChatInputs, chat_inputs
+from kvloom.cluster.frontend.chat_request import (
+    ChatInputs,
+    chat_inputs,
+    constrain_to_tool_choice,
+    reasoning_room,
+)
 from kvloom.cluster.frontend.errors import (
     FailedPrecondition,
     FrontendError,
@@ -65,6 +70,7 @@ from kvloom.cluster.frontend.request_validation import (
 from kvloom.cluster.frontend.responses import ChatResponder, GenerateResponder, TokenTexts
 from kvloom.cluster.parsers import ChatOutputParser, make_tool_call_parser, reasoning_parser_class
 from kvloom.cluster.ray_local import call_when_connected
+from kvloom.cluster.spec_decode.server_info import spec_decode_fields
 from kvloom.contracts.sampling_params import SamplingParams
 from kvloom.protos.kvloom.v1 import generation_pb2 as pb
 from kvloom.protos.kvloom.v1 import generation_pb2_grpc as pb_grpc
@@ -233,7 +239,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         check_prompt_length(len(prompt_ids), max_model_len)
         params = fill_max_tokens(params, len(prompt_ids), max_model_len)
         responder = responder_class(
-            request_id, params.stop, params.logprobs, self.token_texts, **responder_kwargs
+            request_id, params.logprobs, self.token_texts, **responder_kwargs
         )
         self._check_serving()  # draining may have begun while tokenizing
         stream = self.engine.add(
@@ -309,6 +315,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         cache_salt = check_cache_salt(request.cache_salt)
         self._check_parsers(request, inputs)
         prompt, prompt_ids = await self._render(inputs)
+        room = reasoning_room(self.files.reasoning_parser, request, prompt)
+        params = constrain_to_tool_choice(params, inputs, self.files.tool_call_parser, room)
         parser = self._chat_parser(request, inputs, prompt)
         return self._add(request_id, prompt_ids, params, cache_salt, ChatResponder, parser=parser)
 
@@ -392,6 +400,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             info.routing = stats.get("routing", "")
             for index, replica in enumerate(stats.get("replicas") or []):
                 info.replicas.append(_replica_info(index, replica))
+            spec = spec_decode_fields(config.speculative, stats) if config is not None else None
+            if spec is not None:
+                info.spec_decode.CopyFrom(pb.SpecDecodeInfo(**spec))
         return info
 
 

@@ -27,6 +27,7 @@ from dataclasses import replace
 from kvloom.contracts.config import CacheConfig, SchedulerConfig
 from kvloom.contracts.kv_cache_plan import KVCacheMemory, KVCachePlan, KVCacheSpecs, PageLayout
 from kvloom.contracts.kv_cache_spec import (
+    FP8_KV_DTYPE,
     PAGE_ALIGN,
     FullAttentionSpec,
     KVCacheGroup,
@@ -72,6 +73,22 @@ def with_linear_state_dtype(specs: dict, cache: CacheConfig, model_dtype: str) -
         name: replace(spec, state_dtype=state_dtype) if isinstance(spec, LinearStateSpec) else spec
         for name, spec in specs.items()
     }
+
+
+def with_kv_cache_dtype(specs: dict, cache: CacheConfig) -> dict:
+    """Applies `kv_cache_dtype` to attention pages (full, sliding-window, MLA): "fp8"
+    stores them as float8_e4m3fn, one byte per element; linear state is left alone."""
+    if cache.kv_cache_dtype == "auto":
+        return specs
+    return {
+        name: spec if isinstance(spec, LinearStateSpec) else replace(spec, dtype=FP8_KV_DTYPE)
+        for name, spec in specs.items()
+    }
+
+
+def cache_dtypes(specs: dict, cache: CacheConfig, model_dtype: str) -> dict:
+    """The reported specs with the cache dtype settings applied."""
+    return with_kv_cache_dtype(with_linear_state_dtype(specs, cache, model_dtype), cache)
 
 
 def book_sliding_windows(specs: dict, cache: CacheConfig) -> dict:
@@ -171,24 +188,22 @@ def plan_kv_cache(
     reported: KVCacheSpecs, cache: CacheConfig, model_dtype: str, dcp_size: int = 1
 ) -> KVCachePlan:
     """The plan for the workers' caches, from the specs they report: the cache settings
-    applied (`linear_state_dtype`, `sliding_window_booking`), the block size resolved
-    (`resolve_block_size`), the target model's groups cut to one size and laid out on
-    shared buffers, the drafter's layers added with private pages. With DCP a pool block
-    spans dcp_size ranks: block_size / dcp_size tokens on each."""
+    applied (`linear_state_dtype`, `kv_cache_dtype`, `sliding_window_booking`), the block
+    size resolved (`resolve_block_size`), the target model's groups cut to one size and
+    laid out on shared buffers, the drafter's layers added with private pages. With DCP a
+    pool block spans dcp_size ranks: block_size / dcp_size tokens on each."""
     clash = reported.target.keys() & reported.draft.keys()
     if clash:
         raise ValueError(f"KV-cache specs: drafter layer keys {sorted(clash)} clash")
     specs, block_size = resolve_block_size(
-        lambda n: with_linear_state_dtype(with_block_size(reported.target, n), cache, model_dtype),
+        lambda n: cache_dtypes(with_block_size(reported.target, n), cache, model_dtype),
         cache.block_size,
         dcp_size,
     )
     target = book_sliding_windows(specs, cache)
     # Booked on its own: an all-sliding drafter is cached as full attention.
     draft = book_sliding_windows(
-        with_linear_state_dtype(
-            with_block_size(reported.draft, block_size // dcp_size), cache, model_dtype
-        ),
+        cache_dtypes(with_block_size(reported.draft, block_size // dcp_size), cache, model_dtype),
         cache,
     )
     groups = split_groups(group_layers(target))

@@ -73,3 +73,18 @@ class SpecDecodeStats:
             "overall": self.overall.summary(),
             "requests": {rid: counts.summary() for rid, counts in self.requests.items()},
         }
+
+
+def accepted_per_position(stats: dict) -> list[int]:
+    """Accepted drafts by position from an engine's stats; a replica set's are the sums
+    of its replicas' (their merged stats keep only scalars)."""
+    own = stats.get("spec_accepted_tokens_per_position")
+    if own is not None:
+        return [int(n) for n in own]
+    total: list[int] = []
+    for replica in stats.get("replicas") or []:
+        for j, n in enumerate(replica.get("spec_accepted_tokens_per_position") or []):
+            if j == len(total):
+                total.append(0)
+            total[j] += int(n)
+    return total

@@ -70,7 +70,7 @@ class GrammarCompilers:
         except Exception as err:  # the model's tokenizer: every grammar fails the same way
             raise ValueError(
                 f"structured_outputs: the model's tokenizer cannot be given to xgrammar "
-                f"({type(err).__name__}: {_reason(err)})"
+                f"({type(err).__name__}: {error_reason(err)})"
             ) from None
         try:
             if kind == "json":
@@ -81,18 +81,20 @@ class GrammarCompilers:
                 return compiler.compile_regex(spec)
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(json.loads(spec)))
+            if kind == "structural_tag":
+                return compiler.compile_structural_tag(spec)
             if "::=" in spec:  # EBNF (GBNF-style); otherwise Lark
                 return compiler.compile_grammar(spec)
             return compiler.compile_lark(spec)
         except Exception as err:  # xgrammar raises RuntimeError/ValueError with a reason
-            reason = _reason(err)
+            reason = error_reason(err)
             raise ValueError(f"structured_outputs.{kind}: does not compile: {reason}") from None
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _reason(err: Exception) -> str:
+def error_reason(err: Exception) -> str:
     """xgrammar's message without its log prefix (`[12:00:00] /path/file.cc:94: `)."""
     lines = str(err).strip().splitlines()
     if not lines:

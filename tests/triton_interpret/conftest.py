@@ -57,9 +57,43 @@ def round_bfloat16_like_the_gpu() -> None:
     builder._kvloom_bf16_rne = True
 
 
+def round_fp8_like_the_gpu() -> None:
+    """Makes the interpreter convert float32 <-> fp8e4nv as the GPU (and torch) do: to
+    e4m3 rounding to nearest even with the exponent carry; from e4m3 with 0x7F / 0xFF
+    read as NaN (the interpreter reads them as +-480, so a stale read of a page the
+    sanitizer filled would go unseen)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder, "_kvloom_fp8_rne", False):
+        return
+    convert = builder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar == tl.float32:
+            data = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            out = data.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return interpreter.TensorHandle(out, dst_type.scalar)
+        if src.dtype.scalar == tl.float8e4nv and dst_type.scalar == tl.float32:
+            data = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.uint8))
+            out = data.view(torch.float8_e4m3fn).float().numpy()
+            return interpreter.TensorHandle(out, dst_type.scalar)
+        if src.dtype.scalar == tl.float8e4nv:  # other widenings go through float32
+            return convert(
+                self, create_fp_to_fp(self, src, tl.float32, None), dst_type, rounding_mode
+            )
+        return convert(self, src, dst_type, rounding_mode)
+
+    builder.create_fp_to_fp = create_fp_to_fp
+    builder._kvloom_fp8_rne = True
+
+
 if not torch.cuda.is_available():
     if interpreter_usable():
         os.environ["TRITON_INTERPRET"] = "1"
         round_bfloat16_like_the_gpu()
+        round_fp8_like_the_gpu()
     else:
         os.environ[CHECKS_IN_SUBPROCESS_ENV] = "1"

@@ -33,6 +33,10 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
         # Allocated by the model runner once the pool is sized: [2, blocks, block, kv_heads, D].
         self.kv_cache: torch.Tensor | None = None
+        # Per-tensor scales of an FP8 cache (kv_cache_dtype="fp8"): keys / values are
+        # stored divided by them. From the checkpoint (workers/kv_cache_scales.py), else 1.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         # Decode context parallelism: set by the model runner to the DCP group. This rank
         # then caches positions p with p % dcp_size == dcp_rank, and the partial outputs of
         # all ranks merge exactly by their log-sum-exp.
@@ -65,7 +69,7 @@ class PagedAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_size)
         k = k.view(-1, self.num_kv_heads, self.head_size)
         v = v.view(-1, self.num_kv_heads, self.head_size)
-        write_kv_cache(k, v, self.kv_cache, meta.slot_mapping)
+        write_kv_cache(k, v, self.kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         dcp_rank = 0 if self.dcp is None else self.dcp.rank_in_group
         out_dtype = q.dtype
         if self.dcp_size > 1 and q.dtype in HALF_DTYPES:
@@ -83,6 +87,8 @@ class PagedAttention(nn.Module):
             kv_stride=self.dcp_size,
             kv_offset=dcp_rank,
             max_query_len=1 if batch.decode_only else None,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         if self.dcp_size > 1:
             outs = self.dcp.all_gather(out.unsqueeze(0), dim=0)

@@ -32,6 +32,8 @@ class MultiPartColumnLinear(ColumnParallelLinear):
     def load_shard(self, param_name: str, loaded: torch.Tensor, shard: int = 0) -> None:
         if shard != 0:
             raise ValueError(f"weight {param_name}: unexpected shard {shard}")
+        if self.quant_method is not None and param_name != "bias":
+            return self.quant_method.load_parts(self, param_name, loaded)
         check_shape(param_name, loaded, (sum(self.output_sizes), self.input_size))
         offset = 0
         for part, size in enumerate(self.output_sizes):

@@ -85,6 +85,11 @@ class MultiHeadLatentAttention(nn.Module):
         )
         # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], allocated once sized.
         self.latent_cache: torch.Tensor | None = None
+        # Per-tensor scale of an FP8 latent cache (kv_cache_dtype="fp8"): the row is key
+        # and value at once, so it takes the checkpoint's k_scale (as vLLM's MLA does);
+        # v_scale is kept only to be reported. Set by workers/kv_cache_scales.py, else 1.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     # -- cache ------------------------------------------------------------------------
     def allocate_cache(self, pages: torch.Tensor, spec) -> None:
@@ -128,7 +133,7 @@ class MultiHeadLatentAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)
 
         meta = batch.group_for(self.layer_index)
-        write_mla_cache(latent, k_pe, self.latent_cache, meta.slot_mapping)
+        write_mla_cache(latent, k_pe, self.latent_cache, meta.slot_mapping, self.k_scale)
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.einsum("thd,hdr->thr", q_nope, w_uk)
         o_latent = mla_attention(
@@ -140,6 +145,7 @@ class MultiHeadLatentAttention(nn.Module):
             batch.seq_lens,
             self.scale,
             max_query_len=1 if batch.decode_only else None,
+            kv_scale=self.k_scale,
         )
         out = torch.einsum("thr,hvr->thv", o_latent, w_uv)
         return self.o_proj(out.reshape(num_tokens, -1))

@@ -28,7 +28,9 @@ from kvloom.kernels.activation import silu_and_mul_ref
 from kvloom.kernels.dispatch import TRITON_DTYPES, use_triton
 from kvloom.kernels.moe_router import check_router_args, softmax_topk_ref
 from kvloom.kernels.ops import fused_moe
-from kvloom.workers.layers.linear import check_shape
+from kvloom.workers.layers.linear import check_float_tensor, check_shape
+from kvloom.workers.layers.quantization.geometry import Geometry
+from kvloom.workers.layers.quantization.scope import weight_device
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
 
 SUPPORTED_ACTIVATIONS = ("silu",)
@@ -46,7 +48,11 @@ EXPERT_PROJECTIONS = {
     "w3": ("gate_up", 1),
     "w2": ("down", 0),
 }
-_EXPERT_NAME = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+# A quantized checkpoint stores scales (and int4 packs) beside or instead of `weight`.
+EXPERT_PARAMS = "weight|weight_scale_inv|weight_scale|weight_packed|weight_shape|input_scale"
+_EXPERT_NAME = re.compile(
+    rf"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<param>{EXPERT_PARAMS})$"
+)
 
 
 def _check_input(field: str, tensor: torch.Tensor, shape: tuple) -> None:
@@ -166,9 +172,22 @@ class StackedExpertWeight(nn.Module):
             self.part_offsets.append(self.part_offsets[-1] + end - start)
         local_in = self.in_range[1] - self.in_range[0]
         shape = (num_experts, self.part_offsets[-1], local_in)
-        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype), False)
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=weight_device()), False)
+        self.quant_method = None  # set by quantization.apply for a quantized checkpoint
+
+    def quant_geometry(self) -> Geometry:
+        return Geometry(
+            tuple(self.output_parts),
+            tuple(self.part_ranges),
+            self.input_size,
+            self.in_range,
+            num_experts=self.num_experts,
+        )
 
     def load_shard(self, param_name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        if self.quant_method is not None:
+            return self.quant_method.load(self, param_name, loaded, shard)
+        check_float_tensor(param_name, loaded)
         if param_name != "weight":
             raise ValueError(f"unexpected parameter {param_name!r} for stacked expert weights")
         expert, part = divmod(shard, len(self.output_parts))
@@ -235,7 +254,9 @@ class FusedMoE(nn.Module):
         _check_input("hidden", hidden, (None, self.hidden_size))
         _check_input("topk_ids", topk_ids, (hidden.shape[0], None))
         _check_input("topk_weights", topk_weights, tuple(topk_ids.shape))
-        if use_triton(hidden):
+        if self.gate_up.quant_method is not None:
+            out = self.gate_up.quant_method.moe_forward(self, hidden, topk_weights, topk_ids)
+        elif use_triton(hidden):
             # One fused launch sequence with no host sync (CUDA graphs capture it).
             # The kernel reads half-precision weights as float32 itself (exact), so no cast
             # launch; only a dtype it does not take is converted.
@@ -267,7 +288,7 @@ class FusedMoE(nn.Module):
 
 
 def map_expert_weight(ckpt_name: str) -> tuple[str, str, int] | None:
-    """`<prefix>.experts.<e>.<proj>.weight` -> (`<prefix>.experts.<child>`, "weight", shard)
+    """`<prefix>.experts.<e>.<proj>.<param>` -> (`<prefix>.experts.<child>`, param, shard)
     for a FusedMoE at `<prefix>.experts`; None for any other name. Use it from a model's
     `map_weight_name`."""
     match = _EXPERT_NAME.match(ckpt_name)
@@ -276,4 +297,4 @@ def map_expert_weight(ckpt_name: str) -> tuple[str, str, int] | None:
     child, part = EXPERT_PROJECTIONS[match["proj"]]
     num_parts = 2 if child == "gate_up" else 1
     shard = int(match["expert"]) * num_parts + part
-    return f"{match['prefix']}.{child}", "weight", shard
+    return f"{match['prefix']}.{child}", match["param"], shard

@@ -8,9 +8,10 @@ rotary embedding there is Qwen3-VL's interleaved multimodal rope: three position
 (temporal, height, width) share the frequencies by `mrope_section`. For text every stream
 holds the same position, so it is exactly 1-D rope over the first `partial_rotary_factor`
 of each head, which is what Qwen3NextAttention applies (tests/test_oracle_qwen3_5.py checks
-the equality against transformers). Multi-token-prediction (`mtp.*`) and vision
-(`model.visual.*`) weights are not used; a checkpoint that nests the decoder under
-`model.language_model.` (the multimodal layout) is read by stripping that prefix. Experts
+the equality against transformers). Multi-token-prediction (`mtp.*`: the `mtp` drafter
+reads them, workers/spec_decode/mtp.py) and vision (`model.visual.*`) weights are
+skipped; a checkpoint that nests the decoder under `model.language_model.` (the
+multimodal layout) is read by stripping that prefix. Experts
 load from per-expert tensors (`experts.<e>.gate_proj.weight`, what transformers writes) or
 from the 3-D `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] tensors some
 published Qwen3.5-MoE checkpoints hold.

@@ -5,7 +5,8 @@ Follows transformers' `modeling_qwen3_next`: every RMSNorm of the decoder is zer
 ((1 + w) scaling), except the gated norm inside Gated DeltaNet; full attention projects a
 query and an output gate per head (q_proj's rows interleave them head by head), normalises
 q/k per head and rotates only the first `partial_rotary_factor` of each head.
-Multi-token-prediction weights (`mtp.*`) are not used.
+Multi-token-prediction weights (`mtp.*`) are skipped here; the `mtp` drafter
+(workers/spec_decode/mtp.py) reads them.
 """
 
 from __future__ import annotations

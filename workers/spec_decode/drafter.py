@@ -8,7 +8,7 @@ request that just sampled.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,10 @@ class DraftStep:
     slots_fn: Callable
     groups: list
     k: int
+    # Rows that did not sample (a prefill chunk short of the prompt's end): the token
+    # after the chunk. Heads that book a token beside the previous position's hidden
+    # state (EAGLE-3) need it to complete the chunk's last entry in the same step.
+    next_tokens: dict[str, int] = field(default_factory=dict)
 
     def kept_tokens(self) -> list[int]:
         """Per row: the tokens whose results stand (real tokens and accepted drafts)."""

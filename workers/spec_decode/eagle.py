@@ -147,7 +147,7 @@ class EagleProposer:
             prev.append(self._prev_hidden(rid, start)[None])
             if hi - lo > 1:
                 prev.append(hidden[lo : hi - 1])
-        embeds = self.target.model.embed_tokens(input_ids)
+        embeds = self.embed(input_ids)
         self.model(
             embeds,
             torch.cat(prev).to(embeds.dtype),
@@ -170,10 +170,15 @@ class EagleProposer:
         emitted, that token). Returns k greedy draft tokens per row."""
         if not starts:
             return []
-        tokens = [token for _, _, _, token in starts]
         prev = torch.stack([self._prev_hidden(rid, pos) for rid, _, pos, _ in starts])
+        return self.greedy_steps(starts, [t for _, _, _, t in starts], prev, k, slots_fn, groups)
+
+    def greedy_steps(self, starts, tokens, prev, steps: int, slots_fn, groups) -> list[list[int]]:
+        """`steps` greedy proposals per row of `starts`: step s feeds the row's token (the
+        given one, then its own drafts) beside `prev` (then the head's own state) at the
+        row's position + s, writing the head's KV into the lookahead slots there."""
         proposals: list[list[int]] = [[] for _ in starts]
-        for step in range(k):
+        for step in range(steps):
             positions = [pos + step for _, _, pos, _ in starts]
             batch = single_token_batch(
                 [b for _, b, _, _ in starts],
@@ -184,12 +189,24 @@ class EagleProposer:
                 self.device,
             )
             ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-            embeds = self.target.model.embed_tokens(ids)
-            prev = self.model(embeds, prev.to(embeds.dtype), batch.positions, batch)
-            tokens = self.target.compute_logits(prev).argmax(dim=-1).tolist()
+            embeds = self.embed(ids)
+            hidden, prev = self.head_step(embeds, prev.to(embeds.dtype), batch.positions, batch)
+            tokens = self.draft_ids(hidden).tolist()
             for row, token in enumerate(tokens):
                 proposals[row].append(int(token))
         return proposals
+
+    # What a head format changes (EAGLE-3 overrides all three): ---------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.target.model.embed_tokens(ids)
+
+    def head_step(self, embeds, prev, positions, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the state the next token is read from, the state fed to the next step)."""
+        hidden = self.model(embeds, prev, positions, batch)
+        return hidden, hidden
+
+    def draft_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target.compute_logits(hidden).argmax(dim=-1)
 
 
 def write_eagle_head(

@@ -246,6 +246,14 @@ in place (hostPath / emptyDir). Empty when download is off.
 {{- if not .Values.engine.prefixCaching }}
 - --no-prefix-caching
 {{- end }}
+{{- if ne (default "auto" .Values.engine.kvCacheDtype) "auto" }}
+- --kv-cache-dtype
+- {{ .Values.engine.kvCacheDtype }}
+{{- end }}
+{{- with .Values.engine.speculativeConfig }}
+- --speculative-config
+- {{ toJson . | quote }}
+{{- end }}
 {{- if .Values.tls.enabled }}
 - --tls-cert
 - /etc/kvloom/tls/tls.crt

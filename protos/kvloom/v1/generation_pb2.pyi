@@ -355,7 +355,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "ready", "draining", "tensor_parallel_size", "decode_context_parallel_size", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "num_running_requests", "num_waiting_requests", "kv_cache_usage", "start_time", "replicas", "routing")
+    __slots__ = ("version", "ready", "draining", "tensor_parallel_size", "decode_context_parallel_size", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "num_running_requests", "num_waiting_requests", "kv_cache_usage", "start_time", "replicas", "routing", "spec_decode")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
@@ -372,6 +372,7 @@ class ServerInfo(_message.Message):
     START_TIME_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
     version: str
     ready: bool
     draining: bool
@@ -388,7 +389,32 @@ class ServerInfo(_message.Message):
     start_time: float
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
     routing: str
-    def __init__(self, version: _Optional[str] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., decode_context_parallel_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., start_time: _Optional[float] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., routing: _Optional[str] = ...) -> None: ...
+    spec_decode: SpecDecodeInfo
+    def __init__(self, version: _Optional[str] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ..., decode_context_parallel_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., num_running_requests: _Optional[int] = ..., num_waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., start_time: _Optional[float] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., routing: _Optional[str] = ..., spec_decode: _Optional[_Union[SpecDecodeInfo, _Mapping]] = ...) -> None: ...
+
+class SpecDecodeInfo(_message.Message):
+    __slots__ = ("method", "num_speculative_tokens", "placement", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_accepted_length", "accepted_tokens_per_position", "drafter_available")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    num_speculative_tokens: int
+    placement: str
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    acceptance_rate: float
+    mean_accepted_length: float
+    accepted_tokens_per_position: _containers.RepeatedScalarFieldContainer[int]
+    drafter_available: bool
+    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., placement: _Optional[str] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_tokens_per_position: _Optional[_Iterable[int]] = ..., drafter_available: _Optional[bool] = ...) -> None: ...
 
 class ReplicaInfo(_message.Message):
     __slots__ = ("index", "up", "num_in_flight_requests", "num_running_requests", "num_waiting_requests", "kv_cache_usage", "prefix_cache_hit_rate", "num_routed", "num_routed_by_prefix")

@@ -1,0 +1,170 @@
+"""Route-block plan table of the quantized fused-MoE kernels (seed 003's layout: tokens x
+route block size, ms per launch), plus decode GEMMs of the quantized linears.
+
+    python3 benchmarks/quant_moe_plans.py --out $OUT/quant_moe_plans.json
+
+MoE at Qwen3-Next's shape by default (E=512, top-10, H=2048, I=512, one rank): for
+each scheme (w4a16 g32, fp8 128-blocks), tokens in TOKENS and each route block (16, 32,
+64), the median ms of REPEATS launches (CUDA events), the block `choose_block_m` picks,
+and whether every plan's output is bitwise the first's (invariant 7). Each row also has
+the weight bytes the launch must read (the experts its routes touch) over the measured
+HBM bandwidth of a device copy: the bandwidth floor. Linear: Qwen3-8B's projections at
+1 and 256 tokens, FP8 and W4A16 beside bf16 F.linear.
+
+`--tiny` runs small shapes, also on a CPU under TRITON_INTERPRET=1 (only to exercise the
+script: timings there mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvloom.kernels.fused_moe_triton import choose_block_m
+from kvloom.kernels.w4a16_gemm import pack_int4
+
+TOKENS = (1, 16, 64, 128, 512, 1024, 1536)
+PLANS = (16, 32, 64)
+LINEAR_SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))  # (N, K)
+
+
+def timed(fn, repeats: int) -> float:
+    """Median ms of `repeats` calls (after one warm-up, which also compiles)."""
+    fn()
+    if not torch.cuda.is_available():
+        return float("nan")
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def hbm_gbps(device) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src), 10)
+    return 2 * src.numel() / ms / 1e6  # read + write, GB/s
+
+
+def moe_weights(scheme, e, h, i, device):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    if scheme == "w4a16_g32":
+        w13 = pack_int4(torch.randint(-8, 8, (e, 2 * i, h), generator=g, dtype=torch.int8))
+        w2 = pack_int4(torch.randint(-8, 8, (e, h, i), generator=g, dtype=torch.int8))
+        s13 = torch.rand(e, 2 * i, h // 32, generator=g) * 0.02
+        s2 = torch.rand(e, h, i // 32, generator=g) * 0.02
+        tensors = [w13, s13.bfloat16(), w2, s2.bfloat16()]
+    else:
+        w13 = (torch.randn(e, 2 * i, h, generator=g) * 20).to(torch.float8_e4m3fn)
+        w2 = (torch.randn(e, h, i, generator=g) * 20).to(torch.float8_e4m3fn)
+        tensors = [
+            w13,
+            torch.rand(e, 2 * i, h // 128) * 0.002,
+            w2,
+            torch.rand(e, h, i // 128) * 0.002,
+        ]
+    return [t.to(device) for t in tensors]
+
+
+def moe_call(scheme, x, weights, topw, ids):
+    """block_m -> one fused-MoE launch's output."""
+    from kvloom.kernels.fp8_moe_triton import fp8_fused_moe_triton
+    from kvloom.kernels.w4a16_moe_triton import w4a16_fused_moe_triton
+
+    if scheme == "w4a16_g32":
+        return lambda b: w4a16_fused_moe_triton(x, *weights, 32, topw, ids, block_m=b)
+    w13, s13, w2, s2 = weights
+    return lambda b: fp8_fused_moe_triton(x, w13, s13, w2, s2, 128, 128, topw, ids, block_m=b)
+
+
+def moe_rows(args, device, gbps):
+    e, k, h, i = args.experts, args.top_k, args.hidden, args.inter
+    rows = []
+    for scheme in ("w4a16_g32", "fp8_block128"):
+        weights = moe_weights(scheme, e, h, i, device)
+        per_expert_bytes = sum(w[0].numel() * w.element_size() for w in weights)
+        for tokens in args.tokens:
+            g = torch.Generator(device="cpu").manual_seed(tokens)
+            x = torch.randn(tokens, h, generator=g).to(device, torch.bfloat16)
+            ids = torch.rand(tokens, e, generator=g).argsort(dim=1)[:, :k].to(device, torch.int32)
+            topw = torch.full((tokens, k), 1.0 / k, device=device)
+            call = moe_call(scheme, x, weights, topw, ids)
+            outs = {b: call(b) for b in PLANS}
+            bitwise = all(torch.equal(outs[b], outs[PLANS[0]]) for b in PLANS)
+            touched = int(torch.unique(ids).numel())
+            floor_ms = touched * per_expert_bytes / gbps / 1e6
+            row = {"scheme": scheme, "tokens": tokens, "chosen_block_m": choose_block_m(tokens, k, e),
+                   "bitwise_across_plans": bitwise, "bandwidth_floor_ms": floor_ms}  # fmt: skip
+            for b in PLANS:
+                row[f"ms_block_{b}"] = timed(partial(call, b), args.repeats)
+            rows.append(row)
+            print(json.dumps(row))
+    return rows
+
+
+def linear_rows(args, device, gbps):
+    from kvloom.kernels.fp8_gemm_triton import fp8_linear_triton
+    from kvloom.kernels.w4a16_gemm_triton import w4a16_linear_triton
+
+    rows = []
+    for n, k in args.linear_shapes:
+        g = torch.Generator(device="cpu").manual_seed(n + k)
+        w_bf16 = (torch.randn(n, k, generator=g) * 0.02).to(device, torch.bfloat16)
+        w8 = (torch.randn(n, k, generator=g) * 20).to(torch.float8_e4m3fn).to(device)
+        s8 = (torch.rand(n, k // 128, generator=g) * 0.002).to(device)
+        w4 = pack_int4(torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)).to(device)
+        s4 = (torch.rand(n, k // 128, generator=g) * 0.002).to(device, torch.bfloat16)
+        for tokens in (1, 256):
+            x = torch.randn(tokens, k, generator=g).to(device, torch.bfloat16)
+            row = {"N": n, "K": k, "tokens": tokens}
+            row["ms_bf16_linear"] = timed(partial(F.linear, x, w_bf16), args.repeats)
+            row["ms_fp8"] = timed(partial(fp8_linear_triton, x, w8, s8, 128), args.repeats)
+            row["ms_w4a16"] = timed(partial(w4a16_linear_triton, x, w4, s4, 128), args.repeats)
+            row["floor_ms_fp8"] = (w8.numel() + s8.numel() * 4) / gbps / 1e6
+            row["floor_ms_w4a16"] = (w4.numel() * 4 + s4.numel() * 2) / gbps / 1e6
+            rows.append(row)
+            print(json.dumps(row))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.tiny:
+        args.experts, args.top_k, args.hidden, args.inter = 4, 2, 128, 128
+        args.tokens, args.linear_shapes, args.repeats = (1, 9), ((64, 128),), 1
+    else:
+        args.experts, args.top_k, args.hidden, args.inter = 512, 10, 2048, 512
+        args.tokens, args.linear_shapes = TOKENS, LINEAR_SHAPES
+    gbps = hbm_gbps(device)
+    result = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "hbm_gbps_measured": gbps,
+        "moe_shape": {"E": args.experts, "top_k": args.top_k, "H": args.hidden, "I": args.inter},
+        "moe": moe_rows(args, device, gbps),
+        "linear": linear_rows(args, device, gbps),
+    }
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Builds a model for its checkpoint: float as before, or quantized as the checkpoint's
+`quantization_config` says (weights deferred while the model is built, then created by
+the quantization pass, so a quantized model never holds its float weights)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvloom.workers.layers.quantization.apply import checkpoint_module_names, quantize_model
+from kvloom.workers.layers.quantization.config import parse_quantization_config
+from kvloom.workers.layers.quantization.scope import deferred_weights
+from kvloom.workers.weight_loader import checkpoint_keys
+
+
+def build_model(klass, model_config, dtype: torch.dtype, tp, device) -> nn.Module:
+    """`klass(text_config, dtype, tp)` on `device`; `model_config` is a ModelConfig."""
+    qconfig = parse_quantization_config(model_config.quantization)
+    with torch.device(device), deferred_weights(qconfig is not None):
+        model = klass(model_config.text_config, dtype, tp)
+    if qconfig is None:
+        return model
+    if model_config.load_format != "safetensors":
+        raise ValueError(
+            f"load_format {model_config.load_format!r} is not supported for a checkpoint with "
+            "a quantization_config yet (use 'safetensors')"
+        )
+    keys = checkpoint_keys(Path(model_config.model))
+    names = checkpoint_module_names(
+        model, keys, klass.stacked_params, klass.ignored_weight_prefixes
+    )
+    quantize_model(model, qconfig, names, device, keys)
+    return model

@@ -1,0 +1,261 @@
+"""The drafter of `speculative_config.placement = "remote"`, in a process of its own.
+
+`DrafterService` holds a drafter built by the one factory (draft model, EAGLE head, and any
+method whose drafter implements `run(DraftStep)` on attention-only layers) and answers the
+target worker's messages (workers/spec_decode/drafter_messages.py): `DraftSetup` allocates
+its KV pages, one page per pool block for each of its layers, indexed by the block ids of
+one of the target's attention groups (those cover every position of a request, lookahead
+slots included); each `DraftRequest` is rebuilt into a DraftStep and run as the target's
+workers would run it in process.
+
+`DrafterActor` is the Ray actor around it (started by cluster/spec_decode/drafter_actor.py):
+it loads the drafter in its constructor, so a restart by Ray loads it again, and serves a
+zmq ROUTER socket from a thread of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+
+import torch
+import zmq
+
+from kvloom.contracts import envs
+from kvloom.contracts.config import EngineConfig
+from kvloom.contracts.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
+from kvloom.workers.cache_pages import pages_for
+from kvloom.workers.dtypes import TORCH_DTYPES
+from kvloom.workers.layers.tp_group import LocalGroup
+from kvloom.workers.row_kinds import RowClasses, classify_rows
+from kvloom.workers.spec_decode.draft_model import DRAFT_LAYER_OFFSET
+from kvloom.workers.spec_decode.drafter import DraftStep
+from kvloom.workers.spec_decode.drafter_messages import (
+    DRAFTER_PROTOCOL_VERSION,
+    DraftError,
+    DraftReady,
+    DraftReply,
+    DraftRequest,
+    DraftSetup,
+    encoder,
+    message_version,
+    to_drafter,
+)
+from kvloom.workers.spec_decode.factory import build_drafter
+
+logger = logging.getLogger(__name__)
+
+# Methods whose drafter reads the target's own weights (embedding, LM head).
+TARGET_WEIGHT_METHODS = ("eagle",)
+
+
+def load_target(config: EngineConfig, device: torch.device):
+    """The target model, for a drafter that shares its embedding and LM head."""
+    from pathlib import Path
+
+    from kvloom.workers.models.registry import model_class
+    from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
+
+    klass = model_class(config.model.architecture)
+    dtype = TORCH_DTYPES[config.model.torch_dtype_name]
+    with torch.device(device):
+        model = klass(config.model.text_config, dtype, LocalGroup())
+    load_weights(
+        model,
+        iterate_checkpoint(Path(config.model.model), progress=False),
+        klass.stacked_params,
+        klass.ignored_weight_prefixes,
+        model.tied,
+    )
+    return model.eval()
+
+
+def tensor_from_raw(raw, device) -> torch.Tensor:
+    flat = torch.frombuffer(bytearray(raw.data), dtype=torch.uint8)
+    return flat.view(TORCH_DTYPES[raw.dtype]).view(*raw.shape).to(device)
+
+
+class DrafterService:
+    def __init__(self, config: EngineConfig, device: torch.device):
+        spec = config.speculative
+        self.device = device
+        self.dtype_name = config.model.torch_dtype_name
+        target = load_target(config, device) if spec.method in TARGET_WEIGHT_METHODS else None
+        local = dataclasses.replace(spec, placement="local")
+        vocab = int(config.model.text_config["vocab_size"])
+        dtype = TORCH_DTYPES[self.dtype_name]
+        self.drafter = build_drafter(
+            local, target, dtype, LocalGroup(), device, vocab, False, target_config=config.model
+        )
+        if self.drafter is None:
+            raise ValueError(
+                f"speculative_config.placement 'remote': method {spec.method!r} has no "
+                "drafter model to place (use placement 'local')"
+            )
+        self.k = spec.num_speculative_tokens
+        # Refused at start: layers that keep per-request state need the target's state pages.
+        specs = self.drafter.kv_cache_specs(16, self.dtype_name)
+        other = sorted({type(s).__name__ for s in specs.values() if not _attention(s)})
+        if other:
+            raise ValueError(
+                f"speculative_config.placement 'remote' needs a drafter of attention layers; "
+                f"{spec.model} has {', '.join(other)} layers (use placement 'local')"
+            )
+        self.block_size: int | None = None
+        self.groups: list[KVCacheGroup] = []
+
+    def setup(self, msg: DraftSetup) -> DraftReady:
+        """Allocates zeroed pages for every drafter layer; all of them read the block
+        table of group 0, the target group whose block ids the requests carry."""
+        specs = self.drafter.kv_cache_specs(msg.block_size, self.dtype_name)
+        for layer in self.drafter.model.cache_layers():
+            layer_spec = specs[DRAFT_LAYER_OFFSET + layer.layer_index]
+            layer.allocate_cache(pages_for(layer_spec, msg.num_blocks, self.device), layer_spec)
+        self.drafter.bind_groups(dict.fromkeys(specs, 0))
+        some = next(iter(specs.values()))
+        group_spec = FullAttentionSpec(
+            msg.block_size, some.num_kv_heads, some.head_size, self.dtype_name
+        )
+        self.groups = [KVCacheGroup(spec=group_spec, layer_names=[])]
+        self.block_size = msg.block_size
+        self.k = msg.num_speculative_tokens
+        if hasattr(self.drafter, "history"):
+            self.drafter.history.clear()  # positions from before a reconnect mean nothing
+        return DraftReady(DRAFTER_PROTOCOL_VERSION, msg.setup_id)
+
+    def _slots(self, block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
+        return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+    def draft(self, msg: DraftRequest) -> DraftReply:
+        dev = self.device
+        qsl = msg.query_start_loc
+        computed = msg.num_computed_tokens
+        row_lens = [qsl[i + 1] - qsl[i] for i in range(len(msg.request_ids))]
+        seq_lens = [c + n for c, n in zip(computed, row_lens)]
+        rows = [msg.block_ids[rid] for rid in msg.request_ids]
+        width = max((len(r) for r in rows), default=0)
+        table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+        slots = [
+            s
+            for i, r in enumerate(rows)
+            for s in self._slots(r, self.block_size, computed[i], seq_lens[i])
+        ]
+        meta = GroupMetadata(table.to(dev), torch.tensor(slots, dtype=torch.long, device=dev))
+        batch = ForwardBatch(
+            positions=torch.tensor(msg.positions, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            num_computed_tokens=torch.tensor(computed, dtype=torch.int32, device=dev),
+            query_start_loc_list=list(qsl),
+            seq_lens_list=seq_lens,
+            rows=RowClasses(classify_rows(computed, row_lens), row_lens),
+            groups=[meta],
+            decode_only=msg.decode_only,
+        )
+        hidden = torch.empty(0, device=dev)
+        if msg.hidden is not None:
+            hidden = tensor_from_raw(msg.hidden, dev)
+        step = DraftStep(
+            request_ids=list(msg.request_ids),
+            input_ids=torch.tensor(msg.input_ids, dtype=torch.long, device=dev),
+            batch=batch,
+            hidden=hidden,
+            drafts=msg.drafts,
+            sampled=msg.sampled,
+            finished=list(msg.finished),
+            block_ids={rid: [ids] for rid, ids in msg.block_ids.items()},
+            num_tokens=msg.num_tokens,
+            slots_fn=self._slots,
+            groups=self.groups,
+            k=self.k,
+            next_tokens=msg.next_tokens,
+        )
+        with torch.inference_mode():
+            drafts = self.drafter.run(step)
+        return DraftReply(DRAFTER_PROTOCOL_VERSION, msg.step_id, drafts)
+
+    def handle(self, payload: bytes):
+        """One message in, its answer out (never raises: a failure is a DraftError)."""
+        version = message_version(payload)
+        if version != DRAFTER_PROTOCOL_VERSION:
+            return DraftError(
+                DRAFTER_PROTOCOL_VERSION,
+                f"protocol version {version!r}; this drafter speaks {DRAFTER_PROTOCOL_VERSION}",
+            )
+        try:
+            msg = to_drafter.decode(payload)
+            if isinstance(msg, DraftSetup):
+                return self.setup(msg)
+            if self.block_size is None:
+                return DraftError(DRAFTER_PROTOCOL_VERSION, "not set up (no DraftSetup yet)")
+            return self.draft(msg)
+        except Exception as exc:  # the target serves on without drafts; say why
+            logger.exception("drafter step failed")
+            return DraftError(DRAFTER_PROTOCOL_VERSION, f"{type(exc).__name__}: {exc}")
+
+
+def _attention(spec) -> bool:
+    return isinstance(spec, FullAttentionSpec | SlidingWindowSpec)
+
+
+def serve_socket(service: DrafterService, host: str, started: threading.Event, out: dict):
+    """Binds a ROUTER socket on `host` (a free port) and answers until `out["stop"]`."""
+    context = zmq.Context()
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port(f"tcp://{host}")
+    out["address"] = f"tcp://{host}:{port}"
+    started.set()
+    try:
+        while not out.get("stop"):
+            if not sock.poll(200):
+                continue
+            identity, payload = sock.recv_multipart()
+            reply = service.handle(payload)
+            sock.send_multipart([identity, encoder.encode(reply)])
+    finally:
+        sock.close(0)
+        context.term()
+
+
+class DrafterActor:
+    """Ray actor body: loads the drafter, serves it on a zmq socket. Construction never
+    raises (Ray would report it as the actor dying); `ready()` raises what went wrong."""
+
+    def __init__(self, config: EngineConfig, use_gpu: bool):
+        self.error: BaseException | None = None
+        self.state: dict = {}
+        if not use_gpu:
+            torch.set_num_threads(max(1, int(envs.get("KVLOOM_WORKER_THREADS"))))
+        device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
+        try:
+            service = DrafterService(config, device)
+        except Exception as exc:
+            self.error = exc
+            return
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        if host in ("localhost",) or host.startswith("127."):
+            host = "127.0.0.1"  # invariant 12: a local drafter listens on loopback only
+        started = threading.Event()
+        self.thread = threading.Thread(
+            target=serve_socket, args=(service, host, started, self.state), daemon=True
+        )
+        self.thread.start()
+        started.wait(30)
+
+    def ready(self) -> bool:
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def address(self) -> str:
+        self.ready()
+        return self.state["address"]
+
+    def pid(self) -> int:
+        return os.getpid()
