@@ -226,6 +226,37 @@ def run_scenario(m, args, tokenizer, scenario: str, stream: bool) -> dict:
     }
 
 
+def run_detokenizer_only(args, tokenizer, native: bool | None) -> dict:
+    """Only `IncrementalDetokenizer.push`, one ordinary token per request per step: the
+    part of the output path that `native` (the tokenizers library's DecodeStream, or the
+    Python window path; None: the tree's only path) changes, without the rest's noise."""
+    from kvloom.cluster.detokenizer import IncrementalDetokenizer
+
+    rng = random.Random(args.seed)
+    ordinary = [t for t in range(tokenizer.vocab_size) if t not in tokenizer.special_ids]
+    extra = {} if native is None else {"native": native}
+    detoks = [
+        IncrementalDetokenizer(
+            tokenizer, [rng.choice(ordinary) for _ in range(args.prompt_len)], True, **extra
+        )
+        for _ in range(args.requests)
+    ]
+    cpu_ms = []
+    for _ in range(args.steps):
+        tokens = [[rng.choice(ordinary)] for _ in detoks]
+        cpu = time.thread_time()
+        for detok, ids in zip(detoks, tokens):
+            detok.push(ids)
+        cpu_ms.append((time.thread_time() - cpu) * 1e3)
+    name = {None: "detokenizer", True: "detokenizer (native)", False: "detokenizer (python)"}
+    return {
+        "scenario": name[native],
+        "channel": False,
+        "cpu_mean_ms_all_steps": round(statistics.fmean(cpu_ms), 3),
+        "cpu_median_ms_all_steps": round(statistics.median(cpu_ms), 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tree", type=Path, default=None, help="a source tree to measure")
@@ -238,6 +269,11 @@ def main() -> None:
     parser.add_argument("--channel", action="store_true", help="also through the Ray channel")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--detokenizer-only",
+        action="store_true",
+        help="time only the incremental detokenizer (both of its paths where the tree has two)",
+    )
     args = parser.parse_args()
     if args.tree is not None:
         use_tree(args.tree.resolve())
@@ -251,7 +287,16 @@ def main() -> None:
         model = str(write_demo_model(Path(tempfile.mkdtemp(prefix="kvloom-demo-")), arch="llama"))
     tokenizer = m.tokenizer.Tokenizer(model)
     results = []
-    for stream in [False, True] if args.channel else [False]:
+    if args.detokenizer_only:
+        import inspect
+
+        from kvloom.cluster.detokenizer import IncrementalDetokenizer
+
+        two_paths = "native" in inspect.signature(IncrementalDetokenizer).parameters
+        for native in [True, False] if two_paths else [None]:
+            results.append(run_detokenizer_only(args, tokenizer, native))
+            print(json.dumps(results[-1]), flush=True)
+    for stream in [] if args.detokenizer_only else [False, True] if args.channel else [False]:
         for scenario in ("plain", "stop+logprobs"):
             result = run_scenario(m, args, tokenizer, scenario, stream)
             results.append(result)

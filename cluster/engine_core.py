@@ -221,9 +221,23 @@ class EngineCore:
             runner_out = handle.result()
         except Exception as err:  # a worker died or raised: end everything, loudly
             self._in_flight = None
-            reason = str(err) if isinstance(err, WorkerFailure) else f"{type(err).__name__}: {err}"
-            return self._fail_all(reason)
-        return self._finish_step(sched, runner_out)
+            return self._fail_all(_failure_reason(err))
+        results = self._finish_step(sched, runner_out)
+        try:
+            self._send_followed_masks()
+        except Exception as err:
+            self._in_flight = None
+            return results + self._fail_all(_failure_reason(err))
+        return results
+
+    def _send_followed_masks(self) -> None:
+        """The step ahead's grammar rows were scheduled while their previous token was
+        in flight; now that it is read back and their matchers advanced, their masks go
+        to the workers, which sample that step only then (vLLM's order: the scheduler
+        output first, the bitmask after the previous step's tokens)."""
+        if self._in_flight is None or not self._in_flight[0].grammar_bitmasks_follow:
+            return
+        self.executor.send_bitmasks(self.scheduler.followed_bitmasks(self._in_flight[0]))
 
     def _finish_step(self, sched, runner_out) -> list[EngineCoreOutput]:
         advanced, finished = self.scheduler.update_from_output(sched, runner_out)
@@ -322,6 +336,10 @@ class EngineCore:
         if self.executor is not None:
             self.executor.shutdown()
             self.executor = None
+
+
+def _failure_reason(err: Exception) -> str:
+    return str(err) if isinstance(err, WorkerFailure) else f"{type(err).__name__}: {err}"
 
 
 def latency_metrics(request: Request) -> dict:

@@ -8,7 +8,7 @@ from typing import Protocol
 from kvloom.contracts.config import EngineConfig
 from kvloom.contracts.kv_cache_plan import KVCacheMemory, KVCachePlan, KVCacheSpecs
 from kvloom.contracts.runner_output import ModelRunnerOutput
-from kvloom.contracts.scheduler_output import SchedulerOutput
+from kvloom.contracts.scheduler_output import GrammarBitmasks, SchedulerOutput
 
 
 class Executor(Protocol):
@@ -48,6 +48,10 @@ class InProcessExecutor:
     def submit(self, sched: SchedulerOutput):
         """Launches the step; `.result()` on the returned handle waits for its output."""
         return self.worker.runner.submit(sched)
+
+    def send_bitmasks(self, masks: GrammarBitmasks) -> None:
+        """The grammar masks of the step submitted last (its rows' masks followed it)."""
+        self.worker.supply_bitmasks(masks)
 
     @property
     def device_type(self) -> str:

@@ -32,7 +32,7 @@ from kvloom.cluster.spec_decode.drafter_actor import (
 from kvloom.contracts.config import EngineConfig
 from kvloom.contracts.kv_cache_plan import KVCacheMemory, KVCachePlan, KVCacheSpecs
 from kvloom.contracts.runner_output import ModelRunnerOutput
-from kvloom.contracts.scheduler_output import SchedulerOutput
+from kvloom.contracts.scheduler_output import GrammarBitmasks, SchedulerOutput
 from kvloom.contracts.step_channel import ResultChannel, StepPublisher
 
 logger = logging.getLogger(__name__)
@@ -177,6 +177,13 @@ class RayExecutor:
         self._num_submitted += 1
         self._newest_followed = False
         return RayPendingStep(self, index)
+
+    def send_bitmasks(self, masks: GrammarBitmasks) -> None:
+        """The grammar masks of the step submitted last, on the step channel as a side
+        message: it is no step, so the workers still keep that step open behind it."""
+        if self.failure:
+            raise WorkerFailure(self.failure)
+        self.publisher.publish_side(masks)
 
     def _result(self, index: int) -> ModelRunnerOutput:
         """Step `index`'s output. Results arrive in step order; any read before the one

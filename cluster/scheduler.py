@@ -23,6 +23,7 @@ from kvloom.contracts.runner_output import ModelRunnerOutput
 from kvloom.contracts.scheduler_output import (
     PLACEHOLDER_TOKEN_ID,
     CachedRequestData,
+    GrammarBitmasks,
     NewRequestData,
     SchedulerOutput,
 )
@@ -67,6 +68,9 @@ class Scheduler:
         # Requests whose grammar did not compile: refused (the engine reports each one as
         # a RequestError, the request's fault, not the engine's).
         self.grammar_failures: list[Request] = []
+        # Grammar rows scheduled while their previous token was in flight (async
+        # scheduling): their masks follow the step (`followed_bitmasks`).
+        self.num_grammar_rows_ahead = 0
 
     # -- requests in and out --------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -222,8 +226,12 @@ class Scheduler:
             if self.kv_cache.has_linear_groups and request.request_id in self._drafts_in_flight:
                 index += 1  # a rejected draft rolls its linear state back: wait for the count
                 continue
-            if request.num_pending_output_tokens and request.request_id in self._grammar_of:
-                index += 1  # its next token's mask needs the token in flight: not ahead
+            if (
+                request.num_pending_output_tokens
+                and request.request_id in self._grammar_of
+                and self.speculative.enabled
+            ):
+                index += 1  # drafts are checked against the matcher: wait for its token
                 continue
             num_new = self._chunk_size(request, budget)
             spec = self._drafts_for(request, budget - num_new)
@@ -347,15 +355,21 @@ class Scheduler:
             state_copies_before=copies.before,
             state_copies_after=copies.after,
             scheduled_spec_token_ids=drafts,
+            step_id=self.num_steps,
         )
         self._forget = []
         for request_id, num_tokens in scheduled.items():
             grammar = self._grammar_of.get(request_id)
             request = self.requests[request_id]
             spec = drafts.get(request_id, ())
-            if grammar is not None and request.num_computed_tokens + num_tokens - len(spec) >= (
-                request.num_tokens
-            ):  # this step samples its next token(s): the grammar says which are allowed
+            if grammar is None:
+                continue
+            if request.num_pending_output_tokens:
+                # Its matcher lacks the token in flight: the mask follows (async scheduling).
+                out.grammar_bitmasks_follow.append(request_id)
+                self.num_grammar_rows_ahead += 1
+            elif request.num_computed_tokens + num_tokens - len(spec) >= request.num_tokens:
+                # This step samples its next token(s): the grammar says which are allowed.
                 out.grammar_bitmasks[request_id] = grammar.draft_bitmasks(list(spec))
         for request_id in scheduled:
             request = self.requests[request_id]
@@ -388,6 +402,20 @@ class Scheduler:
             self._sent_blocks[request_id] = self.kv_cache.num_blocks(request_id)
         self.num_steps += 1
         return out
+
+    def followed_bitmasks(self, sched_out: SchedulerOutput) -> GrammarBitmasks:
+        """The masks of a step scheduled ahead, once the step before it was read back
+        (`update_from_output` advanced the matchers by its tokens). A request that step
+        ended (EOS, a completed grammar, a stop, an abort) or preempted gets none: its row
+        is sampled unmasked and discarded, as any row of a request gone meanwhile."""
+        masks = GrammarBitmasks(sched_out.step_id)
+        for request_id in sched_out.grammar_bitmasks_follow:
+            grammar = self._grammar_of.get(request_id)
+            request = self.requests.get(request_id)
+            if grammar is None or request is None or request.status != RequestStatus.RUNNING:
+                continue
+            masks.bitmasks[request_id] = grammar.next_token_bitmask()
+        return masks
 
     # -- after the step -------------------------------------------------------------
     def update_from_output(

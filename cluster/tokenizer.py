@@ -86,6 +86,13 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     @property
+    def hf_tokenizer(self) -> HFTokenizer | None:
+        """The `tokenizers` object, for its native incremental decoder; None for a
+        vocabulary loaded another way (tiktoken)."""
+        tok = getattr(self, "_tok", None)
+        return tok if isinstance(tok, HFTokenizer) else None
+
+    @property
     def bos_token_id(self) -> int | None:
         return None if self.bos_token is None else self.token_to_id(self.bos_token)
 

@@ -59,7 +59,27 @@ class SchedulerOutput:
     # request verifying drafts has one mask per lane (the next token's, then one after each
     # draft), concatenated.
     grammar_bitmasks: dict[str, bytes] = field(default_factory=dict)
+    # Async scheduling: grammar rows scheduled while their previous token is in flight.
+    # Their masks are not here: a `GrammarBitmasks` for this `step_id` follows once that
+    # token is read back and the matchers advanced, and the workers sample this step only
+    # then (rows missing from it, requests that ended meanwhile, sample unmasked and are
+    # discarded by the scheduler).
+    grammar_bitmasks_follow: list[str] = field(default_factory=list)
+    step_id: int = 0
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+GRAMMAR_BITMASKS_VERSION = 1
+
+
+@dataclass
+class GrammarBitmasks:
+    """The masks a step scheduled ahead waits for (`SchedulerOutput.grammar_bitmasks_follow`):
+    request id -> its bitmask in `grammar_bitmasks`' layout, for step `step_id`."""
+
+    step_id: int
+    bitmasks: dict[str, bytes] = field(default_factory=dict)
+    version: int = GRAMMAR_BITMASKS_VERSION

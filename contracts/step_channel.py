@@ -26,7 +26,9 @@ No message is lost:
 Besides data the publisher can send a flush marker (`publish_flush`; `recv` returns
 `FLUSH`): it carries no payload and tells workers that pipeline steps (async scheduling)
 to send back the result of the last step they were sent now, since no later step is
-coming before the scheduler reads it. It is numbered and ordered like any message.
+coming before the scheduler reads it. It is numbered and ordered like any message. So is a
+side message (`publish_side`), which the subscriber decodes with its own type: the grammar
+masks that follow a step scheduled ahead (contracts/scheduler_output.py `GrammarBitmasks`).
 
 Sockets are not thread-safe: use each endpoint from one thread.
 """
@@ -58,6 +60,7 @@ __all__ = [
 _DATA = b"D"
 _CLOSE = b"C"
 _FLUSH = b"F"
+_SIDE = b"S"
 # kind (1 byte) + sequence number; results add the sender's rank.
 _STEP_HEADER = struct.Struct("<cQ")
 _RESULT_HEADER = struct.Struct("<cIQ")
@@ -269,6 +272,17 @@ class StepPublisher:
         self._endpoint.socket.send_multipart([_STEP_HEADER.pack(_DATA, self._seq), payload])
         self._seq += 1
 
+    def publish_side(self, msg: Any) -> None:
+        """Send a side message: numbered and ordered like a step, decoded by the
+        subscribers' `side_type` (async scheduling's grammar masks that follow a step)."""
+        if self._closed:
+            raise ChannelClosed("StepPublisher is closed")
+        payload = _encode(msg)
+        if not self.ready:
+            self.wait_ready(self.ready_timeout)
+        self._endpoint.socket.send_multipart([_STEP_HEADER.pack(_SIDE, self._seq), payload])
+        self._seq += 1
+
     def publish_flush(self) -> None:
         """Send the flush marker: every subscriber's `recv` returns `FLUSH` in its place in
         the stream. Counted in `num_published` like any message."""
@@ -300,13 +314,15 @@ class StepPublisher:
 
 class StepSubscriber:
     """A worker's end of the step broadcast. `msg_type` (a Struct or dataclass type) makes
-    `recv` decode; without it `recv` returns the payload bytes."""
+    `recv` decode; without it `recv` returns the payload bytes. `side_type` decodes side
+    messages (`publish_side`); without it they come as bytes too."""
 
-    def __init__(self, address: str, msg_type: Any = None) -> None:
+    def __init__(self, address: str, msg_type: Any = None, side_type: Any = None) -> None:
         if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
             raise ValueError(f"address must be a tcp:// or ipc:// address, got {address!r}")
         self.address = address
         self._decoder = _make_decoder(msg_type)
+        self._side_decoder = _make_decoder(side_type)
         # Linger 0: a subscriber only ever sends subscriptions.
         self._context, self._socket = _open_socket(zmq.SUB, linger_s=0)
         self._socket.setsockopt(zmq.RCVHWM, 0)
@@ -346,6 +362,8 @@ class StepSubscriber:
             raise ChannelClosed(f"publisher at {self.address} closed the channel")
         if kind == _FLUSH:
             return FLUSH
+        if kind == _SIDE:
+            return payload if self._side_decoder is None else self._side_decoder.decode(payload)
         return payload if self._decoder is None else self._decoder.decode(payload)
 
     def close(self) -> None:

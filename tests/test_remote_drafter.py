@@ -295,7 +295,8 @@ def test_the_drafter_answers_a_bad_version_and_an_early_step_with_an_error(targe
     "spec, kw, words",
     [
         ({"method": "ngram", "num_speculative_tokens": 2, "placement": "remote"}, {}, "ngram"),
-        ({"method": "mtp", "num_speculative_tokens": 1, "placement": "remote"}, {}, "supports"),
+        # An MTP-less target (a dense Qwen3) cannot draft for itself, remote or not.
+        ({"method": "mtp", "num_speculative_tokens": 1, "placement": "remote"}, {}, "MTP"),
     ],
 )
 def test_settings_a_remote_drafter_cannot_serve_fail_at_start(local_ray, target, spec, kw, words):

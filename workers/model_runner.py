@@ -19,8 +19,13 @@ from kvloom.contracts.kv_cache_plan import (
 )
 from kvloom.contracts.kv_cache_spec import KVCacheGroup, LinearStateSpec
 from kvloom.contracts.runner_output import ModelRunnerOutput
-from kvloom.contracts.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
+from kvloom.contracts.scheduler_output import (
+    PLACEHOLDER_TOKEN_ID,
+    GrammarBitmasks,
+    SchedulerOutput,
+)
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
+from kvloom.workers.awaiting_masks import AwaitingMasksStep
 from kvloom.workers.cache_pages import allocate_pages
 from kvloom.workers.cuda_graphs import DecodeGraphs, capture_sizes, graph_size_for
 from kvloom.workers.device_copy import to_device
@@ -126,6 +131,8 @@ class ModelRunner:
         self.prev_positions: dict[str, int] = {}
         self.step_pending: dict[str, int] = {}  # this step's rows: tokens read from device
         self.step_bitmasks: dict[str, bytes] = {}  # this step's structured-output masks
+        # Async scheduling: the launched step whose sampling waits for its grammar masks.
+        self.awaiting_masks: AwaitingMasksStep | None = None
 
     def load_model(self, progress: bool = True) -> None:
         check_drafter(self.config.speculative, self.config.model)  # before the target loads
@@ -477,6 +484,11 @@ class ModelRunner:
     @torch.inference_mode()
     def submit(self, sched: SchedulerOutput) -> PendingStep:
         """Launches the step; the sampled ids stay on the device until `result()`."""
+        if self.awaiting_masks is not None:
+            raise RuntimeError(
+                f"step {sched.step_id} arrived while step {self.awaiting_masks.step_id} "
+                "still waits for its grammar masks"
+            )
         self.input_batch.apply(sched)
         # A request id may return (finished, then reused): its old positions mean nothing.
         for request_id in sched.finished_request_ids:
@@ -509,14 +521,15 @@ class ModelRunner:
             self._carry_over(out)
             pending = PendingStep(ready=out)
         else:
-            pending = self._sample_plain(hidden, sample_rows)
+            pending = self._sample_plain(hidden, sample_rows, sched)
         # Checkpoints last: a drafter's linear state must have caught up with this step too.
         self.copy_state_pages(sched.state_copies_after)
         return pending
 
-    def _sample_plain(self, hidden: torch.Tensor, sample_rows) -> PendingStep:
+    def _sample_plain(self, hidden: torch.Tensor, sample_rows, sched) -> PendingStep:
         """Samples one token per row on the device and remembers where each request's
-        token is, so a step scheduled before this one is read back can use it."""
+        token is, so a step scheduled before this one is read back can use it. A step
+        whose grammar masks follow samples when they arrive (`supply_bitmasks`)."""
         rows = [self._sampling_state(rid) for rid, _, _ in sample_rows]
         self.prev_sampled = None
         self.prev_rows = {}
@@ -524,11 +537,33 @@ class ModelRunner:
             return PendingStep(ready=ModelRunnerOutput({}))
         index = to_device([i for _, i, _ in sample_rows], torch.long, hidden.device)
         logits = self.model.compute_logits(hidden[index])
+        request_ids = [rid for rid, _, _ in sample_rows]
+        if not sched.grammar_bitmasks_follow:
+            return self._draw(logits, rows, request_ids)
+
+        def sample(masks: dict[str, bytes]) -> PendingStep:
+            for rid, row in zip(request_ids, rows):
+                if rid in masks:
+                    row.token_bitmask = masks[rid]
+            return self._draw(logits, rows, request_ids)
+
+        self.awaiting_masks = AwaitingMasksStep(sched.step_id, sample)
+        return self.awaiting_masks
+
+    @torch.inference_mode()
+    def supply_bitmasks(self, masks: GrammarBitmasks) -> None:
+        """The grammar masks the step launched last waits for: it samples now."""
+        awaiting = self.awaiting_masks
+        if awaiting is None:
+            raise RuntimeError(f"GrammarBitmasks for step {masks.step_id}: no step waits for them")
+        self.awaiting_masks = None
+        awaiting.supply(masks)
+
+    def _draw(self, logits, rows, request_ids) -> PendingStep:
         max_logprobs = max(
             [r.params.logprobs for r in rows if r.params.logprobs is not None], default=-1
         )
         tokens, raw_logprobs = sample_on_device(logits, rows, max_logprobs)
-        request_ids = [rid for rid, _, _ in sample_rows]
         self.prev_sampled = tokens
         self.prev_rows = {rid: row for row, rid in enumerate(request_ids)}
         return PendingStep(

@@ -17,7 +17,7 @@ from kvloom.contracts import envs
 from kvloom.contracts.config import EngineConfig
 from kvloom.contracts.gc_freeze import freeze_startup_objects
 from kvloom.contracts.kv_cache_plan import KVCacheMemory, KVCachePlan, KVCacheSpecs
-from kvloom.contracts.scheduler_output import SchedulerOutput
+from kvloom.contracts.scheduler_output import GrammarBitmasks, SchedulerOutput
 from kvloom.contracts.step_channel import FLUSH, ChannelClosed, ResultSender, StepSubscriber
 from kvloom.workers.distributed.process_group import (
     RankLayout,
@@ -98,9 +98,13 @@ class WorkerActor:
         (the scheduler waits for the newest step and sends nothing after it) reads back
         the step still open, so a scheduler waiting for a result always gets it. A step
         that completed on the host inside `submit` (speculative decoding) is sent at
-        once, in order after the open one. Every rank gets the same messages and so launches the same steps in the same order
+        once, in order after the open one. A step whose grammar masks follow
+        (`GrammarBitmasks`, a side message) samples when they arrive, before the next step
+        or flush marker. Every rank gets the same messages and so launches the same steps in the same order
         (their collectives match)."""
-        subscriber = StepSubscriber(step_address, msg_type=SchedulerOutput)
+        subscriber = StepSubscriber(
+            step_address, msg_type=SchedulerOutput, side_type=GrammarBitmasks
+        )
         sender = ResultSender(result_address, rank=self.rank) if self.rank == 0 else None
         steps = 0
         open_step = None  # launched, not read back yet
@@ -110,6 +114,10 @@ class WorkerActor:
                     msg = subscriber.recv()
                 except ChannelClosed:
                     return steps
+                if isinstance(msg, GrammarBitmasks):
+                    # The open step's grammar masks: it samples now and stays open.
+                    self.worker.supply_bitmasks(msg)
+                    continue
                 launched = None
                 if msg is not FLUSH:
                     launched = self.worker.submit(msg)

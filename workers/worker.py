@@ -8,7 +8,7 @@ import torch
 from kvloom.contracts.config import EngineConfig
 from kvloom.contracts.kv_cache_plan import KVCacheMemory, KVCachePlan, KVCacheSpecs
 from kvloom.contracts.runner_output import ModelRunnerOutput
-from kvloom.contracts.scheduler_output import SchedulerOutput
+from kvloom.contracts.scheduler_output import GrammarBitmasks, SchedulerOutput
 from kvloom.workers.layers.tp_group import CoordinatorTPGroup
 from kvloom.workers.model_runner import ModelRunner
 from kvloom.workers.pending_step import PendingStep
@@ -60,3 +60,7 @@ class Worker:
     def submit(self, sched: SchedulerOutput) -> PendingStep:
         """Launches the step; `.result()` on the returned handle reads its output back."""
         return self.runner.submit(sched)
+
+    def supply_bitmasks(self, masks: GrammarBitmasks) -> None:
+        """The grammar masks the step launched last waits for (async scheduling)."""
+        self.runner.supply_bitmasks(masks)

@@ -149,7 +149,64 @@ def register(subparsers) -> None:
     )
     server.add_argument("--no-warmup", action="store_true", help="report ready without warm-up")
     server.add_argument("--log-level", default="INFO")
+    add_limit_flags(parser)
     parser.set_defaults(func=run)
+
+
+# --flag -> (FrontendLimits field, type, what it bounds). docs/grpc.md, "Limits".
+LIMIT_FLAGS = {
+    "--max-prompt-bytes": (
+        "max_prompt_bytes",
+        int,
+        "UTF-8 bytes of a text prompt, and of a chat's text in all "
+        "(default: 32 per position of max_model_len, at least 64 KiB)",
+    ),
+    "--max-messages": ("max_messages", int, "messages in a chat"),
+    "--max-tools": ("max_tools", int, "tools in a chat"),
+    "--max-tool-schema-bytes": ("max_tool_schema_bytes", int, "bytes of one tool's parameters"),
+    "--max-template-kwargs-bytes": (
+        "max_template_kwargs_bytes",
+        int,
+        "bytes of chat_template_kwargs",
+    ),
+    "--max-json-depth": (
+        "max_json_depth",
+        int,
+        "JSON nesting of tool parameters, tool-call arguments, chat_template_kwargs",
+    ),
+    "--max-stop-strings": ("max_stop_strings", int, "stop strings of a request"),
+    "--max-stop-string-bytes": ("max_stop_string_bytes", int, "bytes of one stop string"),
+    "--max-stop-token-ids": ("max_stop_token_ids", int, "stop_token_ids of a request"),
+    "--max-detokenize-ids": ("max_detokenize_ids", int, "token ids of one Detokenize call"),
+    "--max-abort-ids": ("max_abort_ids", int, "request ids of one Abort call"),
+    "--render-timeout": (
+        "render_timeout_s",
+        float,
+        "seconds one tokenization or chat-template rendering may take (then DEADLINE_EXCEEDED)",
+    ),
+}
+
+
+def add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    from kvloom.cluster.frontend.limits import FrontendLimits
+
+    defaults = FrontendLimits()
+    group = parser.add_argument_group("input limits (over one: INVALID_ARGUMENT naming the field)")
+    for flag, (name, kind, what) in LIMIT_FLAGS.items():
+        default = getattr(defaults, name)
+        shown = "" if default is None else f" (default {default})"
+        metavar = "SECONDS" if kind is float else "N"
+        group.add_argument(
+            flag, type=kind, default=None, dest=name, metavar=metavar, help=what + shown
+        )
+
+
+def limits_from_flags(args: argparse.Namespace):
+    """The FrontendLimits the flags ask for (defaults for those not given)."""
+    from kvloom.cluster.frontend.limits import FrontendLimits
+
+    given = {name: getattr(args, name) for name, _, _ in LIMIT_FLAGS.values()}
+    return FrontendLimits(**{name: value for name, value in given.items() if value is not None})
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -212,6 +269,8 @@ FLAG_OF_FIELD = {
     "drain_timeout_s": "--drain-timeout",
     "keepalive_time_s": "--keepalive-time",
     "keepalive_timeout_s": "--keepalive-timeout",
+    # input limits (FrontendLimits fields, named `limits.<field>` in their errors)
+    **{name: flag for flag, (name, _, _) in LIMIT_FLAGS.items()},
 }
 
 
@@ -223,6 +282,8 @@ def flag_names(message: str) -> str:
     spec, dot, key = name.partition(".")
     if spec == "speculative_config":  # a key of the flag's JSON object
         return f"--speculative-config: {key + ' ' if dot else ''}{rest}"
+    if spec == "limits" and dot:  # a FrontendLimits field
+        field, name = field[len("limits.") :], key
     if not sep or not name.isidentifier():
         return message
     flag = FLAG_OF_FIELD.get(name) or "--" + name.replace("_", "-")
@@ -251,6 +312,7 @@ def server_options(args: argparse.Namespace):
         http_port=args.http_port,
         served_model_name=args.served_model_name,
         warmup=not args.no_warmup,
+        limits=limits_from_flags(args),
     )
 
 

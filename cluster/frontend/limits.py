@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass, replace
 
 from kvloom.cluster.frontend.errors import InvalidArgument
@@ -43,9 +44,14 @@ class FrontendLimits:
         for name, value in self.__dict__.items():
             if value is None and name == "max_prompt_bytes":
                 continue
-            ok = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
-            if not ok:
-                raise ValueError(f"limits.{name} must be a number > 0, got {value!r}")
+            if name == "render_timeout_s":  # a bound, so never infinite
+                ok = isinstance(value, int | float) and math.isfinite(value) and value > 0
+                what = "a finite number of seconds > 0"
+            else:
+                ok = isinstance(value, int) and value > 0
+                what = "an integer > 0"
+            if not ok or isinstance(value, bool):
+                raise ValueError(f"limits.{name} must be {what}, got {value!r}")
 
     def for_model_len(self, max_model_len: int | None) -> FrontendLimits:
         """These limits with max_prompt_bytes resolved for the engine's max_model_len."""

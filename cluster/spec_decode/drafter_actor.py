@@ -20,10 +20,10 @@ READY_TIMEOUT_S = 600.0  # loading a large drafter's weights
 PING_TIMEOUT_S = 0.5
 
 
-# Methods whose drafter runs remotely. Another plugs in once what it reads of the target
-# travels in drafter_messages.py (EAGLE-3 and DFlash read auxiliary hidden states that
-# the worker captures inside the target's forward; MTP the target's own checkpoint).
-REMOTE_METHODS = ("draft_model", "eagle")
+# Methods whose drafter runs remotely: what each reads of the target travels in
+# drafter_messages.py (final or auxiliary hidden states; MTP's layer and the target's
+# embedding and LM head are loaded by the actor from the target's checkpoint).
+REMOTE_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "dflash")
 
 
 def check_remote_placement(config: EngineConfig) -> None:

@@ -71,3 +71,27 @@ class AuxHiddenCapture:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+
+class ReceivedAuxHidden:
+    """Stands for AuxHiddenCapture in a remote drafter's actor, which runs no target
+    forward: the states arrive with each step's message and are handed out as `take`
+    hands out captured ones."""
+
+    def __init__(self, points: list[int]):
+        self.points = list(points)
+        self.states: list[torch.Tensor] | None = None
+
+    def put(self, states: list[torch.Tensor]) -> None:
+        if len(states) != len(self.points):
+            raise ValueError(f"{len(states)} auxiliary states for points {self.points}")
+        self.states = states
+
+    def take(self) -> list[torch.Tensor]:
+        if self.states is None:
+            raise RuntimeError(f"no auxiliary hidden states received for points {self.points}")
+        out, self.states = self.states, None
+        return out
+
+    def remove(self) -> None:
+        pass

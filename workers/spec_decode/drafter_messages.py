@@ -20,7 +20,7 @@ import msgspec
 from kvloom.contracts.step_channel import RawTensor
 
 # Bump on any change to the messages below.
-DRAFTER_PROTOCOL_VERSION = 1
+DRAFTER_PROTOCOL_VERSION = 2
 
 
 class DraftSetup(msgspec.Struct, tag=True):
@@ -34,6 +34,13 @@ class DraftSetup(msgspec.Struct, tag=True):
 class DraftReady(msgspec.Struct, tag=True):
     version: int
     setup_id: int
+    # What the drafter reads of each target forward, so the worker sends only that:
+    # the final hidden states, and the auxiliary states at these capture points
+    # (workers/spec_decode/aux_hidden.py numbering, in the order the drafter fuses them).
+    reads_hidden: bool = False
+    aux_points: list[int] = []
+    # True: it reads those states at kept tokens only (rejected drafts' rows not sent).
+    kept_rows_only: bool = False
 
 
 class DraftRequest(msgspec.Struct, tag=True):
@@ -55,6 +62,12 @@ class DraftRequest(msgspec.Struct, tag=True):
     hidden: RawTensor | None  # the target's hidden state per input token (EAGLE heads)
     # Rows that did not sample: the prompt token after their chunk (DraftStep.next_tokens).
     next_tokens: dict[str, int] = {}
+    # The auxiliary states at DraftReady.aux_points, concatenated along the last dim
+    # (EAGLE-3, DFlash).
+    aux_hidden: RawTensor | None = None
+    # True: `hidden` and `aux_hidden` hold rows of the kept tokens only, in batch order
+    # (DraftStep.kept_tokens: a row's real tokens and accepted drafts).
+    kept_rows_only: bool = False
 
 
 class DraftReply(msgspec.Struct, tag=True):

@@ -8,6 +8,13 @@ one of the target's attention groups (those cover every position of a request, l
 slots included); each `DraftRequest` is rebuilt into a DraftStep and run as the target's
 workers would run it in process.
 
+Hidden-state drafters read what the target computed this step: `DraftReady` tells the
+worker what to send (final hidden states for EAGLE and MTP, auxiliary states at the capture
+points for EAGLE-3 and DFlash), and each request carries them as RawTensors, for kept
+tokens only where the drafter reads no others. Heads that share the target's embedding and
+LM head (and MTP, whose layer is the target checkpoint's own `mtp.*` tensors) load the
+target here too.
+
 `DrafterActor` is the Ray actor around it (started by cluster/spec_decode/drafter_actor.py):
 it loads the drafter in its constructor, so a restart by Ray loads it again, and serves a
 zmq ROUTER socket from a thread of its own.
@@ -31,6 +38,7 @@ from kvloom.workers.cache_pages import pages_for
 from kvloom.workers.dtypes import TORCH_DTYPES
 from kvloom.workers.layers.tp_group import LocalGroup
 from kvloom.workers.row_kinds import RowClasses, classify_rows
+from kvloom.workers.spec_decode.aux_hidden import ReceivedAuxHidden
 from kvloom.workers.spec_decode.draft_model import DRAFT_LAYER_OFFSET
 from kvloom.workers.spec_decode.drafter import DraftStep
 from kvloom.workers.spec_decode.drafter_messages import (
@@ -45,11 +53,16 @@ from kvloom.workers.spec_decode.drafter_messages import (
     to_drafter,
 )
 from kvloom.workers.spec_decode.factory import build_drafter
+from kvloom.workers.spec_decode.remote_drafter import kept_token_index
 
 logger = logging.getLogger(__name__)
 
-# Methods whose drafter reads the target's own weights (embedding, LM head).
-TARGET_WEIGHT_METHODS = ("eagle",)
+# Methods whose drafter reads the target's own weights (embedding, LM head; MTP's layer
+# type and config).
+TARGET_WEIGHT_METHODS = ("eagle", "eagle3", "mtp", "dflash")
+# Methods whose drafter reads the target's states at every token of the step, rejected
+# drafts included (EAGLE's catch-up runs over all of them); the others read kept tokens.
+ALL_ROWS_METHODS = ("eagle",)
 
 
 def load_target(config: EngineConfig, device: torch.device):
@@ -104,8 +117,26 @@ class DrafterService:
                 f"speculative_config.placement 'remote' needs a drafter of attention layers; "
                 f"{spec.model} has {', '.join(other)} layers (use placement 'local')"
             )
+        self.method = spec.method
+        self.aux: ReceivedAuxHidden | None = None
+        capture = getattr(self.drafter, "capture", None)
+        if capture is not None:  # hooks on this copy of the target, which never runs
+            capture.remove()
+            self.aux = ReceivedAuxHidden(capture.points)
+            self.drafter.capture = self.aux
+        self.reads_hidden = _reads_final_hidden(self.drafter, spec.method, target)
         self.block_size: int | None = None
         self.groups: list[KVCacheGroup] = []
+
+    def ready_message(self, setup_id: int) -> DraftReady:
+        reads_states = self.reads_hidden or self.aux is not None
+        return DraftReady(
+            DRAFTER_PROTOCOL_VERSION,
+            setup_id,
+            reads_hidden=self.reads_hidden,
+            aux_points=list(self.aux.points) if self.aux is not None else [],
+            kept_rows_only=reads_states and self.method not in ALL_ROWS_METHODS,
+        )
 
     def setup(self, msg: DraftSetup) -> DraftReady:
         """Allocates zeroed pages for every drafter layer; all of them read the block
@@ -124,7 +155,7 @@ class DrafterService:
         self.k = msg.num_speculative_tokens
         if hasattr(self.drafter, "history"):
             self.drafter.history.clear()  # positions from before a reconnect mean nothing
-        return DraftReady(DRAFTER_PROTOCOL_VERSION, msg.setup_id)
+        return self.ready_message(msg.setup_id)
 
     def _slots(self, block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
         return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
@@ -155,14 +186,11 @@ class DrafterService:
             groups=[meta],
             decode_only=msg.decode_only,
         )
-        hidden = torch.empty(0, device=dev)
-        if msg.hidden is not None:
-            hidden = tensor_from_raw(msg.hidden, dev)
         step = DraftStep(
             request_ids=list(msg.request_ids),
             input_ids=torch.tensor(msg.input_ids, dtype=torch.long, device=dev),
             batch=batch,
-            hidden=hidden,
+            hidden=torch.empty(0, device=dev),
             drafts=msg.drafts,
             sampled=msg.sampled,
             finished=list(msg.finished),
@@ -173,9 +201,47 @@ class DrafterService:
             k=self.k,
             next_tokens=msg.next_tokens,
         )
+        self._receive_states(msg, step)
         with torch.inference_mode():
             drafts = self.drafter.run(step)
         return DraftReply(DRAFTER_PROTOCOL_VERSION, msg.step_id, drafts)
+
+    def _receive_states(self, msg: DraftRequest, step: DraftStep) -> None:
+        """Puts the shipped target states where the drafter reads them: `step.hidden`
+        and the auxiliary capture, one row per input token (rows of rejected drafts,
+        never read, are zeros when only kept rows travelled)."""
+        rows = None
+        if msg.kept_rows_only:
+            rows = torch.tensor(kept_token_index(step), dtype=torch.long, device=self.device)
+
+        def full(raw, field: str) -> torch.Tensor:
+            got = tensor_from_raw(raw, self.device)
+            want = len(msg.input_ids) if rows is None else len(rows)
+            if got.dim() != 2 or got.shape[0] != want:
+                raise ValueError(
+                    f"DraftRequest.{field}: shape {list(got.shape)}, expected {want} rows"
+                )
+            if rows is None:
+                return got
+            out = torch.zeros(len(msg.input_ids), got.shape[1], dtype=got.dtype, device=got.device)
+            out[rows] = got
+            return out
+
+        if msg.hidden is not None:
+            step.hidden = full(msg.hidden, "hidden")
+        elif self.reads_hidden:
+            raise ValueError("DraftRequest.hidden: missing (this drafter reads it)")
+        if self.aux is not None:
+            if msg.aux_hidden is None:
+                raise ValueError("DraftRequest.aux_hidden: missing (this drafter reads it)")
+            states = full(msg.aux_hidden, "aux_hidden")
+            parts = len(self.aux.points)
+            if states.shape[1] % parts:
+                raise ValueError(
+                    f"DraftRequest.aux_hidden: width {states.shape[1]} does not split into "
+                    f"{parts} states"
+                )
+            self.aux.put(list(states.chunk(parts, dim=-1)))
 
     def handle(self, payload: bytes):
         """One message in, its answer out (never raises: a failure is a DraftError)."""
@@ -195,6 +261,17 @@ class DrafterService:
         except Exception as exc:  # the target serves on without drafts; say why
             logger.exception("drafter step failed")
             return DraftError(DRAFTER_PROTOCOL_VERSION, f"{type(exc).__name__}: {exc}")
+
+
+def _reads_final_hidden(drafter, method: str, target) -> bool:
+    """Whether the drafter reads the target's final hidden states (`DraftStep.hidden`):
+    EAGLE and MTP heads do, EAGLE-3 does not, DFlash where a target layer id is the
+    last layer's (read after the final norm)."""
+    if method in ("eagle", "mtp"):
+        return True
+    if method == "dflash":
+        return target.config["num_hidden_layers"] in drafter.points
+    return False
 
 
 def _attention(spec) -> bool:

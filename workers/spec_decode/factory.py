@@ -33,7 +33,7 @@ def build_drafter(
         # The drafter runs in its own actor (drafter_server.py); the worker talks to it.
         from kvloom.workers.spec_decode.remote_drafter import RemoteDrafter
 
-        return RemoteDrafter(spec, tp=tp)
+        return RemoteDrafter(spec, tp=tp, target=target)
     if spec.method == "draft_model":
         from kvloom.workers.spec_decode.draft_model import DraftModel
 

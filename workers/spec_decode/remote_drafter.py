@@ -13,6 +13,11 @@ waiting (a pending call answers once Ray restarted it) and, when it has one, set
 drafter up again and speculates again. A drafter back from a restart has empty KV for the
 tokens it missed: its drafts for those requests are worse, never wrong (the target
 verifies every draft).
+
+What the drafter reads of the target's forward, it says in DraftReady: the final hidden
+states (EAGLE, MTP) and auxiliary states at capture points (EAGLE-3, DFlash: rank 0 then
+hooks the target's own layers, as the in-process drafters do, aux_hidden.py), for every
+token or for kept tokens only. Each DraftRequest carries exactly that.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from kvloom.contracts.config import SpeculativeConfig
 from kvloom.contracts.kv_cache_spec import FullAttentionSpec, MLASpec, SlidingWindowSpec
 from kvloom.contracts.step_channel import RawTensor
 from kvloom.workers.layers.tp_group import LocalGroup
+from kvloom.workers.spec_decode.aux_hidden import AuxHiddenCapture
 from kvloom.workers.spec_decode.drafter import DraftStep
 from kvloom.workers.spec_decode.drafter_messages import (
     DRAFTER_PROTOCOL_VERSION,
@@ -46,8 +52,12 @@ logger = logging.getLogger(__name__)
 # Seconds between attempts to reach the drafter again (how long one step waits for its
 # drafts is KVLOOM_DRAFTER_TIMEOUT_S, contracts/envs.py).
 RETRY_S = 1.0
-# Methods whose drafter reads the target's hidden states.
-HIDDEN_STATE_METHODS = ("eagle", "eagle3", "mtp", "dflash")
+
+
+def kept_token_index(step: DraftStep) -> list[int]:
+    """The step's token indices whose results stand (DraftStep.kept_tokens), in order."""
+    qsl = step.batch.query_start_loc_list
+    return [t for i, n in enumerate(step.kept_tokens()) for t in range(qsl[i], qsl[i] + n)]
 
 
 def raw_tensor(tensor: torch.Tensor) -> RawTensor:
@@ -82,13 +92,21 @@ def drafter_group(groups) -> int:
 class RemoteDrafter:
     model = _NoCacheLayers()
 
-    def __init__(self, spec: SpeculativeConfig, timeout_s: float | None = None, tp=None):
+    def __init__(
+        self, spec: SpeculativeConfig, timeout_s: float | None = None, tp=None, target=None
+    ):
+        """target: the worker's target model (hooked when the drafter reads auxiliary
+        hidden states)."""
         self.method = spec.method
+        self.target = target
         # Under tensor parallelism rank 0 talks to the drafter and shares its drafts, so
         # every rank verifies (and carries over) the same ones.
         self.tp = tp if tp is not None else LocalGroup()
         self.k = spec.num_speculative_tokens
-        self.send_hidden = spec.method in HIDDEN_STATE_METHODS
+        # What the drafter reads (its DraftReady says; nothing until it is set up).
+        self.send_hidden = False
+        self.kept_rows_only = False
+        self.capture: AuxHiddenCapture | None = None
         self.timeout_s = envs.drafter_timeout_s() if timeout_s is None else timeout_s
         self.handle = None  # the drafter actor's Ray handle (attach)
         self.group: int | None = None
@@ -146,10 +164,14 @@ class RemoteDrafter:
         return {rid: row[1 : 1 + row[0]] for rid, row in zip(order, table) if row[0]}
 
     def _draft(self, step: DraftStep) -> dict[str, list[int]]:
+        hooked = self.capture
         if not self.available and not self._reconnect():
             return {}
+        if self.capture is not hooked:
+            return {}  # hooks installed after this step's forward: nothing captured yet
         self._step_id += 1
         batch = step.batch
+        hidden, aux = self._states(step)
         msg = DraftRequest(
             version=DRAFTER_PROTOCOL_VERSION,
             step_id=self._step_id,
@@ -164,13 +186,52 @@ class RemoteDrafter:
             sampled=step.sampled,
             finished=list(step.finished),
             num_tokens=step.num_tokens,
-            hidden=raw_tensor(step.hidden) if self.send_hidden else None,
+            hidden=hidden,
             next_tokens=step.next_tokens,
+            aux_hidden=aux,
+            kept_rows_only=self.kept_rows_only,
         )
         reply = self._exchange(msg, self.timeout_s)
         if isinstance(reply, DraftReply):
             return reply.drafts
         return {}
+
+    def _states(self, step: DraftStep) -> tuple[RawTensor | None, RawTensor | None]:
+        """This step's final and auxiliary hidden states, as much as the drafter reads."""
+        rows = None
+        if self.kept_rows_only:
+            index = kept_token_index(step)
+            rows = torch.tensor(index, dtype=torch.long, device=step.input_ids.device)
+
+        def pick(tensor: torch.Tensor) -> RawTensor:
+            return raw_tensor(tensor if rows is None else tensor[rows])
+
+        hidden = pick(step.hidden) if self.send_hidden else None
+        aux = None
+        if self.capture is not None:
+            aux = pick(torch.cat(self.capture.take(), dim=-1))
+        return hidden, aux
+
+    def _adopt(self, ready: DraftReady) -> None:
+        """Sends what this drafter reads; hooks the target where it reads auxiliary
+        states (once: a restarted drafter of the same head reads the same points)."""
+        self.send_hidden = ready.reads_hidden
+        self.kept_rows_only = ready.kept_rows_only
+        points = list(ready.aux_points)
+        if self.capture is not None and self.capture.points == points:
+            return
+        if self.capture is not None:
+            self.capture.remove()
+            self.capture = None
+        if points:
+            if self.target is None:
+                raise ValueError(
+                    "speculative_config.placement 'remote': the drafter reads auxiliary "
+                    "hidden states but this worker has no target model to capture them from"
+                )
+            self.capture = AuxHiddenCapture(
+                self.target, points, f"speculative_config.model ({self.method})"
+            )
 
     # -- the channel -------------------------------------------------------------------
     def _exchange(self, msg, timeout_s: float):
@@ -253,8 +314,10 @@ class RemoteDrafter:
             block_size=self.block_size,
             num_speculative_tokens=self.k,
         )
-        if self._exchange(setup, max(self.timeout_s, 10.0)) is None:
+        ready = self._exchange(setup, max(self.timeout_s, 10.0))
+        if ready is None:
             return False
+        self._adopt(ready)
         if self._last_reason is not None:
             logger.warning("the remote drafter is back at %s: speculating again", address)
         self.available = True
@@ -263,3 +326,6 @@ class RemoteDrafter:
 
     def close(self) -> None:
         self._close_socket()
+        if self.capture is not None:
+            self.capture.remove()
+            self.capture = None
