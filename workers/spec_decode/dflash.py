@@ -372,10 +372,10 @@ class DFlashProposer:
     def __init__(self, spec, target, dtype, tp, device, progress: bool = False):
         head_dir = spec.model
         where = f"{FIELD} {head_dir}"
-        if target is None:  # a remote drafter actor: the target's layers are not at hand
+        if target is None:  # the drafter actor loads the target for this (drafter_server.py)
             raise ValueError(
-                "speculative_config.placement 'remote' does not support method 'dflash' yet "
-                "(its auxiliary hidden states are captured inside the target's forward)"
+                "speculative_config.method 'dflash' needs the target model: its config, "
+                "embedding and LM head"
             )
         config = read_config(head_dir, FIELD)
         fmt = check_dflash_config(config, target.config, spec.num_speculative_tokens, where)

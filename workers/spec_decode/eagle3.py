@@ -211,10 +211,10 @@ class Eagle3Proposer(EagleProposer):
 
     def __init__(self, head_dir: str, target, dtype, tp, device, progress: bool = False):
         where = f"{FIELD} {head_dir}"
-        if target is None:  # a remote drafter actor: the target's layers are not at hand
+        if target is None:  # the drafter actor loads the target for this (drafter_server.py)
             raise ValueError(
-                "speculative_config.placement 'remote' does not support method 'eagle3' yet "
-                "(its auxiliary hidden states are captured inside the target's forward)"
+                "speculative_config.method 'eagle3' needs the target model: its config, "
+                "embedding and LM head"
             )
         config = read_config(head_dir, FIELD)
         fmt = check_eagle3_config(config, target.config, where)
