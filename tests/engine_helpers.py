@@ -103,3 +103,28 @@ def kill_worker_mid_run(
     assert {o.outputs[0].finish_reason for o in finished.values()} == {"error"}
     assert f"rank {rank} died" in str(finished["0"].outputs[0].stop_reason)
     return finished
+
+
+def drafter_of(engine: Engine):
+    """The in-process worker's drafter."""
+    return engine.executor.worker.runner.draft
+
+
+def assert_finite_drafter(engine: Engine) -> list:
+    """The head's forward never reads a stale (sanitizer-NaN) KV slot: its outputs stay
+    finite (the suite runs with KVLOOM_SANITIZE=1). Returns the list of checked calls."""
+    import torch
+
+    model = drafter_of(engine).model
+    forward = model.forward
+    calls = []
+
+    def checked(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        calls.append(1)
+        for t in out if isinstance(out, tuple) else (out,):
+            assert torch.isfinite(t).all(), "the drafter read a stale KV slot"
+        return out
+
+    model.forward = checked
+    return calls

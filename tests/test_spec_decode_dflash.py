@@ -9,7 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine_helpers import assert_pool_full, greedy, multi_turn, run_to_completion
+from tests.engine_helpers import (
+    assert_finite_drafter,
+    assert_pool_full,
+    drafter_of,
+    greedy,
+    multi_turn,
+    run_to_completion,
+)
 from tests.test_spec_decode_engine import (
     engine,
     placeholder_steps,
@@ -33,28 +40,6 @@ def write_head(tmp_path, target, name="head", **kw):
 
 def dflash(head, k: int = 3) -> dict:
     return {"method": "dflash", "model": str(head), "num_speculative_tokens": k}
-
-
-def drafter_of(eng):
-    return eng.executor.worker.runner.draft
-
-
-def assert_finite_drafter(eng) -> list:
-    """The head's forward never reads a stale (sanitizer-NaN) KV slot: its outputs stay
-    finite (the suite runs with KVLOOM_SANITIZE=1). Returns the list of checked calls."""
-    model = drafter_of(eng).model
-    forward = model.forward
-    calls = []
-
-    def checked(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        calls.append(1)
-        for t in out if isinstance(out, tuple) else (out,):
-            assert torch.isfinite(t).all(), "the drafter read a stale KV slot"
-        return out
-
-    model.forward = checked
-    return calls
 
 
 # -- format ---------------------------------------------------------------------------

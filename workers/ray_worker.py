@@ -8,7 +8,6 @@ over the result channel.
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 
 import torch
@@ -22,16 +21,10 @@ from kvloom.contracts.step_channel import FLUSH, ChannelClosed, ResultSender, St
 from kvloom.workers.distributed.process_group import (
     RankLayout,
     init_parallel_state,
+    is_loopback_host,
     loopback_init_address,
 )
 from kvloom.workers.worker import Worker
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def free_port() -> int:
@@ -62,7 +55,7 @@ class WorkerActor:
         import ray
 
         host = ray.util.get_node_ip_address()
-        if _is_loopback(host):
+        if is_loopback_host(host):
             return loopback_init_address()
         return f"tcp://{host}:{free_port()}"
 

@@ -23,6 +23,7 @@ runs the same code path as the Ray one.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import socket
 import tempfile
@@ -78,6 +79,14 @@ class RankLayout:
     def dcp_groups(self) -> list[list[int]]:
         """World ranks of every DCP group, ordered by tp_rank; each group ordered by dcp_rank."""
         return [[self.rank_of(t, d) for d in range(self.dcp_size)] for t in range(self.tp_size)]
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` (an address Ray reports for this node) is this machine's loopback."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def loopback_init_address() -> str:

@@ -35,6 +35,7 @@ from kvloom.contracts.config import EngineConfig
 from kvloom.contracts.kv_cache_spec import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
 from kvloom.workers.cache_pages import pages_for
+from kvloom.workers.distributed.process_group import is_loopback_host
 from kvloom.workers.dtypes import TORCH_DTYPES
 from kvloom.workers.layers.tp_group import LocalGroup
 from kvloom.workers.row_kinds import RowClasses, classify_rows
@@ -316,7 +317,7 @@ class DrafterActor:
         import ray
 
         host = ray.util.get_node_ip_address()
-        if host in ("localhost",) or host.startswith("127."):
+        if is_loopback_host(host):
             host = "127.0.0.1"  # invariant 12: a local drafter listens on loopback only
         started = threading.Event()
         self.thread = threading.Thread(
