@@ -9,7 +9,8 @@ each scheme (w4a16 g32, fp8 128-blocks), tokens in TOKENS and each route block (
 and whether every plan's output is bitwise the first's (invariant 7). Each row also has
 the weight bytes the launch must read (the experts its routes touch) over the measured
 HBM bandwidth of a device copy: the bandwidth floor. Linear: Qwen3-8B's projections at
-1 and 256 tokens, FP8 and W4A16 beside bf16 F.linear.
+1, 256 and 4096 tokens (TFLOP/s for the prefill size), FP8 and W4A16 beside bf16
+F.linear.
 
 `--tiny` runs small shapes, also on a CPU under TRITON_INTERPRET=1 (only to exercise the
 script: timings there mean nothing).
@@ -31,6 +32,7 @@ from kvloom.kernels.w4a16_gemm import pack_int4
 
 TOKENS = (1, 16, 64, 128, 512, 1024, 1536)
 PLANS = (16, 32, 64)
+LINEAR_TOKENS = (1, 256, 4096)  # decode, a decode batch, a prefill chunk
 LINEAR_SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))  # (N, K)
 
 
@@ -127,12 +129,14 @@ def linear_rows(args, device, gbps):
         s8 = (torch.rand(n, k // 128, generator=g) * 0.002).to(device)
         w4 = pack_int4(torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)).to(device)
         s4 = (torch.rand(n, k // 128, generator=g) * 0.002).to(device, torch.bfloat16)
-        for tokens in (1, 256):
+        for tokens in args.linear_tokens:
             x = torch.randn(tokens, k, generator=g).to(device, torch.bfloat16)
             row = {"N": n, "K": k, "tokens": tokens}
             row["ms_bf16_linear"] = timed(partial(F.linear, x, w_bf16), args.repeats)
             row["ms_fp8"] = timed(partial(fp8_linear_triton, x, w8, s8, 128), args.repeats)
             row["ms_w4a16"] = timed(partial(w4a16_linear_triton, x, w4, s4, 128), args.repeats)
+            for name in ("bf16_linear", "fp8", "w4a16"):  # the prefill sizes' figure
+                row[f"tflops_{name}"] = 2 * n * k * tokens / row[f"ms_{name}"] / 1e9
             row["floor_ms_fp8"] = (w8.numel() + s8.numel() * 4) / gbps / 1e6
             row["floor_ms_w4a16"] = (w4.numel() * 4 + s4.numel() * 2) / gbps / 1e6
             rows.append(row)
@@ -150,9 +154,11 @@ def main() -> None:
     if args.tiny:
         args.experts, args.top_k, args.hidden, args.inter = 4, 2, 128, 128
         args.tokens, args.linear_shapes, args.repeats = (1, 9), ((64, 128),), 1
+        args.linear_tokens = (1, 3)
     else:
         args.experts, args.top_k, args.hidden, args.inter = 512, 10, 2048, 512
         args.tokens, args.linear_shapes = TOKENS, LINEAR_SHAPES
+        args.linear_tokens = LINEAR_TOKENS
     gbps = hbm_gbps(device)
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

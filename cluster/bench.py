@@ -90,16 +90,57 @@ SHAPES = {
 }
 
 
-def shape_dir(shape: str, root: Path) -> Path:
-    """A checkpoint dir with only config.json and the demo tokenizer (weights are dummy)."""
+# The `quantization_config` a shape gets with `--quantization`, as the published
+# checkpoints write it: Qwen3-8B-FP8's block-scaled FP8 (its lm_head stays bf16), and
+# llm-compressor's W4A16 (int4, group 128, symmetric) on every Linear but lm_head.
+QUANTIZATION_CONFIGS = {
+    "fp8": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head"],
+    },
+    "w4a16": {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": 128,
+                },
+                "input_activations": None,
+                "format": "pack-quantized",
+            }
+        },
+        "ignore": ["lm_head"],
+    },
+}
+
+
+def shape_dir(shape: str, root: Path, quantization: str | None = None) -> Path:
+    """A checkpoint dir with only config.json and the demo tokenizer (weights are dummy);
+    `quantization` (fp8, w4a16) adds that format's `quantization_config`."""
     from kvloom.cluster.demo_model import write_demo_model
 
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
+    config = dict(SHAPES[shape])
+    if quantization:
+        if quantization not in QUANTIZATION_CONFIGS:
+            raise ValueError(
+                f"quantization must be one of {sorted(QUANTIZATION_CONFIGS)}, got {quantization!r}"
+            )
+        config["quantization_config"] = QUANTIZATION_CONFIGS[quantization]
     out = root / shape
     write_demo_model(out, arch="llama")  # for its tokenizer files; config replaced below
     (out / "model.safetensors").unlink()
-    (out / "config.json").write_text(json.dumps(SHAPES[shape], indent=2))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 
@@ -311,7 +352,8 @@ def load(model: str, args) -> dict:
 
 def run(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or str(shape_dir(args.shape, Path(tmp)))
+        quantization = getattr(args, "quantization", None)
+        model = args.model or str(shape_dir(args.shape, Path(tmp), quantization))
         fn = {"latency": latency, "throughput": throughput, "load": load}[args.kind]
         result = fn(model, args)
     result.update(
@@ -320,6 +362,7 @@ def run(args) -> dict:
         dtype=args.dtype,
         linear_state_dtype=getattr(args, "linear_state_dtype", "float32"),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        quantization=getattr(args, "quantization", None) or "none",
         device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
     )
     return result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -177,3 +178,44 @@ def test_bench_latency_runs_on_a_demo_model_directory(tmp_path):
     args = ["bench", "latency", "--model", str(model), "--dtype", "float32", "--steps", "4"]
     assert main([*args, "--out", str(out)]) == 0
     assert json.loads(out.read_text())["ms_per_token"] > 0
+
+
+@pytest.mark.parametrize(
+    ("quantization", "code_dtype", "scale_name", "scale"),
+    [("fp8", "float8_e4m3fn", "weight_scale_inv", 0.02), ("w4a16", "int32", "weight_scale", 0.005)],
+)
+def test_quantized_shape_gets_quantized_dummy_weights(
+    tmp_path, quantization, code_dtype, scale_name, scale
+):
+    """`--quantization` benches the checkpoint format's kernels: every projection holds
+    codes and scales (the LM head stays float, as the published checkpoints keep it), and
+    the random codes give finite, varied logits."""
+    from kvloom import Engine
+    from kvloom.cluster.bench import shape_dir
+
+    engine = Engine(
+        model=str(shape_dir("tiny", tmp_path, quantization)),
+        dtype="bfloat16",
+        load_format="dummy",
+        max_model_len=256,
+        progress=False,
+    )
+    model = engine.executor.worker.runner.model
+    params = dict(model.named_parameters())
+    codes = [n for n, p in params.items() if str(p.dtype) == f"torch.{code_dtype}"]
+    assert len(codes) == 4 * 4  # qkv, o, gate_up, down in each of 4 layers
+    scales = [p for n, p in params.items() if n.endswith(scale_name)]
+    assert len(scales) == len(codes) and all(bool((p == scale).all()) for p in scales)
+    assert not any(n.startswith("lm_head") for n in codes)
+    sampling = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2)
+    engine.add_request("r", {"prompt_token_ids": list(range(1, 20))}, sampling)
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+    logprobs = [v for step in outputs[0].outputs[0].logprobs for v in step.values()]
+    values = [getattr(v, "logprob", v) for v in logprobs]
+    assert all(math.isfinite(v) for v in values) and len(set(values)) > 1
+
+
+def test_quantization_is_refused_with_a_model_dir(tiny_model):
+    with pytest.raises(SystemExit, match="--quantization"):
+        main(["bench", "latency", "--model", str(tiny_model("llama")), "--quantization", "fp8"])

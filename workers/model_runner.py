@@ -58,16 +58,35 @@ from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
 DEFAULT_CPU_KV_BYTES = 64 * 2**20
 
 
+# Quantized layers' scales under dummy weights, so dequantized weights come out near the
+# float N(0, 0.02): FP8 codes are drawn N(0, 1); int4 codes uniform over -8..7 (std ~4.6).
+DUMMY_SCALES = {"weight_scale_inv": 0.02, "weight_scale": 0.02, "input_scale": 1.0}
+DUMMY_INT4_SCALE = 0.005
+
+
 @torch.no_grad()
 def fill_dummy_weights(model: torch.nn.Module, seed: int) -> None:
     """Seeded random weights for benchmarking real shapes: matrices N(0, 0.02), norms 1,
-    other vectors 0. Drawn on the parameters' device (fast for multi-GB models)."""
+    other vectors 0. Drawn on the parameters' device (fast for multi-GB models).
+    Quantized layers get random codes and fixed scales (DUMMY_SCALES)."""
     generators: dict = {}
-    for name, param in model.named_parameters():
-        if param.dim() >= 2:
-            gen = generators.get(param.device)
-            if gen is None:
-                gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        gen = generators.get(param.device)
+        if gen is None:
+            gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+        owner, _, leaf = name.rpartition(".")
+        if leaf in DUMMY_SCALES:
+            int4 = f"{owner}.weight_packed" in params
+            param.fill_(DUMMY_INT4_SCALE if int4 and leaf == "weight_scale" else DUMMY_SCALES[leaf])
+        elif param.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            codes = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            param.copy_(codes.normal_(0.0, 1.0, generator=gen).to(param.dtype))
+        elif param.dtype == torch.int32:  # packed int4 codes: every bit pattern is valid
+            param.random_(generator=gen)
+        elif not param.is_floating_point():
+            continue  # shapes and other integer metadata stay as built
+        elif param.dim() >= 2:
             param.normal_(0.0, 0.02, generator=gen)
         elif name.endswith("norm.weight"):
             param.fill_(1.0)

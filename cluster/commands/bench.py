@@ -26,6 +26,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="load: requests per second (Poisson arrivals); use with --num-requests",
     )
     add_workload_args(parser)
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=("fp8", "w4a16"),
+        help="with --shape: dummy weights in this checkpoint format (fp8: 128x128 "
+        "block-scaled e4m3 as Qwen3-8B-FP8; w4a16: compressed-tensors int4, group 128)",
+    )
     parser.add_argument("--out", type=Path, help="write the result as JSON")
     parser.set_defaults(func=run)
 
@@ -82,6 +89,11 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvloom.cluster.bench import run as bench
 
+    if args.quantization and args.model:
+        raise SystemExit(
+            "kvloom bench: --quantization applies to --shape (a --model dir has its own "
+            "quantization_config)"
+        )
     if args.load_format is None:
         args.load_format = "safetensors" if args.model else "dummy"
     result = bench(args)
