@@ -12,6 +12,12 @@ HBM bandwidth of a device copy: the bandwidth floor. Linear: Qwen3-8B's projecti
 1, 256 and 4096 tokens (TFLOP/s for the prefill size), FP8 and W4A16 beside bf16
 F.linear.
 
+`--gemv` adds the decode GEMVs (kernels/quant_gemv_triton.py) at 1 and 8 tokens: bf16
+F.linear and the bf16 GEMV beside the FP8 / W4A16 GEMMs and GEMVs (the default plan and a
+few candidate tilings, with whether they agree bitwise), each timed as gemv_plans.py
+does: inside a CUDA graph over rotating weight copies, so every launch reads its weight
+from HBM (us per launch). `--no-moe` skips the MoE table.
+
 `--tiny` runs small shapes, also on a CPU under TRITON_INTERPRET=1 (only to exercise the
 script: timings there mean nothing).
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -28,12 +35,25 @@ import torch
 import torch.nn.functional as F
 
 from kvloom.kernels.fused_moe_triton import choose_block_m
+from kvloom.kernels.gemv_triton import GemvPlan
 from kvloom.kernels.w4a16_gemm import pack_int4
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gemv_plans import time_graph_us, time_wall_us, weight_copies  # noqa: E402
 
 TOKENS = (1, 16, 64, 128, 512, 1024, 1536)
 PLANS = (16, 32, 64)
 LINEAR_TOKENS = (1, 256, 4096)  # decode, a decode batch, a prefill chunk
 LINEAR_SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))  # (N, K)
+GEMV_TOKENS = (1, 8)
+# Tilings tried beside each format's default plan (all split_k 1, the default's at these
+# shapes): block_n, block_k (columns per step), warps, pipeline stages.
+GEMV_CANDIDATES = {
+    "fp8": (GemvPlan(16, 256, 4, 4), GemvPlan(32, 256, 4, 4), GemvPlan(16, 128, 2, 6),
+            GemvPlan(32, 512, 8, 3)),
+    "int4": (GemvPlan(16, 512, 4, 4), GemvPlan(32, 512, 4, 3), GemvPlan(16, 256, 2, 6),
+             GemvPlan(64, 512, 8, 3)),
+}  # fmt: skip
 
 
 def timed(fn, repeats: int) -> float:
@@ -144,11 +164,92 @@ def linear_rows(args, device, gbps):
     return rows
 
 
+def gemv_weights(n, k, device):
+    """bf16, FP8 (128-blocks) and int4 (g128) weights of one [n, k] linear."""
+    g = torch.Generator(device="cpu").manual_seed(n * k)
+    return {
+        "bf16": ((torch.randn(n, k, generator=g) * 0.02).to(device, torch.bfloat16),),
+        "fp8": (
+            (torch.randn(n, k, generator=g) * 20).to(torch.float8_e4m3fn).to(device),
+            (torch.rand(n, k // 128, generator=g) * 0.002).to(device),
+        ),
+        "int4": (
+            pack_int4(torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)).to(device),
+            (torch.rand(n, k // 128, generator=g) * 0.002).to(device, torch.bfloat16),
+        ),
+    }
+
+
+def quant_call(kernel, x, **kw):
+    """(weight, scale) -> kernel(x, weight, scale, 128, **kw): 128-column groups."""
+    return lambda w, scale: kernel(x, w, scale, 128, **kw)
+
+
+def time_over(timer, call, copies) -> float:
+    """us per `call(*weights)`, rotating over the copies of the weights."""
+    return timer(lambda i: call(*copies[i]), len(copies))
+
+
+def gemv_rows(args, device, gbps):
+    """us per launch at GEMV_TOKENS of every path a decode-size linear can take."""
+    from kvloom.kernels.fp8_gemm_triton import fp8_linear_triton
+    from kvloom.kernels.gemv_triton import gemv_triton
+    from kvloom.kernels.quant_gemv_triton import (
+        choose_quant_gemv_plan,
+        fp8_gemv_triton,
+        w4a16_gemv_triton,
+    )
+    from kvloom.kernels.w4a16_gemm_triton import w4a16_linear_triton
+
+    timer = time_graph_us if device.type == "cuda" else time_wall_us
+    gemm = {"fp8": fp8_linear_triton, "int4": w4a16_linear_triton}
+    gemv = {"fp8": fp8_gemv_triton, "int4": w4a16_gemv_triton}
+    rows = []
+    for n, k in args.linear_shapes:
+        one = gemv_weights(n, k, device)
+        nbytes = {f: sum(t.numel() * t.element_size() for t in ts) for f, ts in one.items()}
+        # rotating copies: a copy is re-read only after > 100 MiB of others (L2 is 50 MiB)
+        copies = {f: [one[f]] + [tuple(t.clone() for t in one[f])
+                                 for _ in range(weight_copies(nbytes[f]) - 1)]
+                  for f in one}  # fmt: skip
+        del one
+        for tokens in GEMV_TOKENS:
+            g = torch.Generator(device="cpu").manual_seed(tokens)
+            x = torch.randn(tokens, k, generator=g).to(device, torch.bfloat16)
+            wb = copies["bf16"]
+            row = {"N": n, "K": k, "tokens": tokens, "bf16_floor_us": nbytes["bf16"] / gbps / 1e3}
+            row["us_bf16_linear"] = time_over(timer, partial(F.linear, x), wb)
+            row["us_bf16_gemv"] = time_over(timer, partial(gemv_triton, x), wb)
+            for fmt in ("fp8", "int4"):
+                ws = copies[fmt]
+                row[f"{fmt}_floor_us"] = nbytes[fmt] / gbps / 1e3
+                row[f"us_{fmt}_gemm"] = time_over(timer, quant_call(gemm[fmt], x), ws)
+                default = choose_quant_gemv_plan(tokens, n, k, fmt)
+                row[f"{fmt}_gemv_default_plan"] = default.name
+                first = quant_call(gemv[fmt], x, plan=default)(*ws[0])
+                times, bitwise = {}, True
+                for plan in (default, *GEMV_CANDIDATES[fmt]):
+                    call = quant_call(gemv[fmt], x, plan=plan)
+                    if plan.split_k == default.split_k:
+                        bitwise &= torch.equal(call(*ws[0]), first)
+                    times[plan.name] = time_over(timer, call, ws)
+                row[f"us_{fmt}_gemv"] = times[default.name]
+                row[f"us_{fmt}_gemv_plans"] = times
+                row[f"{fmt}_gemv_best_plan"] = min(times, key=times.get)
+                row[f"{fmt}_gemv_bitwise_across_plans"] = bitwise
+            rows.append(row)
+            print(json.dumps(row))
+        del copies
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--gemv", action="store_true", help="add the decode GEMV rows")
+    parser.add_argument("--no-moe", action="store_true", help="skip the MoE table")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.tiny:
@@ -164,9 +265,11 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "hbm_gbps_measured": gbps,
         "moe_shape": {"E": args.experts, "top_k": args.top_k, "H": args.hidden, "I": args.inter},
-        "moe": moe_rows(args, device, gbps),
+        "moe": [] if args.no_moe else moe_rows(args, device, gbps),
         "linear": linear_rows(args, device, gbps),
     }
+    if args.gemv:
+        result["gemv"] = gemv_rows(args, device, gbps)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

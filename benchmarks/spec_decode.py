@@ -5,6 +5,15 @@ target as its own draft model (full acceptance: the upper bound of the mechanism
 model in one process. Reports tokens/s, acceptance rate and mean tokens per step.
 
     python benchmarks/spec_decode.py --arch llama --size small --out results.json
+
+On a GPU, `--shape qwen3-8b` (cluster/bench.py's shapes, random dummy weights, bf16, CUDA
+graphs on) runs each proposer at every `--rows` batch size and adds `draft_1layer`: a
+one-layer draft of the target's widths, the cost of an MTP / EAGLE-shaped head, whose
+random drafts are all rejected, so its figure is the per-step overhead. From the measured
+step times it reports the overhead per draft token and the break-even mean accepted length
+(the tokens per verify step a drafter must reach to pay for itself):
+
+    python benchmarks/spec_decode.py --shape qwen3-8b --rows 1 64 --out results.json
 """
 
 from __future__ import annotations
@@ -34,16 +43,90 @@ def workload(n: int, seed: int) -> list[list[int]]:
 
 
 def run(engine: Engine, prompts, max_tokens: int) -> tuple[float, int]:
+    """(seconds of decoding, output tokens): the clock starts once every prompt has been
+    prefilled (its first token out), so the figure is decode time per token."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
-    start = time.perf_counter()
+    started: set[str] = set()
+    start = None
     tokens = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
+            started.add(out.request_id)
             if out.finished:
-                tokens += len(out.outputs[0].token_ids)
-    return time.perf_counter() - start, tokens
+                tokens += len(out.outputs[0].token_ids) - 1
+        if start is None and len(started) == len(prompts):
+            start = time.perf_counter()
+    return time.perf_counter() - (start or time.perf_counter()), tokens
+
+
+def gpu_main(args) -> None:
+    """Real shapes on the GPU: ms per output token by proposer and batch size."""
+    from kvloom.cluster.bench import SHAPES, shape_dir
+
+    rows: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(shape_dir(args.shape, Path(tmp)))
+        one_layer = Path(tmp) / "one_layer"
+        one_layer.mkdir()
+        config = dict(SHAPES[args.shape], num_hidden_layers=1)
+        (one_layer / "config.json").write_text(json.dumps(config))
+        k = args.k
+        configs = {
+            "none": None,
+            "ngram": {"method": "ngram", "num_speculative_tokens": k},
+            "self_draft": {"method": "draft_model", "model": model, "num_speculative_tokens": k},
+            "draft_1layer": {
+                "method": "draft_model",
+                "model": str(one_layer),
+                "num_speculative_tokens": k,
+            },
+        }
+        for name, spec in configs.items():
+            engine = Engine(
+                model=model,
+                dtype=args.dtype,
+                load_format="dummy",
+                progress=False,
+                speculative_config=spec,
+                max_model_len=1024,
+                max_num_seqs=max(args.rows),
+            )
+            run(engine, workload(1, seed=1), 8)  # warm-up
+            for batch in args.rows:
+                elapsed, tokens = run(engine, workload(batch, seed=batch), args.max_tokens)
+                stats = engine.stats()  # acceptance: cumulative over this engine's runs
+                rows[f"{name}@{batch}"] = {
+                    "proposer": name,
+                    "rows": batch,
+                    "ms_per_token": round(elapsed * 1e3 / (tokens / batch), 3),
+                    "output_tokens_per_s": round(tokens / elapsed, 1),
+                    "acceptance_rate": round(stats.get("spec_acceptance_rate", 0.0), 3),
+                    "mean_tokens_per_step": round(stats.get("spec_mean_accepted_length", 1.0), 2),
+                }
+                print(json.dumps(rows[f"{name}@{batch}"]))
+            del engine
+    for batch in args.rows:
+        base = rows[f"none@{batch}"]["ms_per_token"]
+        # draft_1layer's drafts are rejected: each of its steps emits one token, so its ms
+        # per token is the cost of one drafting + verify step with k drafts.
+        step = (
+            rows[f"draft_1layer@{batch}"]["ms_per_token"]
+            * rows[f"draft_1layer@{batch}"]["mean_tokens_per_step"]
+        )
+        rows[f"derived@{batch}"] = {
+            "rows": batch,
+            "plain_step_ms": base,
+            "speculative_step_ms_1layer_draft": round(step, 3),
+            "overhead_ms_per_draft_token": round((step - base) / k, 3),
+            "break_even_tokens_per_step": round(step / base, 2),
+        }
+        print(json.dumps(rows[f"derived@{batch}"]))
+    if args.out:
+        args.out.write_text(
+            json.dumps({"args": vars(args) | {"out": None}, "results": rows}, indent=2)
+        )
 
 
 def main() -> None:
@@ -54,7 +137,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--shape", help="GPU mode: a cluster/bench.py shape (dummy weights)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
+    if args.shape:
+        if args.max_tokens == 64:
+            args.max_tokens = 128
+        return gpu_main(args)
     prompts = workload(args.requests, seed=0)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:

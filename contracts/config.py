@@ -50,6 +50,10 @@ class ModelConfig:
     # captured graph on CUDA (single rank); `enforce_eager` turns them off.
     enforce_eager: bool = False
     max_cuda_graph_batch_size: int = 256
+    # Batch-invariant kernel plans (docs/configuration.md "Deterministic mode"): a request's
+    # tokens do not depend on batch composition, chunking, prefix hits or preemption.
+    # Checked against the rest of the config in EngineConfig (check_deterministic).
+    deterministic: bool = False
     hf_config: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -81,6 +85,7 @@ class ModelConfig:
         require(self.load_format in formats, "load_format", f"one of {formats}", self.load_format)
         require_int("seed", self.seed, 0)
         require(isinstance(self.enforce_eager, bool), "enforce_eager", "a bool", self.enforce_eager)
+        require(isinstance(self.deterministic, bool), "deterministic", "a bool", self.deterministic)
         require_int("max_cuda_graph_batch_size", self.max_cuda_graph_batch_size, 1, 4096)
         if not self.hf_config:
             self.hf_config = json.loads(config_file.read_text())
@@ -356,15 +361,6 @@ class EngineConfig:
         """Builds the config from the flat keyword arguments of `LLM(...)` / `Engine(...)`."""
         kwargs = dict(kwargs)
         device = kwargs.pop("device", "auto")
-        # Batch-invariant mode (ARCHITECTURE §7's name) is refused until it exists, rather
-        # than accepted and silently not honoured (invariant 10).
-        deterministic = kwargs.pop("deterministic", False)
-        require(
-            deterministic is False,
-            "deterministic",
-            "False (the batch-invariant mode is not built yet)",
-            deterministic,
-        )
         spec = kwargs.pop("speculative_config", None) or {}
         if isinstance(spec, SpeculativeConfig):
             speculative = spec
@@ -391,11 +387,49 @@ class EngineConfig:
         model = ModelConfig(**parts["model"])
         parts["scheduler"]["max_model_len"] = model.max_model_len
         require(device in ("auto", "cpu", "cuda"), "device", "one of auto, cpu, cuda", device)
-        return cls(
+        config = cls(
             model=model,
             cache=CacheConfig(**parts["cache"]),
             scheduler=SchedulerConfig(**parts["scheduler"]),
             parallel=ParallelConfig(**parts["parallel"]),
             device=device,
             speculative=speculative,
+        )
+        check_deterministic(config)
+        return config
+
+
+# Architectures whose every kernel has a batch-invariant plan (kernels/batch_invariant.py).
+DETERMINISTIC_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
+
+
+def check_deterministic(config: EngineConfig) -> None:
+    """`deterministic=True` with a setting whose kernels have no batch-invariant plan yet
+    is refused by name (invariant 10), never silently not honoured."""
+    if not config.model.deterministic:
+        return
+    unsupported = []
+    if config.model.architecture not in DETERMINISTIC_ARCHITECTURES:
+        unsupported.append(f"architecture {config.model.architecture} (MLA / KDA kernels)")
+    if config.parallel.tensor_parallel_size > 1:
+        unsupported.append("tensor_parallel_size > 1 (all-reduce order)")
+    if config.parallel.decode_context_parallel_size > 1:
+        unsupported.append("decode_context_parallel_size > 1 (sharded attention)")
+    if config.speculative.enabled:
+        unsupported.append("speculative_config (draft and verify plans)")
+    if config.model.quantization:
+        unsupported.append("a quantized checkpoint (FP8 / int4 GEMMs)")
+    if unsupported:
+        raise ValueError(
+            "deterministic=True is not supported with " + "; ".join(unsupported) + " yet"
         )

@@ -19,8 +19,9 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "KVLOOM_WORKER_THREADS": ("1", "torch CPU threads of each Ray worker actor"),
     "KVLOOM_MULTI_RANK_CUDA_GRAPHS": (
         "",
-        "1: capture decode CUDA graphs at tensor_parallel_size > 1 (the NCCL all-reduce "
-        "inside the graph); off until a multi-GPU run verifies it",
+        "1: capture CUDA graphs at tensor_parallel_size > 1 and "
+        "decode_context_parallel_size > 1 (NCCL calls inside the graph); off until a "
+        "multi-GPU run verifies it",
     ),
     "KVLOOM_DRAFTER_TIMEOUT_S": (
         "2",

@@ -46,3 +46,22 @@ def use_triton(tensor: torch.Tensor) -> bool:
         and not triton_disabled_by_env()
         and triton_available()
     )
+
+
+# -- deterministic (batch-invariant) mode ---------------------------------------------------
+# `deterministic=True` sets this where the model is built (workers/layers/quantization/
+# build.py), in the process that runs it; kernels/ops.py and the layers then pick the
+# batch-invariant plans (kernels/batch_invariant.py). Process-wide, as the kernels are: one
+# process serves one model, and every build sets it to its own config's value.
+_batch_invariant = False
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    """Turns the batch-invariant kernel plans on or off for this process."""
+    global _batch_invariant
+    _batch_invariant = bool(enabled)
+
+
+def batch_invariant() -> bool:
+    """Whether the deterministic mode's batch-invariant plans are on in this process."""
+    return _batch_invariant

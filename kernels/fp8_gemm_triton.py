@@ -63,11 +63,14 @@ def choose_block_m(num_tokens: int) -> int:
 @triton.jit
 def _dot_fp8(a, b, acc, INTERPRETED: tl.constexpr):
     """acc + a @ b in float32 for e4m3 (or half) operands. Interpreted, an explicit sum
-    over k in order (the interpreter's matmul changes its order with the shapes)."""
+    over k in order (the interpreter's matmul changes its order with the shapes).
+    Compiled: Triton's default for e4m3 dots on sm_90 keeps the whole K range in the
+    tensor cores' narrower accumulator; max_num_imprecise_acc=0 adds every MMA's result
+    into the float32 accumulator instead (DeepSeek-V3's fix for FP8 GEMM accuracy)."""
     if INTERPRETED:
         prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
         return acc + tl.sum(prod, axis=1)
-    return tl.dot(a, b, acc)
+    return tl.dot(a, b, acc, max_num_imprecise_acc=0)
 
 
 @triton.jit

@@ -25,6 +25,12 @@ rounding to x's dtype.
 
 Deterministic (no atomics) and CUDA-graph capturable: no host sync; it allocates only the
 output and, with split_k > 1, a float32 workspace of S * M * N elements.
+
+The same kernel streams quantized weights (WFMT: FMT_FP8 e4m3, FMT_INT4 packed int4, with
+group scales; quant_gemv_triton.py is their entry): only the load and in-register
+dequantization of each 64-column chunk change, so the summation order and the
+guarantees above are the same. FMT_PLAIN does the arithmetic it always did (its row
+stride is now an argument, equal to K).
 """
 
 from __future__ import annotations
@@ -43,6 +49,11 @@ LANES = 64  # fixes the summation order; never depends on a plan
 _LANES = tl.constexpr(LANES)  # the same, readable inside kernels
 _HOPPER_SMS = 132  # H100 / H200 SXM; the default plan aims at >= 1.5 programs per SM
 _REDUCE_BLOCK = 1024  # features per program of the split-K reduce launch
+# How the weight is stored (the kernel's WFMT): x's dtype; e4m3 [N, K] with float32
+# group scales; int4 packed 8 per int32 [N, K / 8] with group scales (quant_gemv_triton).
+FMT_PLAIN = tl.constexpr(0)
+FMT_FP8 = tl.constexpr(1)
+FMT_INT4 = tl.constexpr(2)
 
 
 def _is_pow2(v: int) -> bool:
@@ -232,17 +243,118 @@ def _lane_tree_sum(acc, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _row_fma(acc, w, x_row, kk, lanes, k_end, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr):
-    """acc[n, j] = fma(w[n, j], x[kk + j], acc[n, j]) for one row's 64-lane chunk."""
+    """acc[n, j] = fma(w[n, j], x[kk + j], acc[n, j]) for one row's 64-lane chunk (`lanes`
+    is [64], or the same 64 offsets as an [8, 8] grid for packed int4)."""
     if EVEN_K:
         x = tl.load(x_row + kk + lanes)
     else:
         x = tl.load(x_row + kk + lanes, mask=kk + lanes < k_end, other=0.0)
-    x = tl.broadcast_to(x.to(tl.float32)[None, :], (BLOCK_N, _LANES))
+    x = tl.broadcast_to(tl.expand_dims(x.to(tl.float32), 0), w.shape)
     return tl.fma(w, x, acc)
 
 
 @triton.jit
-def _store_row(acc, bias, out_row, n_offs, n_mask, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _lane_offsets(WFMT: tl.constexpr):
+    """k - kk of each lane: [64]; for packed int4 an [8, 8] grid (word, nibble), lane
+    8 * word + nibble, so one int32 word feeds 8 lanes with no reshape in the loop."""
+    if WFMT == FMT_INT4:
+        return tl.arange(0, 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
+    else:
+        return tl.arange(0, _LANES)
+
+
+@triton.jit
+def _new_acc(BLOCK_N: tl.constexpr, WFMT: tl.constexpr):
+    if WFMT == FMT_INT4:
+        return tl.zeros([BLOCK_N, 8, 8], dtype=tl.float32)
+    else:
+        return tl.zeros([BLOCK_N, _LANES], dtype=tl.float32)
+
+
+@triton.jit
+def _scale_at(s_rows, k, K, EVEN_K: tl.constexpr, GROUP: tl.constexpr):
+    """Scales of the groups holding columns `k` (any shape broadcasting against s_rows).
+    Columns past K (a masked tail) read group K - 1's scale: in bounds, times a zero."""
+    if not EVEN_K:
+        k = tl.minimum(k, K - 1)
+    return tl.load(s_rows + k // GROUP).to(tl.float32)
+
+
+@triton.jit
+def _weight_chunk(
+    w_tile,
+    s_rows,
+    row_scale,
+    kk,
+    lanes,
+    k_end,
+    K,
+    W_DTYPE: tl.constexpr,
+    WFMT: tl.constexpr,
+    GROUP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """The float32 weights of columns [kk, kk + 64), shaped like the accumulator.
+    FMT_FP8: e4m3 * its group's float32 scale (one float32 rounding, no activation
+    quantization). FMT_INT4: (q - 8) * scale rounded once to W_DTYPE (the activations'
+    dtype), as w4a16_gemm's reference holds its operand. GROUP 0: one scale per row."""
+    if WFMT == FMT_INT4:
+        # kk is a multiple of 64 (split ranges and steps are): 8-word aligned, so the
+        # word loads can be 32-byte vectors.
+        kk = tl.multiple_of(kk, 64)
+        word_k = kk + tl.arange(0, 8) * 8  # first column of each word
+        if EVEN_K:
+            words = tl.load(w_tile + kk // 8, eviction_policy="evict_first")
+        else:
+            words = tl.load(
+                w_tile + kk // 8,
+                mask=(word_k < k_end)[None, :],
+                other=0,
+                eviction_policy="evict_first",
+            )
+        nibbles = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+        # (2^23 + nibble) as float32 bits, minus 2^23 + 8: q exactly, without an
+        # int -> float conversion (a quarter-rate instruction).
+        q = (nibbles | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        if GROUP == 0:
+            scale = row_scale[:, None, None]
+        elif GROUP % 64 == 0:  # the chunk is inside one group
+            scale = _scale_at(s_rows, kk, K, EVEN_K, GROUP)[:, None, None]
+        else:  # groups of 8..32 columns: one scale per word
+            scale = _scale_at(s_rows[:, None], word_k[None, :], K, EVEN_K, GROUP)[:, :, None]
+        return (q * scale).to(W_DTYPE).to(tl.float32)
+    else:
+        if WFMT == FMT_FP8:
+            kk = tl.multiple_of(kk, 64)  # as above: 64-byte aligned e4m3 chunks
+        if EVEN_K:
+            w = tl.load(w_tile + kk, eviction_policy="evict_first")
+        else:
+            k_ok = (kk + lanes < k_end)[None, :]
+            w = tl.load(w_tile + kk, mask=k_ok, other=0.0, eviction_policy="evict_first")
+        w = w.to(tl.float32)
+        if WFMT == FMT_FP8:
+            if GROUP == 0:
+                w = w * row_scale[:, None]
+            elif GROUP % 64 == 0:
+                w = w * _scale_at(s_rows, kk, K, EVEN_K, GROUP)[:, None]
+            else:
+                w = w * _scale_at(s_rows[:, None], (kk + lanes)[None, :], K, EVEN_K, GROUP)
+        return w
+
+
+@triton.jit
+def _store_row(
+    acc,
+    bias,
+    out_row,
+    n_offs,
+    n_mask,
+    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WFMT: tl.constexpr,
+):
+    if WFMT == FMT_INT4:
+        acc = tl.reshape(acc, [BLOCK_N, _LANES])  # lane 8 * word + nibble, as _lane_offsets
     y = _lane_tree_sum(acc, BLOCK_N)
     if HAS_BIAS:
         y = y + bias
@@ -253,11 +365,14 @@ def _store_row(acc, bias, out_row, n_offs, n_mask, BLOCK_N: tl.constexpr, HAS_BI
 def _gemv_kernel(
     x_ptr,
     w_ptr,
+    s_ptr,
     b_ptr,
     out_ptr,
     N,
     K,
     stride_xm,
+    stride_wn,
+    stride_sn,
     stride_om,
     stride_os,
     split_len,
@@ -267,10 +382,13 @@ def _gemv_kernel(
     NUM_STAGES: tl.constexpr,
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    WFMT: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     """Program (i, s): features [i * BLOCK_N, (i + 1) * BLOCK_N) of all ROWS rows over K
     range s. Rows are unrolled by hand (one accumulator each, ROWS <= 8) so every row
-    runs the same arithmetic whatever ROWS is; rows past ROWS are compiled out."""
+    runs the same arithmetic whatever ROWS is; rows past ROWS are compiled out. WFMT
+    says how the weight is stored (FMT_*); s_ptr holds its group scales (quantized)."""
     tl.static_assert(_LANES == 64)  # _lane_tree_sum is written for 64 lanes
     tl.static_assert(ROWS <= 8)
     pid_n = tl.program_id(0)
@@ -280,37 +398,51 @@ def _gemv_kernel(
     # Tail features re-read feature N - 1 (in bounds, so weight loads need no mask); their
     # results are never stored.
     n_rows = tl.minimum(n_offs, N - 1).to(tl.int64)
-    lanes = tl.arange(0, _LANES)
-    w_tile = w_ptr + n_rows[:, None] * K + lanes[None, :]
+    lanes = _lane_offsets(WFMT)
+    if WFMT == FMT_INT4:  # pointers to each row's first 8 words (64 columns)
+        w_tile = w_ptr + n_rows[:, None] * stride_wn + tl.arange(0, 8)[None, :]
+    else:
+        w_tile = w_ptr + n_rows[:, None] * stride_wn + lanes[None, :]
+    s_rows = s_ptr + n_rows * stride_sn
+    row_scale = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if WFMT != FMT_PLAIN and GROUP == 0:  # one scale per row: read it once
+        row_scale = tl.load(s_rows).to(tl.float32)
     k_start = pid_s * split_len
     k_end = tl.minimum(k_start + split_len, K)
     out_base = out_ptr + pid_s * stride_os
 
-    acc0 = tl.zeros([BLOCK_N, _LANES], dtype=tl.float32)
+    acc0 = _new_acc(BLOCK_N, WFMT)
     if ROWS > 1:
-        acc1 = tl.zeros([BLOCK_N, _LANES], dtype=tl.float32)
+        acc1 = _new_acc(BLOCK_N, WFMT)
     if ROWS > 2:
-        acc2 = tl.zeros([BLOCK_N, _LANES], dtype=tl.float32)
+        acc2 = _new_acc(BLOCK_N, WFMT)
     if ROWS > 3:
-        acc3 = tl.zeros([BLOCK_N, _LANES], dtype=tl.float32)
+        acc3 = _new_acc(BLOCK_N, WFMT)
     if ROWS > 4:
-        acc4 = tl.zeros([BLOCK_N, _LANES], dtype=tl.float32)
+        acc4 = _new_acc(BLOCK_N, WFMT)
     if ROWS > 5:
-        acc5 = tl.zeros([BLOCK_N, _LANES], dtype=tl.float32)
+        acc5 = _new_acc(BLOCK_N, WFMT)
     if ROWS > 6:
-        acc6 = tl.zeros([BLOCK_N, _LANES], dtype=tl.float32)
+        acc6 = _new_acc(BLOCK_N, WFMT)
     if ROWS > 7:
-        acc7 = tl.zeros([BLOCK_N, _LANES], dtype=tl.float32)
+        acc7 = _new_acc(BLOCK_N, WFMT)
 
     for k0 in tl.range(k_start, k_start + split_len, CHUNKS * _LANES, num_stages=NUM_STAGES):
         for c in tl.static_range(CHUNKS):
             kk = k0 + c * _LANES
-            if EVEN_K:
-                w = tl.load(w_tile + kk, eviction_policy="evict_first")
-            else:
-                k_ok = (kk + lanes < k_end)[None, :]
-                w = tl.load(w_tile + kk, mask=k_ok, other=0.0, eviction_policy="evict_first")
-            w = w.to(tl.float32)
+            w = _weight_chunk(
+                w_tile,
+                s_rows,
+                row_scale,
+                kk,
+                lanes,
+                k_end,
+                K,
+                x_ptr.dtype.element_ty,
+                WFMT,
+                GROUP,
+                EVEN_K,
+            )
             acc0 = _row_fma(acc0, w, x_ptr, kk, lanes, k_end, BLOCK_N, EVEN_K)
             if ROWS > 1:
                 acc1 = _row_fma(acc1, w, x_ptr + stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K)
@@ -330,21 +462,21 @@ def _gemv_kernel(
     bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + n_rows).to(tl.float32)
-    _store_row(acc0, bias, out_base, n_offs, n_mask, BLOCK_N, HAS_BIAS)
+    _store_row(acc0, bias, out_base, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT)
     if ROWS > 1:
-        _store_row(acc1, bias, out_base + stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS)
+        _store_row(acc1, bias, out_base + stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT)
     if ROWS > 2:
-        _store_row(acc2, bias, out_base + 2 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS)
+        _store_row(acc2, bias, out_base + 2 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT)
     if ROWS > 3:
-        _store_row(acc3, bias, out_base + 3 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS)
+        _store_row(acc3, bias, out_base + 3 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT)
     if ROWS > 4:
-        _store_row(acc4, bias, out_base + 4 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS)
+        _store_row(acc4, bias, out_base + 4 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT)
     if ROWS > 5:
-        _store_row(acc5, bias, out_base + 5 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS)
+        _store_row(acc5, bias, out_base + 5 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT)
     if ROWS > 6:
-        _store_row(acc6, bias, out_base + 6 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS)
+        _store_row(acc6, bias, out_base + 6 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT)
     if ROWS > 7:
-        _store_row(acc7, bias, out_base + 7 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS)
+        _store_row(acc7, bias, out_base + 7 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT)
 
 
 @triton.jit
@@ -387,39 +519,62 @@ def gemv_triton(
     """
     _check_args(x, weight, bias)
     m, k = x.shape
-    n = weight.shape[0]
     if m > GEMV_MAX_M:
         raise ValueError(f"x: {m} rows exceed GEMV_MAX_M={GEMV_MAX_M}; use F.linear")
     if plan is None:
-        plan = choose_gemv_plan(max(m, 1), n, k, x.dtype)
-    elif not isinstance(plan, GemvPlan):
+        plan = choose_gemv_plan(max(m, 1), weight.shape[0], k, x.dtype)
+    out = torch.empty((m, weight.shape[0]), dtype=x.dtype, device=x.device)
+    return launch_gemv(x, weight, bias, out, plan)
+
+
+def launch_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    plan: GemvPlan,
+    *,
+    fmt: int = FMT_PLAIN.value,
+    scales: torch.Tensor | None = None,
+    group: int = 0,
+) -> torch.Tensor:
+    """Fills out [M, N] (any float dtype) with x @ W^T (+ bias) and returns it; W is
+    `weight` stored as `fmt` with `scales` [N, K / group] (group 0: one per row). Callers
+    check the arguments; this only launches."""
+    if not isinstance(plan, GemvPlan):
         raise ValueError(f"plan: expected a GemvPlan or None, got {type(plan).__name__}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    m, k = x.shape
+    n = out.shape[1]
     if m == 0 or n == 0:
         return out
-
     split_len = split_k_len(k, plan.split_k)
-    even_k = is_even_k(k, plan)
     grid = (triton.cdiv(n, plan.block_n), plan.split_k)
     common = dict(
         ROWS=m,
         BLOCK_N=plan.block_n,
         CHUNKS=plan.block_k // LANES,
         NUM_STAGES=plan.num_stages,
-        EVEN_K=even_k,
+        EVEN_K=is_even_k(k, plan),
+        WFMT=fmt,
+        GROUP=group,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
-    b = bias if bias is not None else weight  # placeholder pointer when there is no bias
+    s = scales if scales is not None else weight  # placeholder pointers when absent
+    b = bias if bias is not None else weight
+    stride_sn = scales.stride(0) if scales is not None else 0
     if plan.split_k == 1:
         _gemv_kernel[grid](
             x,
             weight,
+            s,
             b,
             out,
             n,
             k,
             x.stride(0),
+            weight.stride(0),
+            stride_sn,
             out.stride(0),
             0,
             split_len,
@@ -429,7 +584,21 @@ def gemv_triton(
         return out
     ws = torch.empty((plan.split_k, m, n), dtype=torch.float32, device=x.device)
     _gemv_kernel[grid](
-        x, weight, b, ws, n, k, x.stride(0), n, m * n, split_len, HAS_BIAS=False, **common
+        x,
+        weight,
+        s,
+        b,
+        ws,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        stride_sn,
+        n,
+        m * n,
+        split_len,
+        HAS_BIAS=False,
+        **common,
     )
     _split_k_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
         ws,

@@ -13,13 +13,14 @@ from kvloom.kernels import causal_conv1d as conv_ref
 from kvloom.kernels import gated_delta_rule as gdn_ref
 from kvloom.kernels import kda as kda_ref
 from kvloom.kernels.activation import silu_and_mul_ref
-from kvloom.kernels.dispatch import TRITON_DTYPES, use_triton
+from kvloom.kernels.dispatch import TRITON_DTYPES, batch_invariant, use_triton
 from kvloom.kernels.gated_rms_norm import gated_rms_norm_ref
 from kvloom.kernels.gdn_gates import gdn_gates_ref
 from kvloom.kernels.gemv import GEMV_DISPATCH_MAX_M
 from kvloom.kernels.kv_cache_write import is_fp8, write_kv_cache_ref
 from kvloom.kernels.mla_attention import mla_attention_ref, write_mla_cache_ref
 from kvloom.kernels.paged_attention import paged_attention_ref
+from kvloom.kernels.quant_gemv import QUANT_GEMV_MAX_M, gemv_group
 from kvloom.kernels.rms_norm import rms_norm_ref
 from kvloom.kernels.rotary import apply_rotary_ref
 
@@ -76,11 +77,21 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ):
-    """The Triton kernel covers the whole cache (kv_stride 1); a DCP shard uses the reference.
-    `max_query_len` (a true host-side bound, e.g. 1 for a decode-only step) lets the Triton
-    path skip the launch for long rows. k_scale / v_scale dequantize an FP8 cache."""
-    if use_triton(q) and kv_stride == 1 and _cache_readable(q, kv_cache):
+    """The Triton kernel serves the whole cache and a DCP shard (kv_stride > 1) alike, with
+    lengths on the device (CUDA graphs). A shard's float32 q over a half cache (its float32
+    partials) reads the cache widened exactly. `max_query_len` (a true host-side bound,
+    e.g. 1 for a decode-only step) lets the Triton path skip the launch for long rows.
+    k_scale / v_scale dequantize an FP8 cache.
+    The deterministic mode gives every row one plan (kernels/batch_invariant.py)."""
+    widened = q.dtype == torch.float32 and kv_cache.dtype in (torch.bfloat16, torch.float16)
+    if use_triton(q) and (_cache_readable(q, kv_cache) or widened):
         from kvloom.kernels.paged_attention_triton import paged_attention_triton
+
+        plan = None
+        if batch_invariant():
+            from kvloom.kernels.batch_invariant import attention_plan
+
+            plan = attention_plan(q.shape[1] // kv_cache.shape[3], q.shape[2], q.dtype)
 
         return paged_attention_triton(
             q,
@@ -93,6 +104,9 @@ def paged_attention(
             max_query_len=max_query_len,
             k_scale=k_scale,
             v_scale=v_scale,
+            kv_stride=kv_stride,
+            kv_offset=kv_offset,
+            _plan_override=plan,
         )
     return paged_attention_ref(
         q,
@@ -204,7 +218,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """y = x W^T (+ bias). Half-precision inputs of at most GEMV_DISPATCH_MAX_M rows on CUDA
     take the weight-streaming Triton GEMV, which reads the weight in one launch where
     cuBLAS picks split-K kernels plus a reduce launch; everything else (and
-    KVLOOM_NO_GEMV=1) uses F.linear."""
+    KVLOOM_NO_GEMV=1) uses F.linear. The deterministic mode takes its fixed-tile GEMM."""
+    if batch_invariant():
+        from kvloom.kernels import batch_invariant as bi
+
+        return bi.linear(x, weight, bias)
     if (
         x.dtype in (torch.bfloat16, torch.float16)
         and use_triton(x)
@@ -381,10 +399,30 @@ def apply_token_bitmask_(logits, bitmask, rows=None):
 # -- quantized weights (workers/layers/quantization) ---------------------------------------
 
 
+def _quant_gemv(x: torch.Tensor, group_size: int, packed: bool, *tensors: torch.Tensor) -> bool:
+    """Whether a quantized linear on the Triton path takes the weight-streaming GEMV
+    (kernels/quant_gemv_triton.py): 1..QUANT_GEMV_MAX_M rows, contiguous weight and
+    scales, a group layout it reads; not under KVLOOM_NO_GEMV=1, nor in the deterministic
+    mode (which refuses quantized checkpoints; its GEMM path is left as it was)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (
+        1 <= rows <= QUANT_GEMV_MAX_M
+        and not batch_invariant()
+        and os.environ.get("KVLOOM_NO_GEMV") != "1"
+        and all(t.is_contiguous() for t in tensors)
+        and gemv_group(group_size, x.shape[-1], packed) is not None
+    )
+
+
 def fp8_linear(x, w_q, w_s, group_size, input_scale=None, bias=None, out_dtype=None):
-    """y = x W^T for e4m3 W with per-row group scales, activations quantized to e4m3
-    (kernels/fp8_gemm.py). Triton on CUDA, else the reference."""
+    """y = x W^T for e4m3 W with per-row group scales (kernels/fp8_gemm.py). Triton on CUDA,
+    else the reference. At decode sizes (`_quant_gemv`) a weight-only GEMV (activations
+    not quantized: kernels/quant_gemv.py); otherwise activations are quantized to e4m3."""
     if use_triton(x) and input_scale is None:
+        if _quant_gemv(x, group_size, False, w_q, w_s):
+            from kvloom.kernels.quant_gemv_triton import fp8_gemv_triton
+
+            return fp8_gemv_triton(x, w_q, w_s, group_size, bias, out_dtype)
         from kvloom.kernels.fp8_gemm_triton import fp8_linear_triton
 
         return fp8_linear_triton(x, w_q, w_s, group_size, bias, out_dtype)
@@ -394,8 +432,13 @@ def fp8_linear(x, w_q, w_s, group_size, input_scale=None, bias=None, out_dtype=N
 
 
 def w4a16_linear(x, packed, scale, group_size, bias=None, out_dtype=None):
-    """y = x W^T for int4 group-quantized W, dequantized in the kernel (w4a16_gemm.py)."""
+    """y = x W^T for int4 group-quantized W, dequantized in the kernel (w4a16_gemm.py);
+    the weight-streaming GEMV at decode sizes (`_quant_gemv`), same semantics."""
     if use_triton(x):
+        if _quant_gemv(x, group_size, True, packed, scale):
+            from kvloom.kernels.quant_gemv_triton import w4a16_gemv_triton
+
+            return w4a16_gemv_triton(x, packed, scale, group_size, bias, out_dtype)
         from kvloom.kernels.w4a16_gemm_triton import w4a16_linear_triton
 
         return w4a16_linear_triton(x, packed, scale, group_size, bias, out_dtype)

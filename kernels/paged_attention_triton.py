@@ -30,7 +30,16 @@ FP8 cache (`kv_cache_dtype="fp8"`, float8_e4m3fn pages holding values / scale): 
 loaded as one byte per element and widened exactly to the query's dtype (every e4m3 value
 is a bfloat16, float16 and float32 value), so the dots run as for a cache of q's dtype;
 `k_scale` is folded into the score scale and `v_scale` applied to the output once,
-instead of scaling every cached element.
+instead of scaling every cached element. A bfloat16 / float16 cache under a float32 q (a
+DCP shard's float32 partials) is widened the same way, exactly.
+
+Decode context parallelism (`kv_stride > 1`): a DCP rank caches the positions
+`kv_offset + i * kv_stride` at local index i, and its block table indexes local tokens
+(as `paged_attention_ref` documents). Query positions and `seq_lens` stay global; the
+kernel turns a block's global key range into the local indices inside it, walks those,
+and masks (causal, window) on each key's global position. `kv_stride` / `kv_offset` are
+runtime values, so every rank runs the same compiled kernel; the constexpr STRIDED is
+off for the whole cache, so that path compiles exactly as before.
 
 Split-KV (`num_kv_splits > 1`): each program's tile range is cut into that many
 contiguous pieces, each written as a float32 partial result with its lse, and the pieces
@@ -92,15 +101,23 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _widen(x, dtype: tl.constexpr, KV_FP8: tl.constexpr):
-    """An FP8 cache tile in the query's dtype (exact: through float32)."""
-    if KV_FP8:
+def _widen(x, dtype: tl.constexpr, WIDEN: tl.constexpr):
+    """A cache tile of a narrower dtype (FP8, or half under a float32 q) in the query's
+    dtype (exact: through float32)."""
+    if WIDEN:
         return x.to(tl.float32).to(dtype)
     return x
 
 
-# Lengths change every step: no recompiles for their values (e.g. 1 or multiples of 16).
-@triton.jit(do_not_specialize=["num_rows", "num_tokens", "window"])
+@triton.jit
+def _local_index(pos, kv_stride, kv_offset):
+    """The first local index of a DCP shard whose global position is >= pos."""
+    return (tl.maximum(pos - kv_offset, 0) + kv_stride - 1) // kv_stride
+
+
+# Lengths change every step: no recompiles for their values (e.g. 1 or multiples of 16);
+# nor for the DCP rank (offset 0 would otherwise compile apart, as a multiple of 16).
+@triton.jit(do_not_specialize=["num_rows", "num_tokens", "window", "kv_stride", "kv_offset"])
 def _paged_attention_kernel(
     q_ptr,
     kv_ptr,
@@ -114,6 +131,8 @@ def _paged_attention_kernel(
     num_rows,
     num_tokens,
     window,
+    kv_stride,
+    kv_offset,
     stride_qt,
     stride_qh,
     stride_ckv,
@@ -141,6 +160,8 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     KV_FP8: tl.constexpr,
+    KV_WIDEN: tl.constexpr,
+    STRIDED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -177,13 +198,17 @@ def _paged_attention_kernel(
         )
 
         # Keys this block can see: up to its last query's position, from its first
-        # query's window start.
+        # query's window start. Global positions; a DCP shard walks the local indices
+        # of its keys in that range.
         last_tok = tl.minimum(first_tok + BLOCK_Q, q_len) - 1
         kv_end = tl.maximum(ctx - q_len + last_tok + 1, 0)
         if HAS_WINDOW:
             kv_start = tl.maximum(ctx - q_len + first_tok - window + 1, 0)
         else:
             kv_start = kv_end * 0
+        if STRIDED:
+            kv_start = _local_index(kv_start, kv_stride, kv_offset)
+            kv_end = _local_index(kv_end, kv_stride, kv_offset)
         tile_lo = kv_start // TILE
         tile_hi = tl.maximum((kv_end + TILE - 1) // TILE, tile_lo)
         if NUM_SPLITS > 1:
@@ -196,16 +221,20 @@ def _paged_attention_kernel(
         acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
         table_row = block_tables_ptr + row.to(tl.int64) * stride_bt
         for t in range(tile_lo, tile_hi):
-            k_pos = t * TILE + tl.arange(0, TILE)
-            k_ok = (k_pos >= kv_start) & (k_pos < kv_end)
-            page = tl.load(table_row + k_pos // PAGE, mask=k_ok, other=0).to(tl.int64)
-            k_off = page * stride_cb + (k_pos % PAGE) * stride_co + kv_head * stride_ch
+            k_idx = t * TILE + tl.arange(0, TILE)  # cache index (local on a DCP shard)
+            k_ok = (k_idx >= kv_start) & (k_idx < kv_end)
+            page = tl.load(table_row + k_idx // PAGE, mask=k_ok, other=0).to(tl.int64)
+            k_off = page * stride_cb + (k_idx % PAGE) * stride_co + kv_head * stride_ch
             k = tl.load(
                 kv_ptr + k_off[None, :] + dims[:, None],
                 mask=k_ok[None, :] & dim_ok[:, None],
                 other=0.0,
             )
-            k = _widen(k, q.dtype, KV_FP8)
+            k = _widen(k, q.dtype, KV_WIDEN)
+            if STRIDED:
+                k_pos = kv_offset + k_idx * kv_stride
+            else:
+                k_pos = k_idx
             s = _dot(q, k, DOT_PRECISION, DOT_UPCAST) * scale_log2
             visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
             if HAS_WINDOW:
@@ -222,7 +251,7 @@ def _paged_attention_kernel(
                 mask=k_ok[:, None] & dim_ok[None, :],
                 other=0.0,
             )
-            v = _widen(v, q.dtype, KV_FP8)
+            v = _widen(v, q.dtype, KV_WIDEN)
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
             m_i = m_new
 
@@ -286,6 +315,25 @@ def _plans(group: int, head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
     return short, long
 
 
+def cache_readable(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """The caches the kernel reads under a q of q_dtype: q's dtype, FP8, or a half type
+    under a float32 q (widened exactly, e.g. a DCP shard computing float32 partials)."""
+    if cache_dtype == q_dtype or is_fp8(cache_dtype):
+        return True
+    return q_dtype == torch.float32 and cache_dtype in (torch.bfloat16, torch.float16)
+
+
+def _check_shard(kv_stride, kv_offset):
+    for name, value in (("kv_stride", kv_stride), ("kv_offset", kv_offset)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}: expected an int, got {value!r}")
+    if kv_stride < 1 or not 0 <= kv_offset < kv_stride:
+        raise ValueError(
+            f"kv_stride / kv_offset: expected kv_stride >= 1 and 0 <= kv_offset < kv_stride, "
+            f"got {kv_stride} / {kv_offset}"
+        )
+
+
 def _check_args(q, kv_cache, block_tables, query_start_loc, seq_lens, sliding_window):
     if q.dim() != 3:
         raise ValueError(f"q: expected [T, Hq, D], got shape {tuple(q.shape)}")
@@ -301,9 +349,10 @@ def _check_args(q, kv_cache, block_tables, query_start_loc, seq_lens, sliding_wi
             f"q: {num_q_heads} query heads is not a multiple of kv_cache's {num_kv_heads}"
         )
     check_dtype("q", q)
-    if kv_cache.dtype != q.dtype and not is_fp8(kv_cache.dtype):
+    if not cache_readable(q.dtype, kv_cache.dtype):
         raise ValueError(
-            f"kv_cache: dtype {kv_cache.dtype} is neither q's {q.dtype} nor float8_e4m3fn"
+            f"kv_cache: dtype {kv_cache.dtype} is neither q's {q.dtype} nor float8_e4m3fn "
+            "(nor bfloat16 / float16 under a float32 q)"
         )
     if seq_lens.dim() != 1:
         raise ValueError(f"seq_lens: expected [num_rows], got shape {tuple(seq_lens.shape)}")
@@ -361,6 +410,8 @@ def _launch(
     plan,
     k_scale=1.0,
     v_scale=1.0,
+    kv_stride=1,
+    kv_offset=0,
 ):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
@@ -384,6 +435,8 @@ def _launch(
         num_rows,
         num_tokens,
         sliding_window or 0,
+        kv_stride,
+        kv_offset,
         q.stride(0),
         q.stride(1),
         kv_cache.stride(0),
@@ -411,6 +464,8 @@ def _launch(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=q.dtype == torch.bfloat16 and _interpreted(_paged_attention_kernel),
         KV_FP8=fp8,
+        KV_WIDEN=kv_cache.dtype != q.dtype,
+        STRIDED=kv_stride > 1,
         num_warps=plan["num_warps"],
         num_stages=plan["num_stages"],
     )
@@ -431,6 +486,8 @@ def paged_attention_triton(
     max_query_len: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    kv_stride: int = 1,
+    kv_offset: int = 0,
     _plan_override: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D]; returns (out [T, Hq, D] in q's dtype, lse [T, Hq] float32).
@@ -441,9 +498,11 @@ def paged_attention_triton(
     when none can exist; a true bound never changes a result, a false one leaves longer
     rows unwritten. No host sync: lengths stay on the device. Rows must not need more pages
     than `block_tables` has columns. `k_scale` / `v_scale`: the per-tensor scales of an FP8
-    cache (unused for other cache dtypes).
+    cache (unused for other cache dtypes). `kv_stride` / `kv_offset`: this DCP rank's
+    share of the positions (see the module docstring; 1 / 0 is the whole cache).
     """
     _check_args(q, kv_cache, block_tables, query_start_loc, seq_lens, sliding_window)
+    _check_shard(kv_stride, kv_offset)
     check_scale("k_scale", k_scale)
     check_scale("v_scale", v_scale)
     if max_query_len is not None and (
@@ -486,7 +545,7 @@ def paged_attention_triton(
             (num_kv_splits, num_tokens, num_q_heads), dtype=torch.float32, device=q.device
         )
     args = (q, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window)
-    scales = (k_scale, v_scale)
+    scales = (k_scale, v_scale, kv_stride, kv_offset)
     if _plan_override is not None:
         _launch(ROWS_ALL, 0, *args, num_kv_splits, dst_out, dst_lse, _plan_override, *scales)
     else:
@@ -532,18 +591,22 @@ def paged_attention_split_kv_triton(
     lse: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    kv_stride: int = 1,
+    kv_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV paged attention for long-context decode at small batch.
 
     `max_seq_len` (a host-side bound on `seq_lens`, e.g. the model's max length for CUDA
-    graphs) sizes the split count when `num_kv_splits` is None.
+    graphs) sizes the split count when `num_kv_splits` is None; a DCP shard
+    (`kv_stride` > 1) holds about max_seq_len / kv_stride keys and is sized by that.
     """
     if num_kv_splits is None:
         num_sms = (
             torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
         )
+        local_len = -(-max_seq_len // kv_stride)
         num_kv_splits = choose_num_kv_splits(
-            seq_lens.shape[0], kv_cache.shape[3], max_seq_len, num_sms
+            seq_lens.shape[0], kv_cache.shape[3], local_len, num_sms
         )
     return paged_attention_triton(
         q,
@@ -559,4 +622,6 @@ def paged_attention_split_kv_triton(
         max_query_len=max_query_len,
         k_scale=k_scale,
         v_scale=v_scale,
+        kv_stride=kv_stride,
+        kv_offset=kv_offset,
     )

@@ -11,7 +11,8 @@ import torch
 from engine_helpers import PROMPTS, assert_pool_full, greedy, run_to_completion
 
 from kvloom import Engine, SamplingParams
-from kvloom.workers.cuda_graphs import DecodeGraphs, capture_sizes, graph_size_for
+from kvloom.workers.cuda_graphs import TargetGraphs, capture_sizes, graph_size_for
+from kvloom.workers.graph_capture import EagerStepGraph
 from kvloom.workers.memory_profile import largest_step_shape, run_largest_step
 from kvloom.workers.row_kinds import RowClasses, RowKind
 
@@ -131,33 +132,13 @@ def test_decode_only_path_gives_the_same_tokens(tiny_model, hybrid_model, arch):
     assert_pool_full(engine)
 
 
-class EagerStandIn:
-    """Stands in for a captured graph on CPU: `replay()` runs the forward over the same
-    static buffers a real graph reads, so the replay plumbing (copies into the buffers,
+def _stand_in_graphs(engine: Engine) -> TargetGraphs:
+    """Decode graphs whose replays run the forward eagerly over the same static buffers a
+    real graph reads (EagerStepGraph), so the replay plumbing (copies into the buffers,
     padding rows, state indices) is tested without CUDA."""
-
-    def __init__(self, graphs: DecodeGraphs, model, size: int):
-        self.graphs, self.model, self.size = graphs, model, size
-
-    def replay(self) -> None:
-        g, size = self.graphs, self.size
-        g.outputs[size] = self.model(g.input_ids[:size], g.positions[:size], g._batch(size))
-
-
-def _stand_in_graphs(engine: Engine) -> DecodeGraphs:
     runner = engine.executor.worker.runner
-    graphs = DecodeGraphs(
-        runner.model,
-        runner.groups,
-        runner.layer_to_group,
-        runner.device,
-        capture_sizes(8),
-        engine.config.scheduler.max_model_len,
-    )
-    for size in graphs.sizes:
-        graphs.graphs[size] = EagerStandIn(graphs, runner.model, size)
-    runner.graphs = graphs
-    return graphs
+    runner.capture_graphs(EagerStepGraph, capture_sizes(8))
+    return runner.graphs
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next"])

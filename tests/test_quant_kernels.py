@@ -1,6 +1,7 @@
 """The quantized-weight kernels' torch references (CPU): the int4 packing against the
 format's own library (compressed-tensors), the FP8 references against independent
-dequantize-then-matmul formulations, the MoE references against per-expert linears."""
+dequantize-then-matmul formulations, the MoE references against per-expert linears; the
+decode GEMVs' weight-only references, and which path `ops` sends each call down."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from kvloom.kernels.fp8_gemm import fp8_linear_ref
 from kvloom.kernels.fp8_moe import fp8_fused_moe_ref
 from kvloom.kernels.fp8_quant import FP8_MAX, per_token_group_quant_fp8_ref
 from kvloom.kernels.fused_moe import fused_moe_ref
+from kvloom.kernels.quant_gemv import fp8_gemv_ref, gemv_group
 from kvloom.kernels.w4a16_gemm import dequantize_w4, pack_int4, unpack_int4, w4a16_linear_ref
 from kvloom.kernels.w4a16_moe import w4a16_fused_moe_ref
 
@@ -130,3 +132,91 @@ def test_reference_shape_errors_name_the_tensor():
         fp8_linear_ref(x, torch.ones(8, 64), torch.ones(8, 1), 64)
     with pytest.raises(ValueError, match="group_size .32. must divide the input width .48."):
         per_token_group_quant_fp8_ref(torch.randn(2, 48), 32)
+
+
+# ---------------------------------------------------------------- decode GEMVs
+
+
+def test_fp8_gemv_ref_is_the_dequantized_linear_and_closer_than_the_w8a8_gemm():
+    """Weight-only: x times the float32-dequantized weight, bias in float32, one rounding;
+    nearer the float64 linear on the dequantized weight than the GEMM, which also rounds
+    the activations to e4m3."""
+    g = gen(30)
+    x = torch.randn(3, 256, generator=g).bfloat16()
+    w_q = (torch.randn(40, 256, generator=g) * 40).to(torch.float8_e4m3fn)
+    w_s = torch.rand(40, 2, generator=g) * 0.01 + 1e-3
+    bias = torch.randn(40, generator=g).bfloat16()
+    w32 = w_q.float() * w_s.repeat_interleave(128, dim=1)
+    got = fp8_gemv_ref(x, w_q, w_s, 128, bias)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, (x.float() @ w32.T + bias.float()).bfloat16())
+    exact = x.double() @ (w_q.double() * w_s.double().repeat_interleave(128, dim=1)).T
+    exact = exact + bias.double()
+    err_gemv = (fp8_gemv_ref(x, w_q, w_s, 128, bias, torch.float32).double() - exact).abs()
+    err_gemm = (fp8_linear_ref(x, w_q, w_s, 128, None, bias, torch.float32).double() - exact).abs()
+    print(f"ERRNORM gemv {err_gemv.max().item():.3e} vs w8a8 gemm {err_gemm.max().item():.3e}")
+    assert err_gemv.max() < 1e-4 * exact.abs().max()
+    assert err_gemv.max() * 100 < err_gemm.max()
+
+
+@pytest.mark.parametrize(
+    ("group", "width", "packed", "kernel_group"),
+    [(128, 4096, False, 128), (4096, 4096, False, 0), (160, 160, False, 0), (32, 96, False, 32),
+     (16, 64, False, 16), (32, 128, True, 32), (128, 256, True, 128), (96, 192, True, None),
+     (4, 64, True, None)],
+)  # fmt: skip
+def test_gemv_group_layouts(group, width, packed, kernel_group):
+    assert gemv_group(group, width, packed) == kernel_group
+
+
+def test_quant_gemv_default_plans_keep_split_k_a_function_of_the_shape():
+    from kvloom.kernels.quant_gemv_triton import choose_quant_gemv_plan
+
+    for fmt in ("fp8", "int4"):
+        for n, k in ((6144, 4096), (4096, 12288), (24576, 4096)):
+            plans = {choose_quant_gemv_plan(m, n, k, fmt) for m in range(1, 9)}
+            assert {p.split_k for p in plans} == {1}, (fmt, n, k)  # >= 1.5 programs per SM
+        # 512 features in 4-feature blocks are 128 programs: K is split to fill 132 SMs
+        assert choose_quant_gemv_plan(1, 512, 4096, fmt).split_k == 2
+    with pytest.raises(ValueError, match="rows is outside"):
+        choose_quant_gemv_plan(9, 64, 64, "fp8")
+
+
+def _spy_paths(monkeypatch):
+    """Replaces each quantized-linear kernel entry with a recorder; returns the calls."""
+    from kvloom.kernels import fp8_gemm_triton, ops, quant_gemv_triton, w4a16_gemm_triton
+
+    calls = []
+    for module, name in (
+        (quant_gemv_triton, "fp8_gemv_triton"),
+        (quant_gemv_triton, "w4a16_gemv_triton"),
+        (fp8_gemm_triton, "fp8_linear_triton"),
+        (w4a16_gemm_triton, "w4a16_linear_triton"),
+    ):
+        monkeypatch.setattr(module, name, lambda *a, _n=name, **k: calls.append(_n) or _n)
+    monkeypatch.setattr(ops, "use_triton", lambda t: True)
+    return ops, calls
+
+
+@pytest.mark.parametrize("rows", [1, 8, 9])
+def test_ops_sends_decode_sizes_to_the_quant_gemv(monkeypatch, rows):
+    """1..8 rows take the GEMV (both formats), more the GEMM; so do KVLOOM_NO_GEMV=1, the
+    deterministic mode, a static FP8 input scale (the reference) and a group the GEMV
+    cannot read."""
+    ops, calls = _spy_paths(monkeypatch)
+    x = torch.randn(rows, 1, 192)
+    w8, s8 = torch.zeros(16, 192).to(torch.float8_e4m3fn), torch.ones(16, 3)
+    w4, s4 = torch.zeros(16, 24, dtype=torch.int32), torch.ones(16, 3)
+    small = "gemv" if rows <= 8 else "linear"
+    assert ops.fp8_linear(x, w8, s8, 64) == f"fp8_{small}_triton"
+    assert ops.w4a16_linear(x, w4, s4, 64) == f"w4a16_{small}_triton"
+    assert ops.w4a16_linear(x, w4, torch.ones(16, 2), 96) == "w4a16_linear_triton"
+    monkeypatch.setattr(ops, "batch_invariant", lambda: True)
+    assert ops.fp8_linear(x, w8, s8, 64) == "fp8_linear_triton"
+    assert ops.w4a16_linear(x, w4, s4, 64) == "w4a16_linear_triton"
+    monkeypatch.setattr(ops, "batch_invariant", lambda: False)
+    monkeypatch.setenv("KVLOOM_NO_GEMV", "1")
+    assert ops.fp8_linear(x, w8, s8, 64) == "fp8_linear_triton"
+    calls.clear()
+    out = ops.fp8_linear(x, w8, torch.ones(16, 1), 192, input_scale=torch.tensor(1.0))
+    assert isinstance(out, torch.Tensor) and not calls  # the reference

@@ -79,7 +79,7 @@ def check(got: dict, want: dict) -> None:
 
 
 def make_engine(path, **kwargs) -> Engine:
-    return Engine(model=str(path), progress=False, device="cpu", **{**ENGINE, **kwargs})
+    return Engine(model=str(path), progress=False, **{"device": "cpu", **ENGINE, **kwargs})
 
 
 @pytest.fixture(scope="module")

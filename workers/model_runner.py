@@ -27,9 +27,11 @@ from kvloom.contracts.scheduler_output import (
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
 from kvloom.workers.awaiting_masks import AwaitingMasksStep
 from kvloom.workers.cache_pages import allocate_pages
-from kvloom.workers.cuda_graphs import DecodeGraphs, capture_sizes, graph_size_for
+from kvloom.workers.cuda_graphs import TargetGraphs, capture_sizes, graph_key_for
 from kvloom.workers.device_copy import to_device
+from kvloom.workers.distributed.graph_collectives import warm_up_for_capture
 from kvloom.workers.dtypes import TORCH_DTYPES
+from kvloom.workers.graph_capture import CudaStepGraph
 from kvloom.workers.input_batch import InputBatch
 from kvloom.workers.kv_cache_scales import KVCacheScales, has_kv_cache_scheme
 from kvloom.workers.layers.attention import PagedAttention
@@ -141,7 +143,13 @@ class ModelRunner:
         self.step_drafts: dict[str, list[int]] = {}
         self.step_draft_slots: dict[str, int] = {}
         self.step_sample_positions: dict[str, int] = {}
-        self.graphs: DecodeGraphs | None = None
+        # CUDA graphs: one-token decodes, and (k + 1)-token verifications with speculation
+        # (workers/cuda_graphs.py); this step's drafts per row decide between them.
+        self.graphs: TargetGraphs | None = None
+        self.verify_graphs: TargetGraphs | None = None
+        self.step_row_drafts: list[int] = []
+        # A state run past the pool's blocks that verification graphs' padding rows use.
+        self.scratch_state: int | None = None
         self.page_buffers: list[torch.Tensor] = []  # the KV-cache pages, by block id
         # The last submitted step's sampled ids (device), their row per request, and the
         # token position each lands at: a step scheduled ahead reads its inputs from them.
@@ -274,8 +282,13 @@ class ModelRunner:
             (g.spec.pages_per_state for g in self.groups if isinstance(g.spec, LinearStateSpec)),
             default=1,
         )
+        # Speculation on a hybrid: one more state run, the scratch state that padding rows
+        # of verification graphs read and write (workers/cuda_graphs.py).
+        linear = any(isinstance(g.spec, LinearStateSpec) for g in self.groups)
+        scratch = span if self.speculative and linear else 0
+        self.scratch_state = num_blocks + span - 1 if scratch else None
         shared = [
-            allocate_pages(num_blocks + span - 1, self.layout.page_bytes, self.device)
+            allocate_pages(num_blocks + span - 1 + scratch, self.layout.page_bytes, self.device)
             for _ in range(self.layout.num_buffers)
         ]
         # Every page buffer by block id (raw page copies and the sanitizer's fills).
@@ -296,18 +309,64 @@ class ModelRunner:
             kv_cache_ready(num_blocks, self.groups)
         sizes = self._graph_sizes()
         if capture_graphs and sizes:
-            self.graphs = DecodeGraphs(
+            self.capture_graphs(CudaStepGraph, sizes)
+
+    def capture_graphs(self, make_graph, sizes: list[int]) -> None:
+        """Captures the target's decode graphs, its (rows, k) verification graphs with
+        speculation, and the drafter's proposal graphs where it has them, all in one
+        memory pool. make_graph: CudaStepGraph, or EagerStepGraph in CPU tests."""
+        max_len = self.config.scheduler.max_model_len
+        # A replay runs no Python: states that drafters hook out of the target's forward
+        # become graph outputs (EAGLE-3, DFlash: AuxHiddenCapture).
+        aux = getattr(self.draft, "capture", None)
+        warm_up_for_capture(self.tp, self.dcp)
+        self.graphs = TargetGraphs(
+            self.model, self.groups, self.layer_to_group, self.device, sizes, max_len, aux=aux
+        )
+        self.graphs.capture(make_graph)
+        pool = self.graphs.pool
+        k = self.config.speculative.num_speculative_tokens if self.speculative else 0
+        verify_blockers = self.verify_graph_blockers()
+        for reason in verify_blockers:
+            logger.info("verification steps run eagerly: %s", reason)
+        if k and not verify_blockers:
+            self.verify_graphs = TargetGraphs(
                 self.model,
                 self.groups,
                 self.layer_to_group,
                 self.device,
                 sizes,
-                self.config.scheduler.max_model_len,
+                max_len,
+                query_len=k + 1,
+                pad_state=-1 if self.scratch_state is None else self.scratch_state,
+                prepare=self._zero_scratch_state,
+                aux=aux,
             )
-            self.graphs.capture()
+            self.verify_graphs.capture(make_graph, pool)
+            pool = self.verify_graphs.pool
+        reasons = self.drafter_graph_blockers()
+        if self.draft is not None and not reasons:
+            self.draft.capture_graphs(make_graph, sizes, self.groups, max_len, pool)
+        for reason in reasons:
+            logger.info("drafter forwards run eagerly: %s", reason)
+
+    def _zero_scratch_state(self) -> None:
+        """Inside a verification graph, before the forward: the scratch state its padding
+        rows use starts from zeros at every replay (nothing stale, nothing growing)."""
+        if self.scratch_state is None:
+            return
+        for layer in self.model.cache_layers():
+            spec = self.groups[self.layer_to_group[layer.layer_index]].spec
+            if isinstance(spec, LinearStateSpec):
+                layer.conv_state[self.scratch_state].zero_()
+                layer.recurrent_state[self.scratch_state].zero_()
 
     def release_kv_cache(self) -> None:
         self.graphs = None
+        self.verify_graphs = None
+        release = getattr(self.draft, "release_graphs", None)
+        if release is not None:
+            release()
         self.page_buffers = []
         for layer, _ in self.cache_layers():
             layer.release_cache()
@@ -321,39 +380,79 @@ class ModelRunner:
         return capture_sizes(most)
 
     def graph_blockers(self) -> list[str]:
-        """Why decode CUDA graphs stay off on this rank (empty: they are captured).
+        """Why the target's CUDA graphs stay off on this rank (empty: they are captured).
 
-        The multi-rank and drafter entries are what a GPU run must lift first:
-        - TP > 1 and DCP > 1: the collectives inside the forward (the row-parallel
-          all-reduce, DCP's all-gather of attention partials) are torch.distributed NCCL
-          calls. Capturing those needs a graph-safe collective (a custom or symmetric-memory
-          all-reduce on static buffers, or NCCL capture verified on the target torch/NCCL)
-          and warm-up of the communicators before capture; kvloom has none yet, so the
-          graphs stay off rather than rely on untested NCCL-in-graph behaviour. Every rank
-          already makes the same replay decision (same step, same row classification), so
-          the dispatch side needs no change.
-        - A drafter: verification steps run 1 + k tokens per row, which no uniform-decode
-          graph serves (`graph_size_for` would never replay them), and EAGLE keeps views
-          of the target's hidden states across steps, which a replay overwrites (the graph
-          output is a static buffer): it would have to copy them first.
+        - TP > 1: the row-parallel all-reduce (and the vocab-parallel all-gather) are
+          torch.distributed NCCL calls, captured into the graph once the communicators
+          are warmed up (graph_collectives.py); opt-in through
+          KVLOOM_MULTI_RANK_CUDA_GRAPHS until a multi-GPU run verifies it. Every rank makes
+          the same replay decision (same step, same row classification, same drafts).
+        - DCP > 1: the attention shards' all-gather has sizes fixed by the captured shape
+          (every DCP rank holds all the step's queries; only the KV is sharded), so it is
+          capturable behind the same switch; a shard's attention is the Triton paged
+          kernel with kv_stride / kv_offset (lengths stay on the device), as capturable
+          as the whole-cache one.
+        - A drafter in its own actor (placement "remote"): it hooks the target's layers
+          for auxiliary states only once the actor says what it reads, after capture,
+          and a replay runs no hooks.
+        A local drafter no longer blocks them: verification steps replay (rows, k) graphs
+        and the drafter's proposal positions their own (`drafter_graph_blockers`).
         """
         blockers = []
         if self.config.model.enforce_eager:
             blockers.append("enforce_eager")
         if self.device.type != "cuda":
             blockers.append("not a CUDA device")
-        if self.tp.world_size > 1 and not envs.multi_rank_cuda_graphs():
+        multi_rank = envs.multi_rank_cuda_graphs()
+        if self.tp.world_size > 1 and not multi_rank:
             blockers.append(
                 "tensor_parallel_size > 1 (collectives are not verified graph-safe yet; "
                 "KVLOOM_MULTI_RANK_CUDA_GRAPHS=1 captures the NCCL all-reduce)"
             )
-        if self.dcp is not None:
-            blockers.append("decode_context_parallel_size > 1 (collectives are not graph-safe yet)")
-        if self.draft is not None:
-            blockers.append("a drafter (1 + k token verification rows, EAGLE hidden-state views)")
+        if self.dcp is not None and not multi_rank:
+            blockers.append(
+                "decode_context_parallel_size > 1 (collectives are not verified "
+                "graph-safe yet; KVLOOM_MULTI_RANK_CUDA_GRAPHS=1 captures the all-gather)"
+            )
+        if getattr(self.config.speculative, "placement", None) == "remote":
+            blockers.append(
+                "a remote drafter (it hooks the target's layers after capture; a replay "
+                "runs no hooks)"
+            )
         if not getattr(self.model, "supports_cuda_graphs", False):
             blockers.append(f"{type(self.model).__name__} does not declare supports_cuda_graphs")
         return blockers
+
+    def verify_graph_blockers(self) -> list[str]:
+        """Why (rows, k) verification steps run eagerly while decode steps replay graphs.
+        On a CUDA hybrid target a (k + 1)-token row takes the varlen causal conv and the
+        chunked Gated DeltaNet path, which read sequence bounds on the host: a capture
+        fails (seen on the H200). The CPU stand-in (EagerStepGraph) still runs them, so
+        the static-buffer logic stays tested for when those kernels become capturable."""
+        linear = any(isinstance(g.spec, LinearStateSpec) for g in self.groups)
+        if self.speculative and linear and self.device.type == "cuda":
+            return [
+                "a hybrid target's (k + 1)-token rows take the varlen conv / chunked Gated "
+                "DeltaNet path, which reads sequence bounds on the host"
+            ]
+        return []
+
+    def drafter_graph_blockers(self) -> list[str]:
+        """Why the drafter's own forwards run eagerly while the target's replay graphs
+        (logged at capture; empty without a drafter or when they are captured)."""
+        if self.draft is None:
+            return []
+        if getattr(self.draft, "capture_graphs", None) is None:
+            method = self.config.speculative.method
+            if self.config.speculative.placement == "remote":
+                return [f"{method}: the drafter runs in its own actor"]
+            if method == "dflash":
+                return [
+                    "dflash: one block forward per step whose attention spans the batch's "
+                    "longest context, a host-side size a graph cannot vary"
+                ]
+            return [f"{type(self.draft).__name__} has no proposal graphs"]
+        return []
 
     def poison_blocks(self, block_ids: list[int]) -> None:
         """Sanitizer: freed blocks and state runs read as NaN, so a stale read shows up.
@@ -391,6 +490,7 @@ class ModelRunner:
         row_lens: list[int] = []
         self.step_pending = {}
         self.step_history, self.step_drafts, self.step_draft_slots = {}, {}, {}
+        self.step_row_drafts = []  # drafts each row verifies, in batch order (graph dispatch)
         for request_id, num_new in sched.num_scheduled_tokens.items():
             state = self.input_batch.requests[request_id]
             scheduled_spec = sched.scheduled_spec_token_ids.get(request_id, [])
@@ -421,6 +521,7 @@ class ModelRunner:
                 fill_from_device.append((len(input_ids), self.prev_rows[request_id]))
                 input_ids.append(0)
             input_ids.extend(spec)
+            self.step_row_drafts.append(len(spec))
             positions.extend(range(start, end))
             computed.append(start)
             seq_lens.append(end)
@@ -524,13 +625,7 @@ class ModelRunner:
         input_ids, batch, sample_rows = self.build_batch(sched)
         # Structured outputs: per request, one mask per sampled lane.
         self.step_bitmasks = sched.grammar_bitmasks
-        size = None
-        if self.graphs is not None:
-            size = graph_size_for(batch.rows, input_ids.shape[0], self.graphs.sizes)
-        if size is not None:
-            hidden = self.graphs.replay(size, input_ids, batch)
-        else:
-            hidden = self.model(input_ids, batch.positions, batch)
+        hidden = self._forward(input_ids, batch)
         if self.speculative:
             out = self.sample_tokens(hidden, sample_rows)
             if self.draft is not None:
@@ -544,6 +639,22 @@ class ModelRunner:
         # Checkpoints last: a drafter's linear state must have caught up with this step too.
         self.copy_state_pages(sched.state_copies_after)
         return pending
+
+    def _forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The target's forward: a decode or (rows, k) verification graph where the one
+        dispatch decision allows it (`graph_key_for`, invariant 3), else eager. A hybrid's
+        state backup and restore are page copies around this call, outside any graph."""
+        if self.graphs is not None:
+            k = self.config.speculative.num_speculative_tokens if self.speculative else 0
+            key = graph_key_for(
+                batch.rows, self.step_row_drafts, input_ids.shape[0], self.graphs.sizes, k
+            )
+            if key is not None:
+                size, drafts = key
+                graphs = self.graphs if drafts == 0 else self.verify_graphs
+                if graphs is not None:
+                    return graphs.replay(size, input_ids, batch)
+        return self.model(input_ids, batch.positions, batch)
 
     def _sample_plain(self, hidden: torch.Tensor, sample_rows, sched) -> PendingStep:
         """Samples one token per row on the device and remembers where each request's

@@ -104,11 +104,13 @@ class BitmaskStaging:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(int32 words [M, words], int64 rows [M]) on `device`; `masks` holds M masks of
         `words` words in all (a row's lanes may sit in one bytes object)."""
-        joined = bytearray(b"".join(masks))
-        host = torch.frombuffer(joined, dtype=torch.int32).view(len(rows), words)
         if device.type != "cuda":
+            joined = bytearray(b"".join(masks))
+            host = torch.frombuffer(joined, dtype=torch.int32).view(len(rows), words)
             return host.to(device), torch.tensor(rows, dtype=torch.long, device=device)
-        n, m = host.numel(), len(rows)
+        n, m = sum(map(len, masks)) // 4, len(rows)
+        if n != m * words:
+            raise ValueError(f"masks: {n} words for {m} rows of {words} words")
         slots = self._slots.setdefault(device, [None] * self.SLOTS)
         self._turn = (self._turn + 1) % self.SLOTS
         slot = slots[self._turn]
@@ -118,8 +120,15 @@ class BitmaskStaging:
             old = (0, 0) if slot is None else (slot.host_words.numel(), slot.host_rows.numel())
             slot = _StagingSlot(max(n, 2 * old[0]), max(m, 2 * old[1]), device)
             slots[self._turn] = slot
-        slot.host_words[:n].copy_(host.view(-1))
-        slot.host_rows[:m].copy_(torch.tensor(rows, dtype=torch.long))
+        # Each mask straight into the pinned buffer through its bytes view: measured on
+        # the CPU at 256 rows of Qwen's vocabulary, 0.2 ms, where joining the masks and a
+        # torch copy took 6 ms (and showed as 11.6 ms per step on the H200).
+        dst = memoryview(slot.host_words.numpy()).cast("B")
+        offset = 0
+        for mask in masks:
+            dst[offset : offset + len(mask)] = mask
+            offset += len(mask)
+        slot.host_rows.numpy()[:m] = rows
         slot.words[:n].copy_(slot.host_words[:n], non_blocking=True)
         slot.rows[:m].copy_(slot.host_rows[:m], non_blocking=True)
         slot.copied = torch.cuda.Event()

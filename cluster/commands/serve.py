@@ -78,6 +78,12 @@ def register(subparsers) -> None:
     engine.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     engine.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant kernels: a request's tokens do not depend on what else is "
+        "batched, chunking, prefix hits or preemption (docs/configuration.md)",
+    )
+    engine.add_argument(
         "--no-async-scheduling",
         action="store_true",
         help="one step at a time (async scheduling is on by default for one in-process CUDA rank)",
@@ -225,6 +231,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         executor=args.executor,
         enforce_eager=args.enforce_eager,
     )
+    if args.deterministic:
+        kwargs["deterministic"] = True
     if args.no_async_scheduling:
         kwargs["async_scheduling"] = False
     if args.speculative_config is not None:

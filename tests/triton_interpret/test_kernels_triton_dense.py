@@ -325,8 +325,8 @@ def test_paged_attention_rejects_bad_arguments():
         paged_attention_triton(**case, max_query_len=-1)
     with pytest.raises(ValueError, match="query heads"):
         paged_attention_triton(**dict(case, q=case["q"][:, :3]))
-    with pytest.raises(ValueError, match="kv_cache"):
-        paged_attention_triton(**dict(case, kv_cache=case["kv_cache"].half()))
+    with pytest.raises(ValueError, match="kv_cache"):  # a float32 cache under a half q
+        paged_attention_triton(**dict(case, q=case["q"].half()))
     with pytest.raises(ValueError, match="query_start_loc"):
         paged_attention_triton(**dict(case, query_start_loc=case["query_start_loc"][:1]))
     with pytest.raises(ValueError, match="seq_lens"):

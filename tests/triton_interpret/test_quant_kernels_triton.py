@@ -1,8 +1,9 @@
 """The quantized-weight Triton kernels against their torch references, on fresh random
-inputs: FP8 activation quantization (bitwise), FP8 and W4A16 GEMMs, FP8 and W4A16 fused
-MoE; and invariant 7: every plan (token block / route block size) gives bitwise the same
-output. Edge shapes: one token, K not a multiple of the tile, partial row tiles, group
-boundaries, uneven and empty experts.
+inputs: FP8 activation quantization (bitwise), FP8 and W4A16 GEMMs, the decode GEMVs
+(weight-only, on the dequantized weights), FP8 and W4A16 fused MoE; and invariant 7:
+every plan (token block / route block size / GEMV tiling) gives bitwise the same output,
+and a GEMV row does not depend on the rows beside it. Edge shapes: one token, K not a
+multiple of the tile, partial row tiles, odd N, group boundaries, uneven and empty experts.
 
 Without CUDA the kernels run in Triton's CPU interpreter at tiny shapes (tests/conftest.py
 sets TRITON_INTERPRET=1); with CUDA the same tests run compiled, and the `gpu`-marked ones
@@ -30,6 +31,8 @@ from kvloom.kernels.fp8_gemm import fp8_linear_ref
 from kvloom.kernels.fp8_moe import fp8_fused_moe_ref
 from kvloom.kernels.fp8_quant import per_token_group_quant_fp8_ref
 from kvloom.kernels.fused_moe_triton import choose_block_m as choose_route_block
+from kvloom.kernels.gemv_triton import GemvPlan
+from kvloom.kernels.quant_gemv import fp8_gemv_ref, w4a16_gemv_ref
 from kvloom.kernels.w4a16_gemm import pack_int4, w4a16_linear_ref
 from kvloom.kernels.w4a16_moe import w4a16_fused_moe_ref
 from tests.kernel_env import DEVICE, gpu, needs_cuda
@@ -55,6 +58,11 @@ from kvloom.kernels.fp8_gemm_triton import (  # noqa: E402 (after the interprete
     per_token_group_quant_fp8_triton,
 )
 from kvloom.kernels.fp8_moe_triton import fp8_fused_moe_triton  # noqa: E402
+from kvloom.kernels.quant_gemv_triton import (  # noqa: E402
+    choose_quant_gemv_plan,
+    fp8_gemv_triton,
+    w4a16_gemv_triton,
+)
 from kvloom.kernels.w4a16_gemm_triton import w4a16_linear_triton  # noqa: E402
 from kvloom.kernels.w4a16_moe_triton import w4a16_fused_moe_triton  # noqa: E402
 
@@ -148,6 +156,86 @@ def test_w4a16_linear_matches_reference_in_every_plan(dtype, tokens, rows, width
     args = (on(x), on(packed), on(scale), group, on(bias))
     outs = [w4a16_linear_triton(*args, block_m=b).cpu() for b in PLANS]
     check(f"w4a16_linear {tokens}x{rows}x{width}/g{group} {dtype}", outs, ref, dtype)
+
+
+# ---------------------------------------------------------------- decode GEMVs
+
+# Tilings with one split_k each (outputs must agree bitwise within a split_k): whole and
+# partial loop steps (K % block_k), 1..3 chunks per step, pipelined or not.
+GEMV_PLANS = {
+    1: (GemvPlan(8, 128, 2, 2), GemvPlan(4, 64, 1, 1), GemvPlan(16, 192, 4, 3)),
+    2: (GemvPlan(4, 64, 1, 1, split_k=2), GemvPlan(8, 128, 2, 2, split_k=2)),
+}
+GEMV_CASES = [
+    # rows, N (odd: a partial feature block), K, group (128: blocks; 32: several groups
+    # per chunk; = K: one group per row, K not a multiple of 64)
+    (1, 33, 384, 128),
+    (5, 17, 96, 32),
+    (8, 9, 160, 160),
+]
+
+
+def quant_gemv_case(fmt, rows, n, k, group, dtype, seed):
+    """(launch(x, **kw), reference(x), x) for one weight of format `fmt`, with a bias."""
+    x = torch.randn(rows, k, generator=gen(seed)).to(dtype)
+    bias = torch.randn(n, generator=gen(seed + 1)).to(dtype)
+    if fmt == "fp8":
+        w, s = fp8_weight(n, k, seed + 2, k // group)
+        kernel, ref = fp8_gemv_triton, fp8_gemv_ref
+    else:
+        w, s = w4_weight((n, k), group, seed + 2, dtype)
+        kernel, ref = w4a16_gemv_triton, w4a16_gemv_ref
+    dev = [on(t) for t in (w, s)]
+
+    def launch(x, **kw):
+        return kernel(on(x), dev[0], dev[1], group, on(bias), **kw).cpu()
+
+    return launch, lambda x: ref(x, w, s, group, bias), x
+
+
+def check_close(name, out, ref, dtype):
+    assert not torch.isnan(out).any(), f"{name}: NaN in the kernel's output"
+    scale = max(ref.abs().max().item(), 1.0)
+    err = (out.double() - ref.double()).abs().max().item()
+    print(f"ERRNORM {name}: max_abs={err:.3e} (output scale {scale:.3g})")
+    assert err <= TOL[dtype] * scale, f"{name}: max |diff| {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "n", "k", "group"), GEMV_CASES)
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_quant_gemv_matches_dequantized_reference_in_every_plan(fmt, rows, n, k, group, dtype):
+    launch, ref, x = quant_gemv_case(fmt, rows, n, k, group, dtype, 50)
+    want = ref(x)
+    name = f"{fmt}_gemv {rows}x{n}x{k}/g{group} {dtype}"
+    check_close(f"{name} chosen plan", launch(x), want, dtype)
+    for split_k, plans in GEMV_PLANS.items():
+        outs = [launch(x, plan=plan) for plan in plans]
+        check_close(f"{name} split_k={split_k}", outs[0], want, dtype)
+        for plan, out in zip(plans, outs):
+            assert torch.equal(out, outs[0]), f"{name}: plan {plan.name} differs from the first"
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_quant_gemv_row_is_independent_of_its_batch(fmt):
+    """Row t of an 8-row launch is bitwise a 1-row launch on that row (chosen plans: the
+    table may give each row count its own tiling, never its own split_k)."""
+    launch, _, x = quant_gemv_case(fmt, 8, 33, 384, 128, torch.bfloat16, 60)
+    batch = launch(x)
+    for t in range(8):
+        assert torch.equal(batch[t], launch(x[t : t + 1])[0]), f"{fmt}: row {t} differs"
+    assert len({choose_quant_gemv_plan(m, 33, 384, fmt).split_k for m in range(1, 9)}) == 1
+
+
+def test_quant_gemv_float32_output_of_bfloat16_activations():
+    """out_dtype float32: the sum is rounded once, to float32 (no bfloat16 step)."""
+    x = torch.randn(2, 96, generator=gen(70)).bfloat16()
+    bias = torch.randn(17, generator=gen(71)).bfloat16()
+    w, s = fp8_weight(17, 96, 72, 3)
+    out = fp8_gemv_triton(on(x), on(w), on(s), 32, on(bias), torch.float32).cpu()
+    assert out.dtype == torch.float32
+    ref = fp8_gemv_ref(x, w, s, 32, bias, torch.float32)
+    check_close("fp8_gemv float32 out", out, ref, torch.float32)
 
 
 # ---------------------------------------------------------------- fused MoE
@@ -298,3 +386,59 @@ def test_gpu_quantized_moe_decode_plan_replays_in_a_cuda_graph(scheme):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(graph_out, launch(*new)), f"{scheme}: graph replay differs"
+
+
+QWEN3_8B_LINEARS = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(("rows", "width"), QWEN3_8B_LINEARS)
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_gpu_quant_gemv_qwen3_8b_shapes(fmt, rows, width):
+    """Compiled at Qwen3-8B's widths: 1 and 8 rows against the reference, row 3 of the
+    8-row launch bitwise its 1-row launch, and another tiling of the same split_k bitwise
+    the chosen one."""
+    launch, ref, x = quant_gemv_case(fmt, 8, rows, width, 128, torch.bfloat16, 80)
+    batch = launch(x)
+    check_close(f"gpu {fmt}_gemv {rows}x{width} M=8", batch, ref(x), torch.bfloat16)
+    one = launch(x[3:4])
+    check_close(f"gpu {fmt}_gemv {rows}x{width} M=1", one, ref(x[3:4]), torch.bfloat16)
+    assert torch.equal(batch[3], one[0]), "row 3 depends on its batch"
+    chosen = choose_quant_gemv_plan(1, rows, width, fmt)
+    other = GemvPlan(16, 128, 4, 3, chosen.split_k)
+    assert torch.equal(launch(x[3:4], plan=other), one), f"plan {other.name} differs"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_gpu_quant_gemv_replays_in_a_cuda_graph(fmt):
+    """A 1-row launch (through ops, as the layers call it) captured in a CUDA graph and
+    replayed on new activations equals an eager launch bitwise."""
+    from kvloom.kernels import ops
+
+    n, k, dtype = 6144, 4096, torch.bfloat16
+    w, s = fp8_weight(n, k, 90, k // 128) if fmt == "fp8" else w4_weight((n, k), 128, 90, dtype)
+    w, s = on(w), on(s)
+    linear, gemv = (
+        (ops.fp8_linear, fp8_gemv_triton) if fmt == "fp8" else (ops.w4a16_linear, w4a16_gemv_triton)
+    )
+
+    def launch(x):
+        return linear(x, w, s, 128)
+
+    static = on(torch.randn(1, k, generator=gen(91)).to(dtype))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        launch(static)  # compile, warm up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_out = launch(static)
+    static.copy_(on(torch.randn(1, k, generator=gen(92)).to(dtype)))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out, launch(static)), f"{fmt}: graph replay differs"
+    assert torch.equal(graph_out, gemv(static, w, s, 128)), "ops did not take the GEMV"

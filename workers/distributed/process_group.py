@@ -170,6 +170,12 @@ class GroupCoordinator:
         if self.world_size == 1:
             return tensor
         tensor = tensor.contiguous()
+        if tensor.is_cuda:
+            # One preallocated output: a single NCCL launch that CUDA graphs can capture
+            # (graph_collectives.py).
+            out = tensor.new_empty((self.world_size * tensor.shape[0], *tensor.shape[1:]))
+            dist.all_gather_into_tensor(out, tensor, group=self.device_group)
+            return out if dim == 0 else torch.cat(out.chunk(self.world_size), dim=dim)
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(parts, tensor, group=self.device_group)
         return torch.cat(parts, dim=dim)

@@ -27,7 +27,9 @@ import torch
 from torch import nn
 
 from kvloom.contracts.kv_cache_spec import LinearStateSpec
+from kvloom.kernels import batch_invariant as bi
 from kvloom.kernels.causal_conv1d import causal_conv1d_varlen
+from kvloom.kernels.dispatch import batch_invariant
 from kvloom.kernels.ops import (
     causal_conv1d_update,
     chunk_gated_delta_rule,
@@ -182,6 +184,9 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
         mixed, z, ba = self._split_projections(hidden)
         g, beta = self._gates(ba)
         slots = batch.group_for(self.layer_index).state_indices
+        if batch_invariant():
+            core = self._serial_all(mixed, g, beta, slots, batch)
+            return self.out_proj(self.norm(core, z).flatten(1))
         if batch.decode_only:
             return self.out_proj(self.norm(self._decode_all(mixed, g, beta, slots), z).flatten(1))
         core = hidden.new_zeros(hidden.shape[0], self.num_v_heads, self.head_v_dim)
@@ -231,6 +236,34 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
         q, k, v = self._split_heads(x)
         return recurrent_gated_delta_rule(
             q, k, v, g, beta, self.recurrent_state, slots, use_qk_l2norm=True
+        )
+
+    def _serial_all(self, mixed, g, beta, slots, batch: ForwardBatch) -> torch.Tensor:
+        """The deterministic mode: every row, prefill chunk or decode step, through one
+        token-by-token conv and recurrence (kernels/batch_invariant.py), so a token's numbers
+        do not depend on chunking, prefix hits or preemption. In place on the pool."""
+        if slots is None:
+            raise ValueError("state_indices: missing for a linear-state layer's group")
+        device = mixed.device
+        if batch.decode_only:  # one token per row, padding rows (slot -1) included
+            rows = mixed.shape[0]
+            cu = torch.arange(rows + 1, dtype=torch.int32, device=device)
+            has_state = torch.ones(rows, dtype=torch.bool, device=device)
+        else:
+            cu = batch.query_start_loc
+            cache = batch.__dict__.setdefault("_serial_has_state", {})
+            if device not in cache:  # once per step, shared by the layers
+                flags = batch.rows.has_initial_state
+                cache[device] = torch.tensor(flags, dtype=torch.bool).to(device)
+            has_state = cache[device]
+            slots = slots[: cu.shape[0] - 1]
+        x = bi.serial_causal_conv1d(
+            mixed, self.conv1d.weight, None, self.conv_state, cu, slots, has_state,
+            self.activation,
+        )  # fmt: skip
+        q, k, v = self._split_heads(x)
+        return bi.serial_gated_delta_rule(
+            q, k, v, g, beta, self.recurrent_state, cu, slots, has_state, use_qk_l2norm=True
         )
 
     @staticmethod

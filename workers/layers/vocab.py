@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvloom.kernels.dispatch import batch_invariant
 from kvloom.workers.layers.linear import check_shape
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
 
@@ -41,7 +42,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits = h W^T over this rank's vocab slice, gathered to the full vocabulary."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        if batch_invariant():  # the deterministic mode's fixed-tile GEMM
+            from kvloom.kernels.batch_invariant import linear
+
+            logits = linear(hidden, self.weight)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp.world_size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
         return logits[:, : self.vocab_size]

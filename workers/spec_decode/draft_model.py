@@ -14,6 +14,10 @@ recurrent state exact: it catches up only over the tokens the target accepted, a
 pages are saved before the proposal steps and restored after them, so no draft ever stays
 in the state. When the target itself rolls back (a rejected draft on a hybrid target) the
 scheduler's backup/restore covers the draft's linear groups too.
+
+On CUDA the proposal steps replay graphs (`capture_graphs`, proposal_graphs.py); the
+catch-up forward stays eager. The state save/restore around the proposals stays outside
+the graphs, as it is around the eager steps.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
 from kvloom.workers.models.registry import model_class
 from kvloom.workers.row_kinds import RowClasses, classify_rows
 from kvloom.workers.spec_decode.drafter import DraftStep
+from kvloom.workers.spec_decode.proposal_graphs import ProposalGraphs
 from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
 
 # Draft layers are keyed apart from the target's when the layers are grouped.
@@ -44,7 +49,11 @@ class DraftModel:
         device,
         target_vocab: int,
         progress: bool = False,
+        dummy_seed: int | None = None,
     ):
+        """dummy_seed: the target runs `load_format="dummy"` (benchmarks of real shapes),
+        so the draft's weights are drawn the same way with this seed (the target's seed:
+        a draft of the target's own config then drafts exactly the target's tokens)."""
         config = json.loads((Path(model_dir) / "config.json").read_text())
         config = config.get("text_config") or config
         if int(config["vocab_size"]) != target_vocab:
@@ -55,17 +64,23 @@ class DraftModel:
         klass = model_class((config.get("architectures") or [""])[0])
         with torch.device(device):
             model = klass(config, dtype, tp)
-        load_weights(
-            model,
-            iterate_checkpoint(Path(model_dir), progress=progress),
-            klass.stacked_params,
-            klass.ignored_weight_prefixes,
-            model.tied,
-        )
+        if dummy_seed is not None:
+            from kvloom.workers.model_runner import fill_dummy_weights
+
+            fill_dummy_weights(model, dummy_seed)
+        else:
+            load_weights(
+                model,
+                iterate_checkpoint(Path(model_dir), progress=progress),
+                klass.stacked_params,
+                klass.ignored_weight_prefixes,
+                model.tied,
+            )
         self.model = model.eval()
         self.device = device
         self.layer_to_group: dict[int, int] = {}
         self.linear_layers: list = []
+        self.graphs: ProposalGraphs | None = None
 
     def kv_cache_specs(self, block_size: int, dtype_name: str) -> dict[int, object]:
         specs = self.model.kv_cache_specs(block_size, dtype_name)
@@ -87,6 +102,28 @@ class DraftModel:
             for key, g in layer_to_group.items()
             if key >= DRAFT_LAYER_OFFSET
         }
+
+    def capture_graphs(self, make_graph, sizes, groups, max_model_len, pool=None) -> None:
+        """Graphs of one proposal position (proposal_graphs.py): token ids in, draft ids out."""
+
+        def step(batch, input_ids):
+            return self.model.compute_logits(self.model(input_ids, batch.positions, batch)).argmax(
+                -1
+            )
+
+        self.graphs = ProposalGraphs(
+            step,
+            {"input_ids": (None, torch.long)},
+            groups,
+            self.layer_to_group,
+            self.device,
+            sizes,
+            max_model_len,
+        )
+        self.graphs.capture(make_graph, pool)
+
+    def release_graphs(self) -> None:
+        self.graphs = None
 
     def catch_up(self, input_ids: torch.Tensor, batch: ForwardBatch, keep: list[int]) -> None:
         """Runs the draft over the first keep[i] tokens of each row of this step (the real
@@ -125,8 +162,13 @@ class DraftModel:
                 self.device,
             )
             input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-            hidden = self.model(input_ids, batch.positions, batch)
-            tokens = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+            drafted = None
+            if self.graphs is not None:
+                drafted = self.graphs.run(batch, input_ids=input_ids)
+            if drafted is None:
+                hidden = self.model(input_ids, batch.positions, batch)
+                drafted = self.model.compute_logits(hidden).argmax(dim=-1)
+            tokens = drafted.tolist()
             for row, token in enumerate(tokens):
                 proposals[row].append(int(token))
         for tensor, values in saved:

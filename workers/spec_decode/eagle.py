@@ -14,7 +14,13 @@ full attention for prefix caching while the window is still enforced at compute
 The target's hidden state at position t-1 is needed when position t is computed, also
 across steps: it is kept per request for the last few positions. When it is missing (a
 prefix-cache hit or a resumed request starts at t > 0), zeros stand in: drafts may then be
-worse, never wrong — the target verifies every draft.
+worse, never wrong — the target verifies every draft. What is kept is a copy: the
+target's hidden states may be a CUDA graph's static output, which the next replay
+overwrites.
+
+On CUDA the greedy proposal positions replay graphs (`capture_graphs`,
+proposal_graphs.py), for EAGLE and the heads built on this loop (EAGLE-3, MTP); the
+catch-up forward stays eager.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from kvloom.workers.layers.norm import RMSNorm
 from kvloom.workers.models.llama import LlamaDecoderLayer
 from kvloom.workers.spec_decode.draft_model import DRAFT_LAYER_OFFSET, single_token_batch
 from kvloom.workers.spec_decode.drafter import DraftStep
+from kvloom.workers.spec_decode.proposal_graphs import ProposalGraphs
 from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
 
 ARCHITECTURE = "KvloomEagleHead"
@@ -71,6 +78,9 @@ class EagleHead(nn.Module):
 
 
 class EagleProposer:
+    # Proposal graphs, once captured (heads built on this class set up their own state).
+    graphs: ProposalGraphs | None = None
+
     def __init__(self, head_dir: str, target, dtype, tp, device, progress: bool = False):
         config = json.loads((Path(head_dir) / "config.json").read_text())
         if (config.get("architectures") or [None])[0] != ARCHITECTURE:
@@ -156,12 +166,17 @@ class EagleProposer:
         )
 
     def remember(self, row_spans, hidden, kept: dict[str, int]) -> None:
-        """Keeps the target's hidden states of this step's real and accepted positions."""
-        for rid, start, lo, _ in row_spans:
+        """Keeps the target's hidden states of this step's real and accepted positions,
+        copied out in one gather (`hidden` may be a graph's static output)."""
+        index = [lo + i for rid, _, lo, _ in row_spans for i in range(kept[rid])]
+        copied = hidden[torch.tensor(index, dtype=torch.long, device=hidden.device)]
+        at = 0
+        for rid, start, _, _ in row_spans:
             keep = kept[rid]
             store = self.history.setdefault(rid, {})
             for i in range(keep):
-                store[start + i] = hidden[lo + i].detach()
+                store[start + i] = copied[at + i]
+            at += keep
             for old in [p for p in store if p < start + keep - HISTORY]:
                 del store[old]
 
@@ -189,12 +204,40 @@ class EagleProposer:
                 self.device,
             )
             ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-            embeds = self.embed(ids)
-            hidden, prev = self.head_step(embeds, prev.to(embeds.dtype), batch.positions, batch)
-            tokens = self.draft_ids(hidden).tolist()
+            out = None
+            if self.graphs is not None:
+                out = self.graphs.run(batch, ids=ids, prev=prev)
+            if out is None:
+                out = self._proposal_step(batch, ids, prev)
+            drafted, prev = out
+            tokens = drafted.tolist()
             for row, token in enumerate(tokens):
                 proposals[row].append(int(token))
         return proposals
+
+    def _proposal_step(self, batch, ids, prev) -> tuple[torch.Tensor, torch.Tensor]:
+        """One greedy position: (draft ids, the state fed to the next position)."""
+        embeds = self.embed(ids)
+        hidden, nxt = self.head_step(embeds, prev.to(embeds.dtype), batch.positions, batch)
+        return self.draft_ids(hidden), nxt
+
+    def capture_graphs(self, make_graph, sizes, groups, max_model_len, pool=None) -> None:
+        """Graphs of one greedy position (proposal_graphs.py). The state fed between
+        positions has the embedding's width and dtype in every head built on this loop."""
+        probe = self.embed(torch.zeros(1, dtype=torch.long, device=self.device))
+        self.graphs = ProposalGraphs(
+            self._proposal_step,
+            {"ids": (None, torch.long), "prev": (probe.shape[-1], probe.dtype)},
+            groups,
+            self.layer_to_group,
+            self.device,
+            sizes,
+            max_model_len,
+        )
+        self.graphs.capture(make_graph, pool)
+
+    def release_graphs(self) -> None:
+        self.graphs = None
 
     # What a head format changes (EAGLE-3 overrides all three): ---------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

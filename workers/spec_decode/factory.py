@@ -37,7 +37,11 @@ def build_drafter(
     if spec.method == "draft_model":
         from kvloom.workers.spec_decode.draft_model import DraftModel
 
-        return DraftModel(spec.model, dtype, tp, device, vocab_size, progress=progress)
+        dummy = target_config is not None and target_config.load_format == "dummy"
+        seed = target_config.seed if dummy else None
+        return DraftModel(
+            spec.model, dtype, tp, device, vocab_size, progress=progress, dummy_seed=seed
+        )
     if spec.method == "eagle":
         from kvloom.workers.spec_decode.eagle import EagleProposer
 

@@ -250,6 +250,9 @@ in place (hostPath / emptyDir). Empty when download is off.
 - --kv-cache-dtype
 - {{ .Values.engine.kvCacheDtype }}
 {{- end }}
+{{- if .Values.engine.deterministic }}
+- --deterministic
+{{- end }}
 {{- with .Values.engine.speculativeConfig }}
 - --speculative-config
 - {{ toJson . | quote }}

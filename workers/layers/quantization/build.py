@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kvloom.kernels.dispatch import set_batch_invariant
 from kvloom.workers.layers.quantization.apply import checkpoint_module_names, quantize_model
 from kvloom.workers.layers.quantization.config import parse_quantization_config
 from kvloom.workers.layers.quantization.scope import deferred_weights
@@ -16,7 +17,9 @@ from kvloom.workers.weight_loader import checkpoint_keys
 
 
 def build_model(klass, model_config, dtype: torch.dtype, tp, device) -> nn.Module:
-    """`klass(text_config, dtype, tp)` on `device`; `model_config` is a ModelConfig."""
+    """`klass(text_config, dtype, tp)` on `device`; `model_config` is a ModelConfig.
+    Sets this process's kernel plans to the config's deterministic mode first."""
+    set_batch_invariant(model_config.deterministic)
     qconfig = parse_quantization_config(model_config.quantization)
     with torch.device(device), deferred_weights(qconfig is not None):
         model = klass(model_config.text_config, dtype, tp)

@@ -1,0 +1,93 @@
+"""Throughput cost of `deterministic=True` (batch-invariant kernels), one GPU.
+
+For each model shape (random dummy weights, bfloat16, CUDA graphs on), runs the same
+offline workload with the mode off and on, one engine after the other in this process, and
+prints one JSON line per shape plus a summary line:
+
+    {"shape": "qwen3-8b", "off_tok_s": ..., "on_tok_s": ..., "cost": 0.12, ...}
+
+cost = 1 - on / off (output tokens per second); the goal (issue 23) is cost <= 0.15.
+Usage (about 2-3 minutes on an H200 with the defaults):
+
+    python benchmarks/deterministic_cost.py [--shapes qwen3-8b qwen3-next-24l]
+        [--num-requests 256] [--prompt-len 128 512] [--output-len 64 128] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvloom import Engine
+from kvloom.cluster.bench import offline_workload, shape_dir, workload_params
+from kvloom.kernels.dispatch import set_batch_invariant
+
+
+def run_once(model: str, args, deterministic: bool) -> dict:
+    engine = Engine(
+        model=model,
+        dtype="bfloat16",
+        load_format="dummy",
+        progress=False,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=False,
+        deterministic=deterministic,
+    )
+    requests = offline_workload(args, engine.vocab_size)
+    for i, (prompt, out_len) in enumerate(requests):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, workload_params(out_len))
+    start = time.perf_counter()
+    out_tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                out_tokens += len(out.outputs[0].token_ids)
+    elapsed = time.perf_counter() - start
+    engine.shutdown()
+    set_batch_invariant(False)
+    return {"seconds": round(elapsed, 2), "tok_s": round(out_tokens / elapsed, 1)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["qwen3-8b", "qwen3-next-24l"])
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(128, 512))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(64, 128))
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in args.shapes:
+            model = str(shape_dir(shape, Path(tmp)))
+            off = run_once(model, args, False)
+            on = run_once(model, args, True)
+            row = {
+                "shape": shape,
+                "requests": args.num_requests,
+                "off_tok_s": off["tok_s"],
+                "on_tok_s": on["tok_s"],
+                "off_s": off["seconds"],
+                "on_s": on["seconds"],
+                "cost": round(1 - on["tok_s"] / off["tok_s"], 4),
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    summary = {"deterministic_cost": {r["shape"]: r["cost"] for r in rows}, "goal": 0.15}
+    print(json.dumps(summary), flush=True)
+    if args.out is not None:
+        args.out.write_text(json.dumps({"rows": rows, **summary}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

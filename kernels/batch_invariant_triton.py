@@ -1,0 +1,381 @@
+"""Batch-invariant Triton kernels for the deterministic mode (`deterministic=True`).
+
+Same semantics as the references in `batch_invariant.py`. Each output element gets one
+summation order whatever else is in the launch:
+
+* `matmul_triton`: y = x W^T (+ bias) with ONE tile shape (BLOCK_M x BLOCK_N x BLOCK_K,
+  warps and stages fixed) for every M, no split-K: a program owns an output tile and walks
+  K from 0 upwards in BLOCK_K steps into a float32 accumulator. M only changes how many
+  programs there are, never what one computes, and since BLOCK_M is fixed the dot is one
+  kind of instruction (on Hopper wgmma vs mma.sync follows BLOCK_M), so a row's bits do not
+  depend on its neighbours. (cuBLAS picks tiles and split-K by M; the GEMV fast path sums
+  in another order again.)
+* `serial_causal_conv1d_triton` / `serial_gated_delta_rule_triton`: the linear-attention
+  conv and recurrence token by token, one program per (sequence, channel or state-column
+  block) looping over that sequence's tokens with the same per-token arithmetic. Prefill
+  chunks and decode steps run this one loop body, so a token's numbers do not depend on how
+  its request was chunked, cached or preempted. The recurrent state is rounded to the pool's
+  dtype after every token, exactly as if it had been stored each step.
+
+No host synchronisation and grids from shapes only: CUDA graphs capture them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvloom.kernels.arg_checks_triton import next_power_of_2
+from kvloom.kernels.l2norm import L2NORM_EPS
+
+# The one matmul tile (half precision; float32 takes the "ieee" dot with the same tile).
+MATMUL_PLAN = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+_STATE_TILE_ELEMENTS = 4096  # the delta-rule program's [Dk, BV] float32 state tile
+_CONV_BLOCK_C = 64
+
+
+def _interpreted(kernel) -> bool:
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    depth = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + depth) < K
+        a = tl.load(
+            x_ptr + rows[:, None] * stride_xm + (k0 + depth)[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            w_ptr + cols[None, :] * stride_wn + (k0 + depth)[:, None],
+            mask=col_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )
+        if UPCAST:  # the CPU interpreter gets bfloat16 dots wrong; products are exact
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, b, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + rows[:, None] * stride_om + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
+
+
+def matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """x [M, K] (last dim contiguous) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"x, weight: expected [M, K] and [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    if x.stride(1) != 1 and x.shape[1] > 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1 and weight.shape[1] > 1:
+        weight = weight.contiguous()
+    (m, k), n = x.shape, weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    plan = MATMUL_PLAN
+    grid = (triton.cdiv(m, plan["BLOCK_M"]), triton.cdiv(n, plan["BLOCK_N"]))
+    upcast = _interpreted(_matmul_kernel) and x.dtype != torch.float32
+    _matmul_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else x,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=plan["BLOCK_M"],
+        BLOCK_N=plan["BLOCK_N"],
+        BLOCK_K=plan["BLOCK_K"],
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        UPCAST=upcast,
+        num_warps=plan["num_warps"],
+        num_stages=plan["num_stages"],
+    )
+    return out
+
+
+@triton.jit
+def _serial_conv_kernel(
+    x_ptr,
+    weight_ptr,
+    bias_ptr,
+    state_ptr,
+    cu_ptr,
+    slot_ptr,
+    has_state_ptr,
+    out_ptr,
+    stride_xt,
+    stride_wc,
+    stride_ss,
+    stride_sc,
+    stride_ot,
+    CHANNELS: tl.constexpr,
+    WIDTH: tl.constexpr,
+    WIDTH_PAD: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    chan_ok = chans < CHANNELS
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    taps = tl.arange(0, WIDTH_PAD)
+    # Padding (slot < 0) and rows with no tokens this step: nothing read or written (the
+    # output is pre-zeroed).
+    if (slot >= 0) & (end > start):
+        # As a vector over the taps (the interpreter takes no scalar in a mask).
+        has_state = (taps * 0 + tl.load(has_state_ptr + seq).to(tl.int32)) != 0
+        state_row = state_ptr + slot * stride_ss + chans[:, None] * stride_sc
+        weight = tl.load(
+            weight_ptr + chans[:, None] * stride_wc + taps[None, :],
+            mask=chan_ok[:, None] & (taps < WIDTH)[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
+        for t in range(start, end):
+            # Tap j reads input t - (WIDTH - 1) + j: this sequence's token, or the carried
+            # state before it (column WIDTH - 1 + offset), or zero for a fresh sequence.
+            offset = (t - start) - (WIDTH - 1) + taps
+            in_x = (offset >= 0) & (taps < WIDTH)
+            in_s = (offset < 0) & (taps < WIDTH) & has_state
+            xs = tl.load(
+                x_ptr + (start + offset)[None, :] * stride_xt + chans[:, None],
+                mask=chan_ok[:, None] & in_x[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            ss = tl.load(
+                state_row + (WIDTH - 1 + offset)[None, :],
+                mask=chan_ok[:, None] & in_s[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            y = tl.sum(tl.where(in_x[None, :], xs, ss) * weight, axis=1)
+            if HAS_BIAS:
+                y = y + bias
+            if SILU:
+                y = y * tl.sigmoid(y)
+            tl.store(out_ptr + t * stride_ot + chans, y.to(out_ptr.dtype.element_ty), mask=chan_ok)
+        # The new state: the last WIDTH - 1 inputs, read (old state included) before the
+        # store overwrites it.
+        offset = (end - start) - (WIDTH - 1) + taps
+        keep = taps < WIDTH - 1
+        in_x = (offset >= 0) & keep
+        in_s = (offset < 0) & keep & has_state
+        xs = tl.load(
+            x_ptr + (start + offset)[None, :] * stride_xt + chans[:, None],
+            mask=chan_ok[:, None] & in_x[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        ss = tl.load(
+            state_row + (WIDTH - 1 + offset)[None, :],
+            mask=chan_ok[:, None] & in_s[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        new_state = tl.where(in_x[None, :], xs, ss)
+        tl.debug_barrier()
+        tl.store(
+            state_row + taps[None, :],
+            new_state.to(state_ptr.dtype.element_ty),
+            mask=chan_ok[:, None] & keep[None, :],
+        )
+
+
+def serial_causal_conv1d_triton(
+    x, weight, bias, conv_state_pool, cu_seqlens, state_indices, has_initial_state, activation
+):
+    """See `batch_invariant.serial_causal_conv1d`."""
+    tokens, channels = x.shape
+    width = weight.shape[1]
+    # Zeros: tokens past the last row (graph padding) stay defined.
+    out = torch.zeros_like(x, memory_format=torch.contiguous_format)
+    num_seqs = cu_seqlens.shape[0] - 1
+    if tokens == 0 or num_seqs == 0 or channels == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    grid = (num_seqs, triton.cdiv(channels, _CONV_BLOCK_C))
+    _serial_conv_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        conv_state_pool,
+        cu_seqlens,
+        state_indices,
+        has_initial_state.to(torch.int8),
+        out,
+        x.stride(0),
+        weight.stride(0),
+        conv_state_pool.stride(0),
+        conv_state_pool.stride(1),
+        out.stride(0),
+        CHANNELS=channels,
+        WIDTH=width,
+        WIDTH_PAD=max(2, next_power_of_2(width)),
+        BLOCK_C=_CONV_BLOCK_C,
+        HAS_BIAS=bias is not None,
+        SILU=activation in ("silu", "swish"),
+        num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _serial_delta_rule_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    state_ptr,
+    cu_ptr,
+    slot_ptr,
+    has_state_ptr,
+    out_ptr,
+    scale,
+    eps,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_gt,
+    stride_bt,
+    stride_ss,
+    stride_sh,
+    stride_sk,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    L2NORM: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    cols = tl.program_id(2) * BV + tl.arange(0, BV)
+    col_ok = cols < DV
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    if (slot >= 0) & (end > start):  # else padding or no tokens: nothing touched
+        dims = tl.arange(0, BK)
+        dim_ok = dims < DK
+        key_head = head // GROUP
+        tile_ok = dim_ok[:, None] & col_ok[None, :]
+        s_ptrs = state_ptr + slot * stride_ss + head * stride_sh
+        s_ptrs = s_ptrs + dims[:, None] * stride_sk + cols[None, :]
+        has_state = (cols * 0 + tl.load(has_state_ptr + seq).to(tl.int32)) != 0
+        s = tl.load(s_ptrs, mask=tile_ok & has_state[None, :], other=0.0).to(tl.float32)
+        for t in range(start, end):
+            q = tl.load(q_ptr + t * stride_qt + key_head * stride_qh + dims, mask=dim_ok, other=0.0)
+            k = tl.load(k_ptr + t * stride_kt + key_head * stride_kh + dims, mask=dim_ok, other=0.0)
+            q = q.to(tl.float32)
+            k = k.to(tl.float32)
+            if L2NORM:
+                q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps)
+                k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
+            q = q * scale
+            s = s * tl.exp(tl.load(g_ptr + t * stride_gt + head).to(tl.float32))
+            v = tl.load(v_ptr + t * stride_vt + head * stride_vh + cols, mask=col_ok, other=0.0)
+            beta = tl.load(beta_ptr + t * stride_bt + head).to(tl.float32)
+            predicted = tl.sum(k[:, None] * s, axis=0)
+            write = beta * (v.to(tl.float32) - predicted)
+            s = s + k[:, None] * write[None, :]
+            out = tl.sum(q[:, None] * s, axis=0)
+            out_ptrs = out_ptr + t * stride_ot + head * stride_oh + cols
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=col_ok)
+            # As if stored after every token: chunking then changes no rounding point.
+            s = s.to(state_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=tile_ok)
+
+
+def serial_gated_delta_rule_triton(
+    q, k, v, g, beta, state, cu_seqlens, state_indices, has_initial_state, scale, use_qk_l2norm
+):
+    """See `batch_invariant.serial_gated_delta_rule`."""
+    tokens, num_k_heads, head_k = q.shape
+    num_v_heads, head_v = v.shape[1], v.shape[2]
+    out = torch.zeros((tokens, num_v_heads, head_v), dtype=q.dtype, device=q.device)
+    num_seqs = cu_seqlens.shape[0] - 1
+    if out.numel() == 0 or num_seqs == 0:
+        return out
+    block_v = max(1, min(next_power_of_2(head_v), _STATE_TILE_ELEMENTS // next_power_of_2(head_k)))
+    g = g.contiguous()
+    beta = beta.contiguous()
+    grid = (num_seqs, num_v_heads, triton.cdiv(head_v, block_v))
+    _serial_delta_rule_kernel[grid](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        cu_seqlens,
+        state_indices,
+        has_initial_state.to(torch.int8),
+        out,
+        float(head_k**-0.5 if scale is None else scale),
+        L2NORM_EPS,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        beta.stride(0),
+        state.stride(0),
+        state.stride(1),
+        state.stride(2),
+        out.stride(0),
+        out.stride(1),
+        GROUP=num_v_heads // num_k_heads,
+        DK=head_k,
+        DV=head_v,
+        BK=next_power_of_2(head_k),
+        BV=block_v,
+        L2NORM=bool(use_qk_l2norm),
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,235 @@
+"""The deterministic mode's batch-invariant kernels (kernels/batch_invariant*.py).
+
+Each kernel gives a row bitwise the same numbers computed alone as inside batches of other
+sizes (or, for the linear-attention loops and paged attention, whatever the chunking:
+one prefill, split prefill chunks, decode steps), and matches its torch reference within
+a tolerance. Interpreted on the CPU (TRITON_INTERPRET=1, tiny shapes), compiled on a GPU;
+the `gpu` test adds model widths in bfloat16.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvloom.kernels.batch_invariant import (
+    attention_plan,
+    linear_ref,
+    serial_causal_conv1d_ref,
+    serial_gated_delta_rule_ref,
+)
+from kvloom.kernels.batch_invariant_triton import (
+    matmul_triton,
+    serial_causal_conv1d_triton,
+    serial_gated_delta_rule_triton,
+)
+from kvloom.kernels.paged_attention import paged_attention_ref
+from kvloom.kernels.paged_attention_triton import paged_attention_triton
+from tests.kernel_env import CUDA, DEVICE, gpu, needs_cuda
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(
+    not CUDA and not INTERPRETED,
+    reason="triton was imported for the compiler first and there is no GPU",
+)
+HALF = (torch.bfloat16, torch.float16)
+
+
+def rand(*shape, seed, dtype=torch.float32, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+def _assert_rows_invariant(fn, x, sizes):
+    """fn(x[:m])[probe rows] is bitwise fn(x)[same rows] for every batch size m."""
+    full = fn(x)
+    for m in sizes:
+        part = fn(x[:m])
+        assert torch.equal(part, full[:m]), f"rows differ between a batch of {m} and {len(x)}"
+    alone = torch.cat([fn(x[i : i + 1]) for i in range(min(len(x), 3))])
+    assert torch.equal(alone, full[: len(alone)]), "a row alone differs from it in a batch"
+    return full
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matmul_rows_do_not_depend_on_the_batch(dtype, bias):
+    m, n, k = 70, 40, 80  # > one tile of rows; n, k not multiples of the tile
+    x = rand(m, k, seed=1, dtype=dtype)
+    w = rand(n, k, seed=2, dtype=dtype, scale=0.2)
+    b = rand(n, seed=3, dtype=dtype) if bias else None
+    out = _assert_rows_invariant(lambda t: matmul_triton(t, w, b), x, (1, 2, 5, 64, 65))
+    ref = linear_ref(x, w, b)
+    tol = 2e-2 if dtype in HALF else 1e-5
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_matmul_reads_a_strided_input():
+    x = rand(9, 48, seed=4)[:, :32]  # last dim contiguous, row stride 48
+    w = rand(20, 32, seed=5)
+    torch.testing.assert_close(matmul_triton(x, w), linear_ref(x, w), atol=1e-5, rtol=1e-5)
+
+
+def _conv_case(seed, dtype, tokens=11, channels=70, width=4):
+    x = rand(tokens, channels, seed=seed, dtype=dtype)
+    weight = rand(channels, width, seed=seed + 1, dtype=dtype, scale=0.5)
+    bias = rand(channels, seed=seed + 2, dtype=dtype)
+    return x, weight, bias
+
+
+def _run_chunks(fn, total, cuts, pool, make_args):
+    """Runs one sequence of `total` tokens through fn as the chunks `cuts` split it into
+    (slot 1 of `pool`, the first chunk fresh), returning the concatenated output."""
+    outs, bounds = [], [0, *cuts, total]
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        cu = torch.tensor([0, b - a], dtype=torch.int32, device=DEVICE)
+        slots = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+        has = torch.tensor([i > 0], device=DEVICE)
+        outs.append(fn(*make_args(a, b), pool, cu, slots, has))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_serial_conv_is_chunking_and_batch_invariant(dtype):
+    x, weight, bias = _conv_case(10, dtype)
+    channels, width = x.shape[1], weight.shape[1]
+
+    def conv(xs, pool, cu, slots, has):
+        return serial_causal_conv1d_triton(xs, weight, bias, pool, cu, slots, has, "silu")
+
+    def fresh_pool():
+        return torch.full((3, channels, width - 1), float("nan"), device=DEVICE)
+
+    runs = {}
+    for cuts in ((), (5,), (1, 2, 3), tuple(range(1, 11))):  # one prefill ... all decode
+        pool = fresh_pool()
+        runs[cuts] = (_run_chunks(conv, 11, cuts, pool, lambda a, b: (x[a:b],)), pool[1])
+    first_out, first_state = runs[()]
+    for cuts, (out, state) in runs.items():
+        assert torch.equal(out, first_out), f"chunks {cuts} change the conv output"
+        assert torch.equal(state, first_state), f"chunks {cuts} change the conv state"
+    # Inside a batch with another sequence (and a padding row), the same bits.
+    other, _, _ = _conv_case(20, dtype, tokens=6)
+    pool = fresh_pool()
+    pool[2] = rand(channels, width - 1, seed=30)
+    batch = torch.cat([other, x])
+    cu = torch.tensor([0, 6, 17, 17], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([2, 1, -1], dtype=torch.int32, device=DEVICE)
+    has = torch.tensor([True, False, False], device=DEVICE)
+    out = conv(batch, pool, cu, slots, has)
+    assert torch.equal(out[6:], first_out) and torch.equal(pool[1], first_state)
+    # The reference (float32 einsum-free sums) within rounding.
+    ref_pool = fresh_pool()
+    pool[2] = ref_pool[2] = rand(channels, width - 1, seed=30)
+    ref = serial_causal_conv1d_ref(batch, weight, bias, ref_pool, cu, slots.long(), has, "silu")
+    tol = 2e-2 if dtype in HALF else 1e-5
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(pool[1], ref_pool[1], atol=tol, rtol=tol)
+
+
+def _gdn_case(seed, tokens, hk=2, hv=4, dk=16, dv=24, dtype=torch.float32):
+    q = rand(tokens, hk, dk, seed=seed, dtype=dtype)
+    k = rand(tokens, hk, dk, seed=seed + 1, dtype=dtype)
+    v = rand(tokens, hv, dv, seed=seed + 2, dtype=dtype)
+    g = -torch.rand(tokens, hv, generator=torch.Generator().manual_seed(seed + 3)).to(DEVICE)
+    beta = torch.rand(tokens, hv, generator=torch.Generator().manual_seed(seed + 4))
+    return q, k, v, g, beta.to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize(
+    "dtype,state_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]
+)
+def test_serial_delta_rule_is_chunking_and_batch_invariant(dtype, state_dtype):
+    tensors = _gdn_case(40, 9, dtype=dtype)
+    hv, dk, dv = tensors[2].shape[1], tensors[0].shape[2], tensors[2].shape[2]
+
+    def rule(q, k, v, g, beta, pool, cu, slots, has):
+        return serial_gated_delta_rule_triton(q, k, v, g, beta, pool, cu, slots, has, None, True)
+
+    def fresh_pool():
+        return torch.full((3, hv, dk, dv), float("nan"), dtype=state_dtype, device=DEVICE)
+
+    runs = {}
+    for cuts in ((), (4,), (1, 2), tuple(range(1, 9))):
+        pool = fresh_pool()
+        out = _run_chunks(rule, 9, cuts, pool, lambda a, b: [t[a:b] for t in tensors])
+        runs[cuts] = (out, pool[1])
+    first_out, first_state = runs[()]
+    for cuts, (out, state) in runs.items():
+        assert torch.equal(out, first_out), f"chunks {cuts} change the recurrence output"
+        assert torch.equal(state, first_state), f"chunks {cuts} change the state"
+    other = _gdn_case(50, 5, dtype=dtype)
+    batch = [torch.cat([a, b]) for a, b in zip(other, tensors)]
+    pool = fresh_pool()
+    pool[2] = rand(hv, dk, dv, seed=60, dtype=state_dtype, scale=0.1)
+    ref_pool = pool.clone()
+    cu = torch.tensor([0, 5, 14, 14], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([2, 1, -1], dtype=torch.int32, device=DEVICE)
+    has = torch.tensor([True, False, False], device=DEVICE)
+    out = rule(*batch, pool, cu, slots, has)
+    assert torch.equal(out[5:], first_out) and torch.equal(pool[1], first_state)
+    ref = serial_gated_delta_rule_ref(*batch, ref_pool, cu, slots.long(), has, None, True)
+    tol = 3e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(pool[1:].float(), ref_pool[1:].float(), atol=tol, rtol=tol)
+
+
+def _paged_cache(ctx, kv_heads, dim, block, seed, dtype):
+    blocks = -(-ctx // block)
+    cache = torch.full((2, blocks + 2, block, kv_heads, dim), float("nan"), dtype=dtype)
+    table = torch.arange(1, blocks + 1, dtype=torch.int32)
+    kv = torch.randn(2, ctx, kv_heads, dim, generator=torch.Generator().manual_seed(seed))
+    for p in range(ctx):
+        cache[:, table[p // block], p % block] = kv[:, p].to(dtype)
+    return cache.to(DEVICE), table.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_plan_gives_a_query_the_same_bits_in_prefill_and_decode(dtype):
+    """Query token p of a request attends over the cache: computed in one prefill, in a
+    prefill chunk after a prefix hit, or as a decode step (alone or beside another row),
+    with the mode's one plan it gets the same bits."""
+    heads, kv_heads, dim, block, ctx = 4, 2, 16, 4, 40
+    cache, table = _paged_cache(ctx, kv_heads, dim, block, 70, dtype)
+    q = rand(ctx, heads, dim, seed=71, dtype=dtype)
+    plan = attention_plan(heads // kv_heads, dim, dtype)
+
+    def attend(queries, starts, lens, tables):
+        qsl = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+        out, _ = paged_attention_triton(
+            queries, cache, tables, qsl,
+            torch.tensor(lens, dtype=torch.int32, device=DEVICE), dim**-0.5,
+            _plan_override=plan,
+        )  # fmt: skip
+        return out
+
+    tables = table.view(1, -1)
+    whole = attend(q, [0, ctx], [ctx], tables)
+    chunk = attend(q[24:], [0, ctx - 24], [ctx], tables)  # resumes after a 24-token hit
+    assert torch.equal(chunk, whole[24:])
+    for p in (0, 17, 31, ctx - 1):  # decode steps, alone and after another row's chunk
+        alone = attend(q[p : p + 1], [0, 1], [p + 1], tables)
+        assert torch.equal(alone, whole[p : p + 1]), f"decode at position {p}"
+        pair = attend(torch.cat([q[:5], q[p : p + 1]]), [0, 5, 6], [5, p + 1], tables.expand(2, -1))
+        assert torch.equal(pair[5:], whole[p : p + 1]), f"decode at {p} beside a prefill"
+    qsl = torch.tensor([0, ctx], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([ctx], dtype=torch.int32, device=DEVICE)
+    ref, _ = paged_attention_ref(q, cache, tables, qsl, lens, dim**-0.5)
+    tol = 2e-2 if dtype in HALF else 2e-5
+    torch.testing.assert_close(whole.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("n,k", [(4096, 4096), (12288, 4096), (4096, 12288), (151936, 4096)])
+def test_gpu_matmul_rows_invariant_at_model_widths(n, k):
+    """Qwen3-8B widths in bfloat16: rows alone vs in batches of 1..600 rows, bitwise."""
+    x = rand(600, k, seed=80, dtype=torch.bfloat16)
+    w = rand(n, k, seed=81, dtype=torch.bfloat16, scale=0.02)
+    full = matmul_triton(x, w)
+    for m in (1, 2, 3, 17, 64, 65, 256, 599):
+        assert torch.equal(matmul_triton(x[:m], w), full[:m]), f"batch of {m}"
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    torch.testing.assert_close(full.float(), ref, atol=3e-2, rtol=2e-2)
