@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvloom.kernels.fp8_moe_triton import choose_fp8_block_m
 from kvloom.kernels.fused_moe_triton import choose_block_m
 from kvloom.kernels.gemv_triton import GemvPlan
 from kvloom.kernels.w4a16_gemm import pack_int4
@@ -43,6 +44,7 @@ from gemv_plans import time_graph_us, time_wall_us, weight_copies  # noqa: E402
 
 TOKENS = (1, 16, 64, 128, 512, 1024, 1536)
 PLANS = (16, 32, 64)
+CHOOSE = {"w4a16_g32": choose_block_m, "fp8_block128": choose_fp8_block_m}  # each scheme's plan
 LINEAR_TOKENS = (1, 256, 4096)  # decode, a decode batch, a prefill chunk
 LINEAR_SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))  # (N, K)
 GEMV_TOKENS = (1, 8)
@@ -128,7 +130,7 @@ def moe_rows(args, device, gbps):
             bitwise = all(torch.equal(outs[b], outs[PLANS[0]]) for b in PLANS)
             touched = int(torch.unique(ids).numel())
             floor_ms = touched * per_expert_bytes / gbps / 1e6
-            row = {"scheme": scheme, "tokens": tokens, "chosen_block_m": choose_block_m(tokens, k, e),
+            row = {"scheme": scheme, "tokens": tokens, "chosen_block_m": CHOOSE[scheme](tokens, k, e),
                    "bitwise_across_plans": bitwise, "bandwidth_floor_ms": floor_ms}  # fmt: skip
             for b in PLANS:
                 row[f"ms_block_{b}"] = timed(partial(call, b), args.repeats)

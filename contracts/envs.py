@@ -27,6 +27,9 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "2",
         "seconds a target waits for a remote drafter's drafts before serving without them",
     ),
+    "KVLOOM_DISABLE_TRITON": ("", "1: every kernel takes its pure-torch reference"),
+    "KVLOOM_NO_GEMV": ("", "1: small-row linears (bf16, FP8, W4A16) skip the Triton GEMVs"),
+    "KVLOOM_NO_FLA": ("", "1: Gated DeltaNet prefill on CUDA skips fla-core's kernels"),
 }
 
 
@@ -57,3 +60,8 @@ def multi_rank_cuda_graphs() -> bool:
 
 def drafter_timeout_s() -> float:
     return _positive_float("KVLOOM_DRAFTER_TIMEOUT_S")
+
+
+def flag(name: str) -> bool:
+    """A switch variable (1, true, yes or on), read at call time."""
+    return get(name).strip().lower() in ("1", "true", "yes", "on")

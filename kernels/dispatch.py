@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 import torch
+
+from kvloom.contracts import envs
 
 DISABLE_ENV = "KVLOOM_DISABLE_TRITON"
 
@@ -33,7 +34,7 @@ def triton_available() -> bool:
 
 def triton_disabled_by_env() -> bool:
     """`KVLOOM_DISABLE_TRITON=1` (or true/yes/on) forces the reference path; read each call."""
-    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return envs.flag(DISABLE_ENV)
 
 
 def use_triton(tensor: torch.Tensor) -> bool:

@@ -4,11 +4,10 @@ when chosen, so CPU-only installs never import triton."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
+from kvloom.contracts import envs
 from kvloom.kernels import causal_conv1d as conv_ref
 from kvloom.kernels import gated_delta_rule as gdn_ref
 from kvloom.kernels import kda as kda_ref
@@ -230,7 +229,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and weight.is_contiguous()
         and x.stride(-1) == 1
         and 1 <= x.numel() // max(x.shape[-1], 1) <= GEMV_DISPATCH_MAX_M
-        and os.environ.get("KVLOOM_NO_GEMV") != "1"
+        and not envs.flag("KVLOOM_NO_GEMV")
     ):
         from kvloom.kernels.gemv_triton import gemv_triton
 
@@ -292,7 +291,7 @@ def chunk_gated_delta_rule(
         and q.is_cuda
         and q.dtype in FLA_DTYPES
         and fla_available()
-        and os.environ.get("KVLOOM_NO_FLA") != "1"
+        and not envs.flag("KVLOOM_NO_FLA")
     ):
         from kvloom.kernels.gated_delta_rule_fla import chunk_gated_delta_rule_fla
 
@@ -408,7 +407,7 @@ def _quant_gemv(x: torch.Tensor, group_size: int, packed: bool, *tensors: torch.
     return (
         1 <= rows <= QUANT_GEMV_MAX_M
         and not batch_invariant()
-        and os.environ.get("KVLOOM_NO_GEMV") != "1"
+        and not envs.flag("KVLOOM_NO_GEMV")
         and all(t.is_contiguous() for t in tensors)
         and gemv_group(group_size, x.shape[-1], packed) is not None
     )

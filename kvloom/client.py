@@ -353,6 +353,7 @@ def chat_request(
     parse_reasoning: bool | None = None,
     request_id: str | None = None,
     cache_salt: str | None = None,
+    parallel_tool_calls: bool | None = None,
     **sampling: Any,
 ) -> pb.ChatRequest:
     request = pb.ChatRequest(
@@ -369,6 +370,8 @@ def chat_request(
         request.add_generation_prompt = add_generation_prompt
     if parse_reasoning is not None:
         request.parse_reasoning = parse_reasoning
+    if parallel_tool_calls is not None:
+        request.parallel_tool_calls = parallel_tool_calls
     return request
 
 

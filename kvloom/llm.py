@@ -57,6 +57,7 @@ class LLM:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         tool_call_parser: str | None = None,
+        parallel_tool_calls: bool = True,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, rendered with the model's chat
         template (its BOS included; tools given to the template) and generated as
@@ -65,7 +66,8 @@ class LLM:
         `tool_choice` as OpenAI's: "auto" (or None), "none" (the tools are not rendered),
         "required" or {"type": "function", "function": {"name": ...}}; the last two are
         enforced by a grammar of the calls in `tool_call_parser`'s format (by default the
-        one the server would pick for this model; docs/structured_outputs.md)."""
+        one the server would pick for this model; docs/structured_outputs.md).
+        `parallel_tool_calls=False` makes "required" exactly one call."""
         conversations = (
             [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         )
@@ -73,7 +75,7 @@ class LLM:
         tools, forced = forced_tool_choice(tools, tool_choice)
         if forced is not None:
             sampling_params = self._constrain_to_tools(
-                sampling_params, tools, forced, tool_call_parser
+                sampling_params, tools, forced, tool_call_parser, parallel_tool_calls
             )
         tokenizer = self.get_tokenizer()
         prompts = []
@@ -89,7 +91,7 @@ class LLM:
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _constrain_to_tools(self, sampling_params, tools, forced, tool_call_parser):
+    def _constrain_to_tools(self, sampling_params, tools, forced, tool_call_parser, parallel):
         parser = tool_call_parser or default_tool_call_parser(
             self.engine.config.model.model, self._template()
         )
@@ -98,7 +100,8 @@ class LLM:
                 "tool_call_parser: no known tool-call format for this model; name one "
                 "to force tool_choice"
             )
-        constraint = tool_choice_constraint(parser, tools, None if forced is True else forced)
+        named = None if forced is True else forced
+        constraint = tool_choice_constraint(parser, tools, named, parallel=parallel)
         params = sampling_params or SamplingParams()
         many = isinstance(params, list)
         constrained = []

@@ -22,7 +22,7 @@ from kvloom.cluster.frontend.render_pool import RenderPool, WorkerFailed
 from kvloom.protos.kvloom.v1 import generation_pb2 as pb
 from kvloom.protos.kvloom.v1 import generation_pb2_grpc as pb_grpc
 from tests.bad_requests import spinning_model
-from tests.test_serve_lifecycle import alive, env, process_tree, stop
+from tests.test_serve_lifecycle import alive, env, process_tree, psutil_module, stop
 
 HUGE = 40 * 1024 * 1024
 
@@ -66,7 +66,17 @@ def serve(model_dir: str, drain_s: float = 30.0) -> tuple[subprocess.Popen, int]
 
 
 def render_workers(process: subprocess.Popen) -> list:
-    return [p for p in alive(process_tree(process.pid)) if "render_worker" in " ".join(p.cmdline())]
+    """The server's live render workers; one may exit between listing and reading its
+    command line (the killed worker being replaced), and then it is not counted."""
+    psutil = psutil_module()
+    workers = []
+    for p in alive(process_tree(process.pid)):
+        try:
+            if "render_worker" in " ".join(p.cmdline()):
+                workers.append(p)
+        except psutil.Error:
+            pass
+    return workers
 
 
 def client(port: int) -> tuple[grpc.Channel, pb_grpc.GenerationStub]:

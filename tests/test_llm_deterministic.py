@@ -95,6 +95,28 @@ def test_mode_selects_the_invariant_linear_and_lm_head(mode_off, monkeypatch):
     assert len(calls) == 2
 
 
+def test_each_engine_steps_under_its_own_mode(tiny_model, mode_off, monkeypatch):
+    """The plans' switch is process-wide, so a deterministic engine built before another
+    without the mode must still step with the invariant plans (and the other without)."""
+    from kvloom.kernels import batch_invariant as bi
+
+    path = str(tiny_model("qwen2"))
+    calls = []
+    real = bi.linear
+    monkeypatch.setattr(bi, "linear", lambda *a: calls.append(1) or real(*a))
+    on = LLM(path, deterministic=True, **SETTINGS)
+    off = LLM(path, **SETTINGS)  # its build turned the switch off
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    calls.clear()
+    off.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert calls == [] and not batch_invariant()
+    on.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert calls and batch_invariant()
+    calls.clear()
+    off.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert calls == []
+
+
 def test_linear_reference_rows_are_batch_invariant():
     from kvloom.kernels.batch_invariant import linear_ref
 

@@ -73,6 +73,48 @@ def tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+# A shared-prefix workload (prefix hits), run in a pool too small for it (preemption).
+PREFIX = repetitive_prompts(1)[0][:20]
+TIGHT_POOL = 18  # 4-token blocks: the four requests of the second wave need about 25
+
+
+def shared_prefix_tokens(eng: Engine, max_tokens: int = 12) -> list[list[int]]:
+    """Greedy tokens of one request alone (its prompt's blocks enter the prefix cache),
+    then four at once whose prompts start with the same 20 tokens."""
+    first = run_to_completion(eng, [PREFIX + [7, 8]], greedy(max_tokens))
+    wave = [PREFIX + [9 + i] * (i + 1) for i in range(4)]
+    return tokens(first + run_to_completion(eng, wave, greedy(max_tokens)))
+
+
+def assert_preempted_and_hit(stats: dict) -> None:
+    assert stats["num_preemptions"] > 0, "the workload did not preempt"
+    assert stats["prefix_cache_hit_tokens"] > 0, "the workload had no prefix hits"
+
+
+def test_remote_draft_model_is_lossless_under_preemption_and_prefix_hits(local_ray, target):
+    """The target as its own remote draft: its KV in the actor follows the target's block
+    ids through prefix hits and recomputed (preempted) requests, so every draft is
+    accepted; tokens equal no speculation."""
+    want = shared_prefix_tokens(make_engine(target))
+    eng = make_engine(
+        target, remote("draft_model", target), executor="ray", num_kv_blocks=TIGHT_POOL
+    )
+    try:
+        assert shared_prefix_tokens(eng) == want
+        stats = eng.stats()
+        assert_preempted_and_hit(stats)
+        assert stats["spec_accepted_tokens"] == stats["spec_drafted_tokens"] > 0
+        assert ray_get(eng.executor.drafter.target_parameters) == {}  # a draft model: none
+    finally:
+        eng.shutdown()
+
+
+def ray_get(method):
+    import ray
+
+    return ray.get(method.remote())
+
+
 def test_remote_draft_model_is_lossless_at_tp2_with_async_scheduling(local_ray, target, expected):
     """The target (at TP 2: rank 0 shares the drafts) as its own remote draft: every draft
     is accepted, tokens unchanged (the synchronous engine at TP 1: the kill test below)."""

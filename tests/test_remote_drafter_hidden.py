@@ -19,6 +19,7 @@ from kvloom.workers.spec_decode.dflash import write_dflash_head
 from kvloom.workers.spec_decode.eagle3 import write_eagle3_head
 from kvloom.workers.spec_decode.mtp import write_mtp_checkpoint
 from tests.engine_helpers import greedy, run_to_completion
+from tests.test_remote_drafter import TIGHT_POOL, assert_preempted_and_hit, shared_prefix_tokens
 from tests.test_spec_decode_engine import record_steps, repetitive_prompts
 
 pytestmark = pytest.mark.slow
@@ -253,13 +254,10 @@ def test_the_worker_hooks_the_target_where_the_drafter_reads(cases):
 
     from kvloom.contracts.config import EngineConfig, SpeculativeConfig
     from kvloom.workers.spec_decode.drafter_messages import DRAFTER_PROTOCOL_VERSION, DraftReady
-    from kvloom.workers.spec_decode.drafter_server import load_target
     from kvloom.workers.spec_decode.remote_drafter import RemoteDrafter
 
     target_dir, head, _ = cases["eagle3"]
-    model = load_target(
-        EngineConfig.from_kwargs(model=str(target_dir), dtype="float64"), torch.device("cpu")
-    )
+    model = full_target(EngineConfig.from_kwargs(model=str(target_dir), dtype="float64"))
     drafter = RemoteDrafter(
         SpeculativeConfig(method="eagle3", model=str(head), num_speculative_tokens=2),
         1.0,
@@ -287,3 +285,135 @@ def test_the_worker_hooks_the_target_where_the_drafter_reads(cases):
     finally:
         drafter.close()
     assert drafter.capture is None and not model.model.embed_tokens._forward_hooks
+
+
+def full_target(config):
+    """The whole target, loaded as a worker loads it (the worker side of these tests)."""
+    from pathlib import Path
+
+    from kvloom.workers.dtypes import TORCH_DTYPES
+    from kvloom.workers.models.registry import model_class
+    from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
+
+    klass = model_class(config.model.architecture)
+    model = klass(config.model.text_config, TORCH_DTYPES[config.model.torch_dtype_name])
+    checkpoint = iterate_checkpoint(Path(config.model.model), progress=False)
+    load_weights(model, checkpoint, klass.stacked_params, klass.ignored_weight_prefixes, model.tied)
+    return model.eval()
+
+
+# -- the actor holds only the parts of the target its drafter reads ---------------------
+DEEP_LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def deep(tiny_model, tmp_path_factory):
+    """A tied-embedding Qwen3 target of several layers and an EAGLE-3 head reading the
+    embedding, a middle layer and the last layer's output."""
+    target = tiny_model("qwen3", num_hidden_layers=DEEP_LAYERS)
+    head = write_eagle3_head(tmp_path_factory.mktemp("deep") / "eagle3", target, 200, [0, 2, 4])
+    return target, head
+
+
+def service_for(target, method, head, k=3):
+    import torch
+
+    from kvloom.contracts.config import EngineConfig
+    from kvloom.workers.spec_decode.drafter_server import DrafterService
+
+    config = EngineConfig.from_kwargs(
+        model=str(target), dtype="float64", speculative_config=spec_of(method, head, k=k)
+    )
+    return config, DrafterService(config, torch.device("cpu"))
+
+
+def assert_parts_only(names: dict[str, int], config: dict, tied: bool) -> None:
+    """`names`: parameter name -> element count of the actor's target."""
+    vocab, hidden = config["vocab_size"], config["hidden_size"]
+    want = {"model.embed_tokens.weight": vocab * hidden}
+    if not tied:
+        want["lm_head.weight"] = vocab * hidden
+    assert names == want
+    assert not [n for n in names if ".layers." in n or n.startswith("model.norm")]
+
+
+def test_the_drafter_service_holds_only_the_embedding_and_lm_head(deep, cases):
+    """No decoder layer (nor the final norm) of the target is loaded; a tied LM head is
+    the embedding itself; an untied one (Qwen3-Next) is the checkpoint's; both, the config
+    and MTP's layer kind are the whole target's."""
+    import torch
+
+    from kvloom.workers.models.qwen3_next import Qwen3NextDecoderLayer
+
+    target_dir, head = deep
+    config, service = service_for(target_dir, "eagle3", head)
+    parts = service.drafter.target
+    names = {n: p.numel() for n, p in parts.named_parameters()}
+    assert_parts_only(names, config.model.text_config, tied=True)
+    assert parts.lm_head.weight is parts.model.embed_tokens.weight
+    assert len(parts.model.layers) == DEEP_LAYERS and not list(parts.model.layers.parameters())
+    whole = full_target(config)
+    hidden = torch.randn(3, config.model.text_config["hidden_size"], dtype=torch.float64)
+    assert torch.equal(parts.compute_logits(hidden), whole.compute_logits(hidden))
+    ids = torch.tensor([3, 1, 4])
+    assert torch.equal(parts.model.embed_tokens(ids), whole.model.embed_tokens(ids))
+
+    mtp_dir, _, _ = cases["mtp"]
+    config, service = service_for(mtp_dir, "mtp", None, k=2)
+    parts = service.drafter.target
+    names = {n: p.numel() for n, p in parts.named_parameters()}
+    assert_parts_only(names, config.model.text_config, tied=False)
+    whole = full_target(config)
+    assert torch.equal(parts.lm_head.weight, whole.lm_head.weight)
+    assert torch.equal(parts.model.embed_tokens.weight, whole.model.embed_tokens.weight)
+    assert parts.config == whole.config
+    assert parts.decoder_layer_class is Qwen3NextDecoderLayer
+
+
+def test_a_drafter_reading_what_the_actor_lacks_fails_at_start_naming_it(deep, monkeypatch):
+    """A drafter that reads the target's final norm (not loaded in the actor) is refused
+    when the service starts (its trial step), not at the target's first step."""
+    from kvloom.workers.spec_decode.eagle3 import Eagle3Proposer
+
+    def via_final_norm(self, hidden):
+        return self.draft_targets[self.target.model.norm(hidden).argmax(dim=-1)]
+
+    monkeypatch.setattr(Eagle3Proposer, "draft_ids", via_final_norm)
+    target_dir, head = deep
+    with pytest.raises(ValueError, match=r"target\.model\.norm: .*holds only"):
+        service_for(target_dir, "eagle3", head)
+
+
+def test_remote_eagle3_under_preemption_and_prefix_hits_drafts_as_in_process(local_ray, deep):
+    """Shared prompt prefixes (hits: the head's KV in the actor is read from blocks it
+    wrote for an earlier request) in a pool that preempts: greedy tokens equal no
+    speculation and every step's drafts are the in-process head's. The actor holds the
+    target's embedding and nothing else of it."""
+    import ray
+
+    from kvloom.contracts.config import EngineConfig
+
+    target_dir, head = deep
+    want = shared_prefix_tokens(make_engine(target_dir))
+    # In process the head's KV is a second group of the target's pool: twice the pages
+    # per request, so twice the usable pool schedules as the actor's placement does.
+    local = make_engine(target_dir, spec_of("eagle3", head), num_kv_blocks=2 * TIGHT_POOL - 1)
+    local_steps = record_sync_steps(local)
+    assert shared_prefix_tokens(local) == want
+    assert_preempted_and_hit(local.stats())
+    eng = make_engine(
+        target_dir, spec_of("eagle3", head, "remote"), executor="ray", num_kv_blocks=TIGHT_POOL
+    )
+    steps = record_sync_steps(eng)
+    try:
+        assert shared_prefix_tokens(eng) == want
+        stats = eng.stats()
+        assert_preempted_and_hit(stats)
+        assert stats["spec_drafted_tokens"] > 0
+        drafts = [s.scheduled_spec_token_ids for s in steps]
+        assert drafts == [s.scheduled_spec_token_ids for s in local_steps]
+        held = ray.get(eng.executor.drafter.target_parameters.remote())
+        config = EngineConfig.from_kwargs(model=str(target_dir), dtype="float64")
+        assert_parts_only(held, config.model.text_config, tied=True)
+    finally:
+        eng.shutdown()

@@ -22,6 +22,7 @@ from kvloom.client import Client, ServerError, collect
 from kvloom.cluster.frontend import BackgroundServer, ServerOptions, engine_factory
 from kvloom.cluster.frontend.chat_request import (
     ChatInputs,
+    chat_inputs,
     constrain_to_tool_choice,
     reasoning_room,
 )
@@ -382,3 +383,58 @@ def test_http_forced_calls_for_random_seeds(server):
                 response_format={"type": "json_object"},
             )
         assert "tool_choice" in str(err.value)
+
+
+# -- parallel_tool_calls ----------------------------------------------------------------
+@pytest.mark.parametrize("parser", ["hermes", "kimi_k2", "mistral"])
+def test_parallel_tool_calls_false_makes_required_exactly_one_call(compiler, model_dir, parser):
+    """OpenAI's parallel_tool_calls: false: every sentence of the "required" grammar is
+    one call, where the same random walks through the parallel grammar reach several."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    counts = {}
+    for parallel in (True, False):
+        tag = tool_call_structural_tag(parser, TOOLS, parallel=parallel)
+        compiled = compiler.compile_structural_tag(tag)
+        counts[parallel] = []
+        for seed in range(25):
+            message = parsed(parser, random_sentence(compiled, tokenizer, seed))
+            check_calls([(c.name, c.arguments) for c in message.tool_calls])
+            counts[parallel].append(len(message.tool_calls))
+    assert set(counts[False]) == {1}
+    assert max(counts[True]) > 1  # the walks do write several calls when allowed
+
+
+def test_parallel_tool_calls_reaches_the_constraint_from_every_door():
+    """The flag travels from HTTP's field and gRPC's to the grammar, and from LLM.chat."""
+    from kvloom.cluster.frontend.http.request_models import ChatCompletionRequest
+    from kvloom.cluster.frontend.http.to_proto import chat_request as chat_request_to_proto
+
+    base = {"model": "m", "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}
+    for field, want in ((None, True), (True, True), (False, False)):
+        body = base if field is None else {**base, "parallel_tool_calls": field}
+        request, _ = chat_request_to_proto(ChatCompletionRequest(**body), "r")
+        assert chat_inputs(request).parallel_tool_calls is want
+    request, _ = chat_request_to_proto(ChatCompletionRequest(**base), "r")
+    request.parallel_tool_calls = False
+    inputs = chat_inputs(request)
+    constrained = constrain_to_tool_choice(SamplingParams(), inputs, "hermes")
+    single = tool_call_structural_tag("hermes", inputs.tools, parallel=False)
+    assert constrained.structured_outputs.structural_tag == single
+
+
+def test_llm_chat_parallel_tool_calls_false_gives_one_call(llm):
+    params = [SamplingParams(max_tokens=600, seed=s) for s in range(4)]
+    outs = llm.chat(
+        [MESSAGES] * len(params),
+        params,
+        use_tqdm=False,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
+    for out in outs:
+        message = parsed("hermes", out.outputs[0].text)
+        assert len(message.tool_calls) == 1, out.outputs[0].text
+        check_calls([(c.name, c.arguments) for c in message.tool_calls])

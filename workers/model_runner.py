@@ -24,6 +24,7 @@ from kvloom.contracts.scheduler_output import (
     GrammarBitmasks,
     SchedulerOutput,
 )
+from kvloom.kernels.dispatch import set_batch_invariant
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
 from kvloom.workers.awaiting_masks import AwaitingMasksStep
 from kvloom.workers.cache_pages import allocate_pages
@@ -315,6 +316,7 @@ class ModelRunner:
         """Captures the target's decode graphs, its (rows, k) verification graphs with
         speculation, and the drafter's proposal graphs where it has them, all in one
         memory pool. make_graph: CudaStepGraph, or EagerStepGraph in CPU tests."""
+        set_batch_invariant(self.config.model.deterministic)  # graphs capture this mode's plans
         max_len = self.config.scheduler.max_model_len
         # A replay runs no Python: states that drafters hook out of the target's forward
         # become graph outputs (EAGLE-3, DFlash: AuxHiddenCapture).
@@ -604,6 +606,9 @@ class ModelRunner:
     @torch.inference_mode()
     def submit(self, sched: SchedulerOutput) -> PendingStep:
         """Launches the step; the sampled ids stay on the device until `result()`."""
+        # The kernel plans' switch is process-wide: each engine's steps run under its own
+        # mode, also when engines with and without it share this process.
+        set_batch_invariant(self.config.model.deterministic)
         if self.awaiting_masks is not None:
             raise RuntimeError(
                 f"step {sched.step_id} arrived while step {self.awaiting_masks.step_id} "

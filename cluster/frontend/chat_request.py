@@ -43,6 +43,8 @@ class ChatInputs:
     # tool_choice "required" or a named tool (then `tools` is that one): calls are forced.
     calls_forced: bool = False
     named_tool: str | None = None
+    # OpenAI's parallel_tool_calls: False forces exactly one call under "required".
+    parallel_tool_calls: bool = True
 
 
 def reasoning_room(
@@ -76,7 +78,11 @@ def constrain_to_tool_choice(
         raise InvalidArgument("tool_choice", "this server has no tool-call parser to force")
     try:
         constraint = tool_choice_constraint(
-            tool_call_parser, inputs.tools or [], inputs.named_tool, reasoning
+            tool_call_parser,
+            inputs.tools or [],
+            inputs.named_tool,
+            reasoning,
+            inputs.parallel_tool_calls,
         )
     except ToolChoiceError as err:
         raise InvalidArgument(err.field, err.reason) from None
@@ -251,4 +257,7 @@ def chat_inputs(request: pb.ChatRequest, limits: FrontendLimits = DEFAULT_LIMITS
         continue_final_message=request.continue_final_message,
         calls_forced=named or mode == pb.ToolChoice.TOOL_CHOICE_REQUIRED,
         named_tool=request.tool_choice.function_name if named else None,
+        parallel_tool_calls=(
+            request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
+        ),
     )

@@ -240,10 +240,12 @@ def tool_call_structural_tag(
     tools: Sequence[dict[str, Any] | str],
     named: str | None = None,
     reasoning: ReasoningRoom | None = None,
+    parallel: bool = True,
 ) -> str:
     """The structural tag (JSON text) whose sentences are calls in `parser`'s format: one
-    call to the tool `named`, or, without a name, one or more calls to any of `tools`;
-    after a reasoning block where `reasoning` allows one."""
+    call to the tool `named`, or, without a name, one or more calls to any of `tools`
+    (exactly one where `parallel` is False: OpenAI's `parallel_tool_calls: false`); after
+    a reasoning block where `reasoning` allows one."""
     # A variant's own format first (deepseek_v31), else its parser's.
     key = parser if parser in CALL_FORMATS else TOOL_CALL_PARSER_ALIASES.get(parser, parser)
     call_format = CALL_FORMATS.get(key)
@@ -263,7 +265,7 @@ def tool_call_structural_tag(
     one = _one_of(
         [call_format.call(f["name"], f.get("parameters") or _NO_PARAMETERS) for f in functions]
     )
-    if named is not None:
+    if named is not None or not parallel:
         calls = one
     elif call_format.separator:
         calls = _sequence(
@@ -285,8 +287,9 @@ def tool_choice_constraint(
     tools: Sequence[dict[str, Any] | str],
     named: str | None = None,
     reasoning: ReasoningRoom | None = None,
+    parallel: bool = True,
 ) -> StructuredOutputsParams:
-    tag = tool_call_structural_tag(parser, tools, named, reasoning)
+    tag = tool_call_structural_tag(parser, tools, named, reasoning, parallel)
     return StructuredOutputsParams(structural_tag=tag)
 
 

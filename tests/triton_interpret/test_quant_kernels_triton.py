@@ -57,7 +57,7 @@ from kvloom.kernels.fp8_gemm_triton import (  # noqa: E402 (after the interprete
     fp8_linear_triton,
     per_token_group_quant_fp8_triton,
 )
-from kvloom.kernels.fp8_moe_triton import fp8_fused_moe_triton  # noqa: E402
+from kvloom.kernels.fp8_moe_triton import choose_fp8_block_m, fp8_fused_moe_triton  # noqa: E402
 from kvloom.kernels.quant_gemv_triton import (  # noqa: E402
     choose_quant_gemv_plan,
     fp8_gemv_triton,
@@ -288,6 +288,13 @@ def test_route_block_plan_by_token_count_at_the_qwen3_next_shape():
     assert {choose_route_block(t, 10, 512) for t in (1, 8, 64, 256, 409)} == {16}
     assert choose_route_block(1024, 10, 512) == 32
     assert choose_route_block(1536, 10, 512) == 64
+
+
+def test_fp8_route_block_follows_its_own_measured_table():
+    """FP8's table (docs/benchmarks/quantization.md): 16-row blocks up to 2 routes per
+    expert, 32 above; 64 never won at any size on the H200."""
+    assert {choose_fp8_block_m(t, 10, 512) for t in (1, 16, 64, 102)} == {16}
+    assert {choose_fp8_block_m(t, 10, 512) for t in (103, 128, 512, 1536, 8192)} == {32}
 
 
 # ---------------------------------------------------------------- GPU shapes

@@ -372,7 +372,7 @@ class DFlashProposer:
     def __init__(self, spec, target, dtype, tp, device, progress: bool = False):
         head_dir = spec.model
         where = f"{FIELD} {head_dir}"
-        if target is None:  # the drafter actor loads the target for this (drafter_server.py)
+        if target is None:  # the drafter actor passes its parts (target_parts.py)
             raise ValueError(
                 "speculative_config.method 'dflash' needs the target model: its config, "
                 "embedding and LM head"

@@ -12,8 +12,10 @@ Hidden-state drafters read what the target computed this step: `DraftReady` tell
 worker what to send (final hidden states for EAGLE and MTP, auxiliary states at the capture
 points for EAGLE-3 and DFlash), and each request carries them as RawTensors, for kept
 tokens only where the drafter reads no others. Heads that share the target's embedding and
-LM head (and MTP, whose layer is the target checkpoint's own `mtp.*` tensors) load the
-target here too.
+LM head (and MTP, whose layer is the target checkpoint's own `mtp.*` tensors) get those
+parts of the target only, never its decoder layers (target_parts.py). At start the service
+drafts one made-up request on scratch pages, so a drafter that reads a part of the target
+this actor lacks fails then, naming it, not at the target's first step.
 
 `DrafterActor` is the Ray actor around it (started by cluster/spec_decode/drafter_actor.py):
 it loads the drafter in its constructor, so a restart by Ray loads it again, and serves a
@@ -54,37 +56,17 @@ from kvloom.workers.spec_decode.drafter_messages import (
     to_drafter,
 )
 from kvloom.workers.spec_decode.factory import build_drafter
-from kvloom.workers.spec_decode.remote_drafter import kept_token_index
+from kvloom.workers.spec_decode.remote_drafter import kept_token_index, raw_tensor
+from kvloom.workers.spec_decode.target_parts import MissingTargetPart, load_target_parts
 
 logger = logging.getLogger(__name__)
 
-# Methods whose drafter reads the target's own weights (embedding, LM head; MTP's layer
-# type and config).
+# Methods whose drafter reads parts of the target (embedding, LM head, config; MTP's layer
+# kind): the actor loads those parts only (target_parts.py).
 TARGET_WEIGHT_METHODS = ("eagle", "eagle3", "mtp", "dflash")
 # Methods whose drafter reads the target's states at every token of the step, rejected
 # drafts included (EAGLE's catch-up runs over all of them); the others read kept tokens.
 ALL_ROWS_METHODS = ("eagle",)
-
-
-def load_target(config: EngineConfig, device: torch.device):
-    """The target model, for a drafter that shares its embedding and LM head."""
-    from pathlib import Path
-
-    from kvloom.workers.models.registry import model_class
-    from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
-
-    klass = model_class(config.model.architecture)
-    dtype = TORCH_DTYPES[config.model.torch_dtype_name]
-    with torch.device(device):
-        model = klass(config.model.text_config, dtype, LocalGroup())
-    load_weights(
-        model,
-        iterate_checkpoint(Path(config.model.model), progress=False),
-        klass.stacked_params,
-        klass.ignored_weight_prefixes,
-        model.tied,
-    )
-    return model.eval()
 
 
 def tensor_from_raw(raw, device) -> torch.Tensor:
@@ -97,13 +79,18 @@ class DrafterService:
         spec = config.speculative
         self.device = device
         self.dtype_name = config.model.torch_dtype_name
-        target = load_target(config, device) if spec.method in TARGET_WEIGHT_METHODS else None
+        target = None
+        if spec.method in TARGET_WEIGHT_METHODS:
+            target = load_target_parts(config.model, device)
         local = dataclasses.replace(spec, placement="local")
         vocab = int(config.model.text_config["vocab_size"])
         dtype = TORCH_DTYPES[self.dtype_name]
-        self.drafter = build_drafter(
-            local, target, dtype, LocalGroup(), device, vocab, False, target_config=config.model
-        )
+        try:
+            self.drafter = build_drafter(
+                local, target, dtype, LocalGroup(), device, vocab, False, target_config=config.model
+            )
+        except MissingTargetPart as exc:
+            raise ValueError(f"speculative_config.placement 'remote': {exc}") from None
         if self.drafter is None:
             raise ValueError(
                 f"speculative_config.placement 'remote': method {spec.method!r} has no "
@@ -126,8 +113,13 @@ class DrafterService:
             self.aux = ReceivedAuxHidden(capture.points)
             self.drafter.capture = self.aux
         self.reads_hidden = _reads_final_hidden(self.drafter, spec.method, target)
+        self.hidden_size = int(config.model.text_config["hidden_size"])
         self.block_size: int | None = None
         self.groups: list[KVCacheGroup] = []
+        try:
+            self.trial_step()
+        except MissingTargetPart as exc:
+            raise ValueError(f"speculative_config.placement 'remote': {exc}") from None
 
     def ready_message(self, setup_id: int) -> DraftReady:
         reads_states = self.reads_hidden or self.aux is not None
@@ -157,6 +149,44 @@ class DrafterService:
         if hasattr(self.drafter, "history"):
             self.drafter.history.clear()  # positions from before a reconnect mean nothing
         return self.ready_message(msg.setup_id)
+
+    def trial_step(self) -> None:
+        """Drafts one made-up request (a 2-token prompt that just sampled) on scratch
+        pages, as a step of the target would, then forgets it: the next DraftSetup
+        allocates fresh pages and clears what the drafter kept."""
+        n, block_size = 2, 16
+        blocks = list(range(1, 2 + (n + self.k) // block_size))  # block 0 is the null block
+        ready = self.setup(
+            DraftSetup(DRAFTER_PROTOCOL_VERSION, 0, len(blocks) + 1, block_size, self.k)
+        )
+        dtype = TORCH_DTYPES[self.dtype_name]
+
+        def zeros(width: int):
+            return raw_tensor(torch.zeros(n, width, dtype=dtype))
+
+        msg = DraftRequest(
+            version=DRAFTER_PROTOCOL_VERSION,
+            step_id=0,
+            request_ids=["trial"],
+            input_ids=list(range(n)),
+            positions=list(range(n)),
+            query_start_loc=[0, n],
+            num_computed_tokens=[0],
+            decode_only=False,
+            block_ids={"trial": blocks},
+            drafts={},
+            sampled={"trial": [n]},
+            finished=[],
+            num_tokens={"trial": n},
+            hidden=zeros(self.hidden_size) if ready.reads_hidden else None,
+            aux_hidden=zeros(len(ready.aux_points) * self.hidden_size)
+            if ready.aux_points
+            else None,
+            kept_rows_only=ready.kept_rows_only,
+        )
+        self.draft(msg)
+        self.block_size = None
+        self.groups = []
 
     def _slots(self, block_ids: list[int], block_size: int, start: int, end: int) -> list[int]:
         return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
@@ -314,6 +344,7 @@ class DrafterActor:
         except Exception as exc:
             self.error = exc
             return
+        self.service = service
         import ray
 
         host = ray.util.get_node_ip_address()
@@ -337,3 +368,12 @@ class DrafterActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def target_parameters(self) -> dict[str, int]:
+        """Name -> element count of every tensor of the target this actor holds (none
+        for a draft model): what the placement costs beside the drafter's own weights."""
+        self.ready()
+        target = getattr(self.service.drafter, "target", None)
+        if target is None:
+            return {}
+        return {name: p.numel() for name, p in target.named_parameters()}

@@ -211,7 +211,7 @@ class Eagle3Proposer(EagleProposer):
 
     def __init__(self, head_dir: str, target, dtype, tp, device, progress: bool = False):
         where = f"{FIELD} {head_dir}"
-        if target is None:  # the drafter actor loads the target for this (drafter_server.py)
+        if target is None:  # the drafter actor passes its parts (target_parts.py)
             raise ValueError(
                 "speculative_config.method 'eagle3' needs the target model: its config, "
                 "embedding and LM head"

@@ -48,6 +48,7 @@ from kvloom.workers.models.qwen3_next import (
 from kvloom.workers.spec_decode.draft_model import keep_prefix
 from kvloom.workers.spec_decode.drafter import DraftStep
 from kvloom.workers.spec_decode.eagle import EagleProposer
+from kvloom.workers.spec_decode.target_parts import TargetParts
 from kvloom.workers.weight_loader import checkpoint_files, load_weights
 
 PREFIX = "mtp."
@@ -275,11 +276,14 @@ class MtpProposer(EagleProposer):
     KV booking and group binding); entries as vLLM books them (see `run`)."""
 
     def __init__(self, model_config, target, dtype, tp, device, progress: bool = False):
-        if not isinstance(target, Qwen3NextForCausalLM):  # Qwen3.5 subclasses it
-            raise ValueError(_field(f"the target {type(target).__name__} has no MTP layers"))
+        # The drafter actor's TargetParts names the classes of the target it stands for.
+        parts = isinstance(target, TargetParts)
+        klass = target.model_class if parts else type(target)
+        if not issubclass(klass, Qwen3NextForCausalLM):  # Qwen3.5 subclasses it
+            raise ValueError(_field(f"the target {klass.__name__} has no MTP layers"))
         layout = check_mtp_checkpoint(model_config)
         config = target.config
-        layer_cls = type(target.model.layers[0])
+        layer_cls = target.decoder_layer_class if parts else type(target.model.layers[0])
         with torch.device(device):
             head = MtpHead(config, layer_cls, layout.num_layers, tp, dtype)
         weights = MtpWeights(head)

@@ -88,6 +88,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(SamplingFields):

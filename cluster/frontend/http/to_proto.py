@@ -231,6 +231,8 @@ def chat_request(req: ChatCompletionRequest, request_id: str) -> tuple[pb.ChatRe
         continue_final_message=req.continue_final_message,
         cache_salt=req.cache_salt or "",
     )
+    if req.parallel_tool_calls is not None:
+        out.parallel_tool_calls = req.parallel_tool_calls
     for tool in req.tools or []:
         function = tool.function
         out.tools.append(
