@@ -19,11 +19,10 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from kvloom import Engine
-from kvloom.cluster.bench import offline_workload, shape_dir, workload_params
+from kvloom.cluster.bench import offline_workload, run_offline, shape_dir
 from kvloom.kernels.dispatch import set_batch_invariant
 
 
@@ -39,16 +38,7 @@ def run_once(model: str, args, deterministic: bool) -> dict:
         enable_prefix_caching=False,
         deterministic=deterministic,
     )
-    requests = offline_workload(args, engine.vocab_size)
-    for i, (prompt, out_len) in enumerate(requests):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, workload_params(out_len))
-    start = time.perf_counter()
-    out_tokens = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                out_tokens += len(out.outputs[0].token_ids)
-    elapsed = time.perf_counter() - start
+    elapsed, out_tokens = run_offline(engine, offline_workload(args, engine.vocab_size))
     engine.shutdown()
     set_batch_invariant(False)
     return {"seconds": round(elapsed, 2), "tok_s": round(out_tokens / elapsed, 1)}

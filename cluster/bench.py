@@ -267,9 +267,9 @@ def workload_params(max_tokens: int) -> SamplingParams:
     )
 
 
-def throughput(model: str, args) -> dict:
-    engine = make_engine(model, args)
-    requests = offline_workload(args, engine.vocab_size)
+def run_offline(engine: Engine, requests: list[tuple[list[int], int]]) -> tuple[float, int]:
+    """Adds every (prompt ids, output length) request at once and steps until all finish:
+    (seconds, output tokens)."""
     for i, (prompt, out_len) in enumerate(requests):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, workload_params(out_len))
     start = time.perf_counter()
@@ -278,7 +278,13 @@ def throughput(model: str, args) -> dict:
         for out in engine.step():
             if out.finished:
                 out_tokens += len(out.outputs[0].token_ids)
-    elapsed = time.perf_counter() - start
+    return time.perf_counter() - start, out_tokens
+
+
+def throughput(model: str, args) -> dict:
+    engine = make_engine(model, args)
+    requests = offline_workload(args, engine.vocab_size)
+    elapsed, out_tokens = run_offline(engine, requests)
     engine.shutdown()  # a Ray executor's actors and placement group
     prompt_tokens = sum(len(p) for p, _ in requests)
     return {
