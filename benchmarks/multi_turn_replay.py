@@ -8,6 +8,9 @@ markdown table.
     python benchmarks/multi_turn_replay.py --arch llama --size small --out results.json
     python benchmarks/multi_turn_replay.py --model QWEN3_NEXT_DIR --system-tokens 200 \
         --user-tokens 400 --turns 9 --conversations 2    # hybrid prompts of 200-4000 tokens
+
+On a GPU, `--model` may be a config-only directory with `--load-format dummy --dtype
+bfloat16`; benchmarks/peer_vllm_multi_turn.py replays the same workload through vLLM.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def run(engine: Engine, args) -> list[dict]:
         ordered = [outputs[f"t{turn}-c{i}"] for i in range(len(prompts))]
         prompt_tokens = sum(len(p) for p in prompts)
         hit = engine.stats()["prefix_cache_hit_tokens"] - hits_before
+        wall = time.perf_counter() - min(start.values())
         ttfts = sorted(first_token.values())
         turns.append(
             {
@@ -63,6 +67,7 @@ def run(engine: Engine, args) -> list[dict]:
                 "hit_rate": hit / prompt_tokens,
                 "ttft_mean_s": sum(ttfts) / len(ttfts),
                 "ttft_max_s": ttfts[-1],
+                "turn_wall_s": wall,
                 "outputs": [o.outputs[0].token_ids for o in ordered],
             }
         )
@@ -93,6 +98,11 @@ def main() -> None:
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="default: the model's own positions"
     )
+    parser.add_argument(
+        "--load-format",
+        default="safetensors",
+        help="dummy: random weights for a config-only --model",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -107,6 +117,7 @@ def main() -> None:
                 block_size=args.block_size,
                 enable_prefix_caching=caching,
                 max_model_len=args.max_model_len,
+                load_format=args.load_format,
             )
             # Warm-up (first-call costs) outside the timed turns.
             engine.add_request(

@@ -97,6 +97,7 @@ def main() -> None:
     add_workload_args(parser)
     parser.add_argument("--profile-at", type=int, nargs="*", default=[40, 400])
     parser.add_argument("--profile-steps", type=int, default=8)
+    parser.add_argument("--deterministic", action="store_true", help="batch-invariant kernels")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cfg = SimpleNamespace(**vars(args), load_format="dummy")

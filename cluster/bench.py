@@ -198,6 +198,7 @@ def make_engine(model: str, args) -> Engine:
         async_scheduling=False if getattr(args, "no_async_scheduling", False) else None,
         linear_state_dtype=getattr(args, "linear_state_dtype", "float32"),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        deterministic=getattr(args, "deterministic", False),
     )
     freeze_startup_objects()  # as `kvloom serve` does: the run is this engine's
     return engine

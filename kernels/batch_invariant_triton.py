@@ -3,13 +3,12 @@
 Same semantics as the references in `batch_invariant.py`. Each output element gets one
 summation order whatever else is in the launch:
 
-* `matmul_triton`: y = x W^T (+ bias) with ONE tile shape (BLOCK_M x BLOCK_N x BLOCK_K,
-  warps and stages fixed) for every M, no split-K: a program owns an output tile and walks
-  K from 0 upwards in BLOCK_K steps into a float32 accumulator. M only changes how many
-  programs there are, never what one computes, and since BLOCK_M is fixed the dot is one
-  kind of instruction (on Hopper wgmma vs mma.sync follows BLOCK_M), so a row's bits do not
-  depend on its neighbours. (cuBLAS picks tiles and split-K by M; the GEMV fast path sums
-  in another order again.)
+* `matmul_triton`: y = x W^T (+ bias), no split-K: a program owns an output tile and walks
+  K from 0 upwards in BLOCK_K steps into a float32 accumulator, so a row's bits do not
+  depend on its neighbours. One tile shape (`MATMUL_PLAN`) for every M, except on Hopper,
+  where the tile is picked by M from `SM90_MATMUL_PLANS`: every wgmma tile measured there
+  gives the same bits (invariant 7), and the larger ones are faster. (cuBLAS picks split-K
+  by M, which changes the order; the GEMV fast path sums in another order again.)
 * `serial_causal_conv1d_triton` / `serial_gated_delta_rule_triton`: the linear-attention
   conv and recurrence token by token, one program per (sequence, channel or state-column
   block) looping over that sequence's tokens with the same per-token arithmetic. Prefill
@@ -22,6 +21,8 @@ No host synchronisation and grids from shapes only: CUDA graphs capture them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -31,6 +32,41 @@ from kvloom.kernels.l2norm import L2NORM_EPS
 
 # The one matmul tile (half precision; float32 takes the "ieee" dot with the same tile).
 MATMUL_PLAN = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+
+
+def _plan(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+
+
+# Hopper (sm_90) tiles by row count: (largest M, plan). On an H200 every one of 40 tiles
+# (BLOCK_M 64/128 x BLOCK_N 64/128/256 x BLOCK_K 64/128 x 4/8 warps x 3/4 stages) gave
+# the one plan's bits at M = 1, 64, 256 and 4096 in bfloat16 on Qwen3-8B's linears: a wgmma tile feeds
+# K to the float32 accumulator in the same 16-wide steps whatever its M, N or BLOCK_K
+# (benchmarks/batch_invariant_plans.py, docs/benchmarks/deterministic.md). These are the
+# fastest there: 26% less time than the one plan at M <= 256, 42% less at 4096. Other
+# GPUs keep the one plan (not measured: mma.sync tiles may sum differently).
+SM90_MATMUL_PLANS = (
+    (128, _plan(64, 64, 128, 8, 4)),
+    (512, _plan(64, 128, 64, 4, 4)),
+    (None, _plan(128, 128, 64, 8, 3)),
+)
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def matmul_plan(m: int, capability: tuple[int, int] | None, dtype: torch.dtype) -> dict:
+    """The tile for an M-row launch of `dtype` on a device of this compute capability
+    (None: not a CUDA device, e.g. the interpreter). Float32 keeps the one plan: only
+    half-precision tiles were measured."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    if capability is None or capability[0] != 9 or not half:
+        return MATMUL_PLAN
+    return next(plan for most, plan in SM90_MATMUL_PLANS if most is None or m <= most)
+
+
 _STATE_TILE_ELEMENTS = 4096  # the delta-rule program's [Dk, BV] float32 state tile
 _CONV_BLOCK_C = 64
 
@@ -89,8 +125,14 @@ def _matmul_kernel(
     )
 
 
-def matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """x [M, K] (last dim contiguous) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
+def matmul_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    plan: dict | None = None,
+):
+    """x [M, K] (last dim contiguous) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype.
+    plan: a tile other than MATMUL_PLAN (benchmarks/batch_invariant_plans.py compares them)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"x, weight: expected [M, K] and [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
@@ -103,7 +145,9 @@ def matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    plan = MATMUL_PLAN
+    if plan is None:
+        cuda = x.is_cuda and not _interpreted(_matmul_kernel)
+        plan = matmul_plan(m, _capability(x.device.index) if cuda else None, x.dtype)
     grid = (triton.cdiv(m, plan["BLOCK_M"]), triton.cdiv(n, plan["BLOCK_N"]))
     upcast = _interpreted(_matmul_kernel) and x.dtype != torch.float32
     _matmul_kernel[grid](

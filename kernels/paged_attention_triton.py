@@ -101,15 +101,6 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _widen(x, dtype: tl.constexpr, WIDEN: tl.constexpr):
-    """A cache tile of a narrower dtype (FP8, or half under a float32 q) in the query's
-    dtype (exact: through float32)."""
-    if WIDEN:
-        return x.to(tl.float32).to(dtype)
-    return x
-
-
-@triton.jit
 def _local_index(pos, kv_stride, kv_offset):
     """The first local index of a DCP shard whose global position is >= pos."""
     return (tl.maximum(pos - kv_offset, 0) + kv_stride - 1) // kv_stride
@@ -230,7 +221,12 @@ def _paged_attention_kernel(
                 mask=k_ok[None, :] & dim_ok[:, None],
                 other=0.0,
             )
-            k = _widen(k, q.dtype, KV_WIDEN)
+            # A cache tile of a narrower dtype (FP8, or half under a float32 q) in the
+            # query's dtype, exactly (through float32). Inline under the kernel's own
+            # constexpr: Triton 3.6 compiles both returns of a helper's constexpr branch
+            # and refuses their different types.
+            if KV_WIDEN:
+                k = k.to(tl.float32).to(q.dtype)
             if STRIDED:
                 k_pos = kv_offset + k_idx * kv_stride
             else:
@@ -251,7 +247,8 @@ def _paged_attention_kernel(
                 mask=k_ok[:, None] & dim_ok[None, :],
                 other=0.0,
             )
-            v = _widen(v, q.dtype, KV_WIDEN)
+            if KV_WIDEN:
+                v = v.to(tl.float32).to(q.dtype)
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
             m_i = m_new
 

@@ -801,7 +801,8 @@ class ModelRunner:
         drafted = [(rid, i, spec) for rid, i, spec in sample_rows if spec]
         out = ModelRunnerOutput({})
         if plain:
-            logits = self.model.compute_logits(hidden[torch.tensor([i for _, i in plain])])
+            index = to_device([i for _, i in plain], torch.long, hidden.device)
+            logits = self.model.compute_logits(hidden[index])
             rows = [self._history_state(rid) for rid, _ in plain]
             max_logprobs = max(
                 [r.params.logprobs for r in rows if r.params.logprobs is not None], default=-1
@@ -817,15 +818,13 @@ class ModelRunner:
 
     def _verify_drafts(self, hidden, drafted, out: ModelRunnerOutput) -> None:
         k = max(len(spec) for _, _, spec in drafted)
-        lanes = torch.arange(k + 1, device=hidden.device)
         # Row r's lanes are the logits at its last real token and at each draft; lanes past
         # its own draft count repeat its last index (padding the sampler never reads).
-        index = torch.stack([i + torch.clamp(lanes, max=len(spec)) for _, i, spec in drafted]).to(
-            hidden.device
-        )
-        logits = self.model.compute_logits(hidden[index.flatten()]).view(len(drafted), k + 1, -1)
-        draft_ids = torch.tensor(
-            [spec + [0] * (k - len(spec)) for _, _, spec in drafted], device=hidden.device
+        index = [i + min(lane, len(spec)) for _, i, spec in drafted for lane in range(k + 1)]
+        index = to_device(index, torch.long, hidden.device)
+        logits = self.model.compute_logits(hidden[index]).view(len(drafted), k + 1, -1)
+        draft_ids = to_device(
+            [spec + [0] * (k - len(spec)) for _, _, spec in drafted], torch.long, hidden.device
         )
         rows = [self._history_state(rid) for rid, _, _ in drafted]
         target = logits

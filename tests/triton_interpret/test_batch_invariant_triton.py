@@ -21,6 +21,9 @@ from kvloom.kernels.batch_invariant import (
     serial_gated_delta_rule_ref,
 )
 from kvloom.kernels.batch_invariant_triton import (
+    MATMUL_PLAN,
+    SM90_MATMUL_PLANS,
+    matmul_plan,
     matmul_triton,
     serial_causal_conv1d_triton,
     serial_gated_delta_rule_triton,
@@ -64,6 +67,31 @@ def test_matmul_rows_do_not_depend_on_the_batch(dtype, bias):
     ref = linear_ref(x, w, b)
     tol = 2e-2 if dtype in HALF else 1e-5
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_matmul_plan_by_rows_only_on_hopper_in_half_precision():
+    """Hopper picks a tile by M (same bits, measured); everything else keeps the one plan."""
+    bf16 = torch.bfloat16
+    picked = [matmul_plan(m, (9, 0), bf16) for m in (1, 128, 129, 512, 513, 8192)]
+    assert picked[0] == picked[1] and picked[2] == picked[3] and picked[4] == picked[5]
+    assert picked[0] != picked[2] != picked[4]
+    assert {p["BLOCK_M"] for p in picked} == {64, 128}
+    for capability, dtype in (
+        ((8, 0), bf16),
+        ((10, 0), bf16),
+        (None, bf16),
+        ((9, 0), torch.float32),
+    ):
+        assert all(matmul_plan(m, capability, dtype) == MATMUL_PLAN for m in (1, 300, 8192))
+
+
+def test_every_plan_gives_the_one_plans_bits():
+    """The tiles SM90 may pick are bitwise the one plan on the same inputs (interpreted)."""
+    x = rand(70, 96, seed=7, dtype=torch.bfloat16)
+    w = rand(80, 96, seed=8, dtype=torch.bfloat16)
+    base = matmul_triton(x, w, plan=MATMUL_PLAN)
+    for _, plan in SM90_MATMUL_PLANS:
+        assert torch.equal(matmul_triton(x, w, plan=plan), base), plan
 
 
 def test_matmul_reads_a_strided_input():
@@ -229,7 +257,10 @@ def test_gpu_matmul_rows_invariant_at_model_widths(n, k):
     x = rand(600, k, seed=80, dtype=torch.bfloat16)
     w = rand(n, k, seed=81, dtype=torch.bfloat16, scale=0.02)
     full = matmul_triton(x, w)
-    for m in (1, 2, 3, 17, 64, 65, 256, 599):
+    # Row counts on both sides of each SM90 tile boundary (128, 512): plans change there.
+    for m in (1, 2, 3, 17, 64, 65, 128, 129, 256, 512, 513, 599):
         assert torch.equal(matmul_triton(x[:m], w), full[:m]), f"batch of {m}"
+    for _, plan in SM90_MATMUL_PLANS + ((None, MATMUL_PLAN),):
+        assert torch.equal(matmul_triton(x, w, plan=plan), full), f"plan {plan}"
     ref = torch.nn.functional.linear(x.float(), w.float())
     torch.testing.assert_close(full.float(), ref, atol=3e-2, rtol=2e-2)

@@ -30,6 +30,7 @@ import torch
 
 from kvloom.contracts.kv_cache_spec import LinearStateSpec
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
+from kvloom.workers.device_copy import to_device
 from kvloom.workers.models.registry import model_class
 from kvloom.workers.row_kinds import RowClasses, classify_rows
 from kvloom.workers.spec_decode.drafter import DraftStep
@@ -146,8 +147,10 @@ class DraftModel:
         emitted, that token). Returns k greedy draft tokens per row."""
         if not starts:
             return []
-        tokens = [token for _, _, _, token in starts]
-        proposals: list[list[int]] = [[] for _ in starts]
+        # Each position's drafts feed the next on the device: the host builds position
+        # s + 1's batch while position s runs, and reads all k drafts back once.
+        tokens = to_device([token for _, _, _, token in starts], torch.long, self.device)
+        drafts = []
         # Proposal steps advance the draft's linear state over drafts: save it, restore after.
         pages = self._live_pages([b for _, b, _, _ in starts], groups)
         saved = [(t, t[pages].clone()) for t in self._state_tensors()] if pages is not None else []
@@ -161,19 +164,17 @@ class DraftModel:
                 self.layer_to_group,
                 self.device,
             )
-            input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
             drafted = None
             if self.graphs is not None:
-                drafted = self.graphs.run(batch, input_ids=input_ids)
+                drafted = self.graphs.run(batch, input_ids=tokens)
             if drafted is None:
-                hidden = self.model(input_ids, batch.positions, batch)
+                hidden = self.model(tokens, batch.positions, batch)
                 drafted = self.model.compute_logits(hidden).argmax(dim=-1)
-            tokens = drafted.tolist()
-            for row, token in enumerate(tokens):
-                proposals[row].append(int(token))
+            tokens = drafted.clone()  # a graph's output buffer is rewritten by its next replay
+            drafts.append(tokens)
         for tensor, values in saved:
             tensor[pages] = values
-        return proposals
+        return torch.stack(drafts, dim=1).tolist()
 
     def _live_pages(self, block_ids, groups) -> torch.Tensor | None:
         linear = [
@@ -184,7 +185,7 @@ class DraftModel:
         ]
         if not linear:
             return None
-        return torch.tensor([ids[g][0] for ids in block_ids for g in linear], device=self.device)
+        return to_device([ids[g][0] for ids in block_ids for g in linear], torch.long, self.device)
 
 
 def single_token_batch(
@@ -197,27 +198,23 @@ def single_token_batch(
     for g, group in enumerate(groups):
         rows = [ids[g] for ids in block_ids]
         width = max(len(r) for r in rows)
-        table = torch.tensor(
-            [r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=dev
-        )
+        table = to_device([r + [0] * (width - len(r)) for r in rows], torch.int32, dev)
         state_indices = None
         if isinstance(group.spec, LinearStateSpec):
             slots = []  # state lives in one page per request
-            state_indices = torch.tensor([r[0] for r in rows], dtype=torch.long, device=dev)
+            state_indices = to_device([r[0] for r in rows], torch.long, dev)
         else:
             slots = [
                 s
                 for r, p in zip(rows, positions)
                 for s in slots_fn(r, group.spec.block_size, p, p + 1)
             ]
-        metas.append(
-            GroupMetadata(table, torch.tensor(slots, dtype=torch.long, device=dev), state_indices)
-        )
+        metas.append(GroupMetadata(table, to_device(slots, torch.long, dev), state_indices))
     return ForwardBatch(
-        positions=torch.tensor(positions, dtype=torch.long, device=dev),
+        positions=to_device(positions, torch.long, dev),
         query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=dev),
-        num_computed_tokens=torch.tensor(positions, dtype=torch.int32, device=dev),
+        seq_lens=to_device([p + 1 for p in positions], torch.int32, dev),
+        num_computed_tokens=to_device(positions, torch.int32, dev),
         query_start_loc_list=list(range(n + 1)),
         seq_lens_list=[p + 1 for p in positions],
         rows=RowClasses(classify_rows(positions, [1] * n), [1] * n),
@@ -226,20 +223,26 @@ def single_token_batch(
     )
 
 
+def computed_tokens(batch: ForwardBatch) -> list[int]:
+    """Each row's tokens computed before this step, from the host's lists (no readback)."""
+    qsl = batch.query_start_loc_list
+    return [seq - (qsl[i + 1] - qsl[i]) for i, seq in enumerate(batch.seq_lens_list)]
+
+
 def keep_prefix(input_ids: torch.Tensor, batch: ForwardBatch, keep: list[int]):
     """The batch restricted to the first keep[i] tokens of each row."""
     qsl = batch.query_start_loc_list
     if all(k == qsl[i + 1] - qsl[i] for i, k in enumerate(keep)):
         return input_ids, batch
-    index = torch.tensor(
+    index = to_device(
         [t for i, k in enumerate(keep) for t in range(qsl[i], qsl[i] + k)],
-        dtype=torch.long,
-        device=input_ids.device,
+        torch.long,
+        input_ids.device,
     )
     starts = [0]
     for k in keep:
         starts.append(starts[-1] + k)
-    computed = batch.num_computed_tokens.tolist()
+    computed = computed_tokens(batch)
     groups = [
         GroupMetadata(
             g.block_tables,
@@ -253,8 +256,8 @@ def keep_prefix(input_ids: torch.Tensor, batch: ForwardBatch, keep: list[int]):
     return input_ids[index], dataclasses.replace(
         batch,
         positions=batch.positions[index],
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        query_start_loc=to_device(starts, torch.int32, dev),
+        seq_lens=to_device(seq_lens, torch.int32, dev),
         query_start_loc_list=starts,
         seq_lens_list=seq_lens,
         rows=RowClasses(classify_rows(computed, keep), keep),

@@ -34,10 +34,15 @@ from torch import nn
 
 from kvloom.contracts.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
 from kvloom.workers.attention_metadata import ForwardBatch
+from kvloom.workers.device_copy import to_device
 from kvloom.workers.layers.linear import ReplicatedLinear
 from kvloom.workers.layers.norm import RMSNorm
 from kvloom.workers.models.llama import LlamaDecoderLayer
-from kvloom.workers.spec_decode.draft_model import DRAFT_LAYER_OFFSET, single_token_batch
+from kvloom.workers.spec_decode.draft_model import (
+    DRAFT_LAYER_OFFSET,
+    computed_tokens,
+    single_token_batch,
+)
 from kvloom.workers.spec_decode.drafter import DraftStep
 from kvloom.workers.spec_decode.proposal_graphs import ProposalGraphs
 from kvloom.workers.weight_loader import iterate_checkpoint, load_weights
@@ -127,7 +132,7 @@ class EagleProposer:
     def run(self, step: DraftStep) -> dict[str, list[int]]:
         self.forget(step.finished)
         qsl = step.batch.query_start_loc_list
-        computed = step.batch.num_computed_tokens.tolist()
+        computed = computed_tokens(step.batch)
         spans = [(rid, computed[i], qsl[i], qsl[i + 1]) for i, rid in enumerate(step.request_ids)]
         self.catch_up(step.input_ids, step.batch, step.hidden, spans)
         kept = step.kept_tokens()
@@ -188,11 +193,18 @@ class EagleProposer:
         prev = torch.stack([self._prev_hidden(rid, pos) for rid, _, pos, _ in starts])
         return self.greedy_steps(starts, [t for _, _, _, t in starts], prev, k, slots_fn, groups)
 
-    def greedy_steps(self, starts, tokens, prev, steps: int, slots_fn, groups) -> list[list[int]]:
+    def greedy_steps(
+        self, starts, tokens, prev, steps: int, slots_fn, groups, include_first: bool = False
+    ) -> list[list[int]]:
         """`steps` greedy proposals per row of `starts`: step s feeds the row's token (the
         given one, then its own drafts) beside `prev` (then the head's own state) at the
         row's position + s, writing the head's KV into the lookahead slots there."""
-        proposals: list[list[int]] = [[] for _ in starts]
+        if not isinstance(tokens, torch.Tensor):
+            tokens = to_device(tokens, torch.long, self.device)
+        ids = tokens
+        # Chained on the device and read back once (as DraftModel.propose); include_first:
+        # the given tokens are themselves drafts (a head's first position), returned first.
+        drafts = [tokens] if include_first else []
         for step in range(steps):
             positions = [pos + step for _, _, pos, _ in starts]
             batch = single_token_batch(
@@ -203,17 +215,17 @@ class EagleProposer:
                 self.layer_to_group,
                 self.device,
             )
-            ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
             out = None
             if self.graphs is not None:
                 out = self.graphs.run(batch, ids=ids, prev=prev)
             if out is None:
                 out = self._proposal_step(batch, ids, prev)
             drafted, prev = out
-            tokens = drafted.tolist()
-            for row, token in enumerate(tokens):
-                proposals[row].append(int(token))
-        return proposals
+            ids = drafted.clone()  # a graph's output buffer is rewritten by its next replay
+            drafts.append(ids)
+        if not drafts:
+            return [[] for _ in starts]
+        return torch.stack(drafts, dim=1).tolist()
 
     def _proposal_step(self, batch, ids, prev) -> tuple[torch.Tensor, torch.Tensor]:
         """One greedy position: (draft ids, the state fed to the next position)."""

@@ -34,6 +34,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from kvloom.workers.device_copy import to_device
 from kvloom.workers.layers.linear import QKVParallelLinear, ReplicatedLinear
 from kvloom.workers.layers.norm import RMSNorm
 from kvloom.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -271,11 +272,9 @@ class Eagle3Proposer(EagleProposer):
             ends.append(len(index) - 1)
         last_index = dict(zip(step.request_ids, ends))
         dev = step.input_ids.device
-        take = torch.tensor(index, dtype=torch.long, device=dev)
-        ids = step.input_ids[torch.tensor(shifted, dtype=torch.long, device=dev).clamp(min=0)]
-        ids[torch.tensor(ends, dtype=torch.long, device=dev)] = torch.tensor(
-            following, dtype=ids.dtype, device=dev
-        )
+        take = to_device(index, torch.long, dev)
+        ids = step.input_ids[to_device([max(s, 0) for s in shifted], torch.long, dev)]
+        ids[to_device(ends, torch.long, dev)] = to_device(following, ids.dtype, dev)
         _, batch = keep_prefix(step.input_ids, step.batch, kept)
         batch = dataclasses.replace(batch, layer_to_group=self.layer_to_group)
         fused = self.model.fc(torch.cat([a[take] for a in aux], dim=-1))
@@ -284,12 +283,18 @@ class Eagle3Proposer(EagleProposer):
         starts = step.starts()
         if not starts:
             return {}
-        rows = torch.tensor([last_index[rid] for rid, _, _, _ in starts], device=dev)
-        first = self.draft_ids(normed[rows]).tolist()
-        more = self.greedy_steps(
-            starts, first, prenorm[rows], step.k - 1, step.slots_fn, step.groups
+        rows = to_device([last_index[rid] for rid, _, _, _ in starts], torch.long, dev)
+        first = self.draft_ids(normed[rows])
+        drafts = self.greedy_steps(
+            starts,
+            first,
+            prenorm[rows],
+            step.k - 1,
+            step.slots_fn,
+            step.groups,
+            include_first=True,
         )
-        return {rid: [f, *m] for (rid, _, _, _), f, m in zip(starts, first, more)}
+        return {rid: d for (rid, _, _, _), d in zip(starts, drafts)}
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         own = self.model.embed_tokens

@@ -36,6 +36,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kvloom.workers.device_copy import to_device
 from kvloom.workers.layers.linear import ReplicatedLinear
 from kvloom.workers.layers.moe import map_expert_weight
 from kvloom.workers.models.qwen3_5 import Qwen3_5ForCausalLM
@@ -322,11 +323,9 @@ class MtpProposer(EagleProposer):
             ends.append(len(source) - 1)
             last[rid] = len(source) - 1
         dev = step.input_ids.device
-        ids = step.input_ids[torch.tensor(shifted, dtype=torch.long, device=dev)]
-        ids[torch.tensor(ends, dtype=torch.long, device=dev)] = torch.tensor(
-            following, dtype=ids.dtype, device=dev
-        )
-        hidden = step.hidden[torch.tensor(source, dtype=torch.long, device=dev)]
+        ids = step.input_ids[to_device(shifted, torch.long, dev)]
+        ids[to_device(ends, torch.long, dev)] = to_device(following, ids.dtype, dev)
+        hidden = step.hidden[to_device(source, torch.long, dev)]
         _, batch = keep_prefix(step.input_ids, step.batch, kept)
         batch = dataclasses.replace(batch, layer_to_group=self.layer_to_group)
         embeds = self.embed(ids)
@@ -334,10 +333,12 @@ class MtpProposer(EagleProposer):
         starts = step.starts()
         if not starts:
             return {}
-        rows = out[torch.tensor([last[rid] for rid, _, _, _ in starts], device=dev)]
-        first = self.draft_ids(rows).tolist()
-        more = self.greedy_steps(starts, first, rows, step.k - 1, step.slots_fn, step.groups)
-        return {rid: [f, *m] for (rid, _, _, _), f, m in zip(starts, first, more)}
+        rows = out[to_device([last[rid] for rid, _, _, _ in starts], torch.long, dev)]
+        first = self.draft_ids(rows)
+        drafts = self.greedy_steps(
+            starts, first, rows, step.k - 1, step.slots_fn, step.groups, include_first=True
+        )
+        return {rid: d for (rid, _, _, _), d in zip(starts, drafts)}
 
 
 def write_mtp_checkpoint(

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.contracts.config import require
+from kvloom.workers.device_copy import to_device
 from kvloom.workers.sampler import (
     RowSamplingState,
     apply_penalties,
@@ -85,7 +86,7 @@ def rejection_sample(
     num_rows, num_lanes, vocab = target_logits.shape
     k = num_lanes - 1
     device = target_logits.device
-    nd = torch.tensor(num_drafts, dtype=torch.long, device=device)
+    nd = to_device(num_drafts, torch.long, device)
     lanes = torch.arange(num_lanes, device=device)
     real = lanes[None, :] <= nd[:, None]  # [R, K+1]: draft lanes and the bonus lane
     is_draft = lanes[None, :k] < nd[:, None]  # [R, K]
@@ -232,7 +233,7 @@ def _verify_sampled_rows(
         here = [r for r in alive if j <= num_drafts[r]]
         if not here:
             return
-        idx = torch.tensor(here, device=device)
+        idx = to_device(here, torch.long, device)
         lane_rows = [rows[r] for r in here]
         probs = _target_probs(logits[idx, j], lane_rows)
         keys = [(row.seed, len(row.output_token_ids) + j) for row in lane_rows]
@@ -241,7 +242,7 @@ def _verify_sampled_rows(
         if j == k:  # only bonus lanes here
             emit[idx, j] = winner
             return
-        drafted = torch.tensor([j < num_drafts[r] for r in here], device=device)
+        drafted = to_device([j < num_drafts[r] for r in here], torch.bool, device)
         d = drafts[idx, j]
         can_accept = drafted & in_vocab[idx, j] & ~poisoned[idx, j]
         if q is None:
