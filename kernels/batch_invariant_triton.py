@@ -38,13 +38,14 @@ def _plan(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
 
 
-# Hopper (sm_90) tiles by row count: (largest M, plan). On an H200 every one of 40 tiles
-# (BLOCK_M 64/128 x BLOCK_N 64/128/256 x BLOCK_K 64/128 x 4/8 warps x 3/4 stages) gave
-# the one plan's bits at M = 1, 64, 256 and 4096 in bfloat16 on Qwen3-8B's linears: a wgmma tile feeds
-# K to the float32 accumulator in the same 16-wide steps whatever its M, N or BLOCK_K
-# (benchmarks/batch_invariant_plans.py, docs/benchmarks/deterministic.md). These are the
-# fastest there: 26% less time than the one plan at M <= 256, 42% less at 4096. Other
-# GPUs keep the one plan (not measured: mma.sync tiles may sum differently).
+# Hopper (sm_90) tiles by row count: (largest M, plan). On an H200 all 36 tiles tried
+# (BLOCK_M 64/128 x BLOCK_N 64/128/256 x BLOCK_K 64/128 x 4/8 warps x 3/4 stages, less
+# the ones that do not fit) gave the one plan's bits in bfloat16 at M = 1, 64, 256 and
+# 4096 on Qwen3-8B's linears (benchmarks/batch_invariant_plans.py,
+# docs/benchmarks/deterministic.md). That fits wgmma feeding K to the float32 accumulator
+# in the same order whatever the tile's M, N or BLOCK_K. These three were the fastest:
+# 21-29% less time than the one plan at M <= 256, 42% less at 4096. Other GPUs keep the
+# one plan (not measured there: mma.sync tiles may sum in another order).
 SM90_MATMUL_PLANS = (
     (128, _plan(64, 64, 128, 8, 4)),
     (512, _plan(64, 128, 64, 4, 4)),

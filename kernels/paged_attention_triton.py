@@ -91,13 +91,22 @@ def _find_row(qsl_ptr, num_rows, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b with float32 accumulation. UPCAST computes from float32 copies of the
-    operands (same products, as half-precision products are exact in float32): Triton's
-    CPU interpreter gets bfloat16 dots wrong."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
+def _dot(a, b, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """a @ b with float32 accumulation.
+
+    INTERPRETED (Triton's CPU interpreter only) sums the float32 products explicitly, the
+    k terms in order for every element (half-precision products are exact in float32).
+    The interpreter's tl.dot is numpy's matmul, and the BLAS kernel numpy dispatches to
+    may round an element differently with its row's position in the tile (OpenBLAS's
+    Haswell sgemm kernel does, e.g. on AMD EPYC; its SkylakeX kernel does not), so a
+    float32 query would get other bits when its chunk starts elsewhere, where the GPU's
+    instructions give every row the same order. The interpreter also gets bfloat16 dots
+    wrong."""
+    if INTERPRETED:
+        c = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    else:
+        c = tl.dot(a, b, input_precision=PRECISION)
+    return c
 
 
 @triton.jit
@@ -149,7 +158,7 @@ def _paged_attention_kernel(
     ROWS: tl.constexpr,
     SHORT_ROW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
+    DOT_INTERPRETED: tl.constexpr,
     KV_FP8: tl.constexpr,
     KV_WIDEN: tl.constexpr,
     STRIDED: tl.constexpr,
@@ -231,7 +240,7 @@ def _paged_attention_kernel(
                 k_pos = kv_offset + k_idx * kv_stride
             else:
                 k_pos = k_idx
-            s = _dot(q, k, DOT_PRECISION, DOT_UPCAST) * scale_log2
+            s = _dot(q, k, DOT_PRECISION, DOT_INTERPRETED) * scale_log2
             visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
             if HAS_WINDOW:
                 visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
@@ -249,7 +258,7 @@ def _paged_attention_kernel(
             )
             if KV_WIDEN:
                 v = v.to(tl.float32).to(q.dtype)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_INTERPRETED)
             m_i = m_new
 
         has_keys = l_i > 0.0
@@ -459,7 +468,7 @@ def _launch(
         ROWS=rows,
         SHORT_ROW=short_row,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=q.dtype == torch.bfloat16 and _interpreted(_paged_attention_kernel),
+        DOT_INTERPRETED=_interpreted(_paged_attention_kernel),
         KV_FP8=fp8,
         KV_WIDEN=kv_cache.dtype != q.dtype,
         STRIDED=kv_stride > 1,

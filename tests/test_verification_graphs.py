@@ -210,6 +210,8 @@ def test_verification_graphs_give_the_eager_tokens_and_drafts(target, method, ti
         assert runner.scratch_state is not None
     if method != "ngram":
         assert runner.draft.graphs.replays > 0
+    if method == "draft_model":  # a dense draft also catches up in (rows, k + 1) graphs
+        assert runner.draft.catch_up_graphs.replays > 0
     assert_pool_full(eng)
 
 
@@ -393,4 +395,48 @@ def test_gpu_verification_graphs_match_eager(tiny_model, hybrid_model, tmp_path,
         if runner.verify_graphs is not None:
             assert runner.verify_graphs.replays > 0
         assert runner.draft.graphs.replays > 0
+    if method == "draft_model":  # catch-up graphs only where the draft has no linear state
+        catch_up = runner.draft.catch_up_graphs
+        assert (catch_up is None) == (arch == "qwen3_next")
+        assert catch_up is None or catch_up.replays > 0
     assert_pool_full(eng)
+
+
+def test_hybrid_verification_graph_blockers_on_cuda(tiny_model, hybrid_model, monkeypatch):
+    """On CUDA a hybrid target's verification graphs need every linear-attention layer to
+    serve uniform resume rows without host bounds (Gated DeltaNet does, KDA does not), and
+    stay opt-in until a GPU run verifies them; dense targets have no such blocker."""
+    cuda = SimpleNamespace(type="cuda")
+    blockers = {}
+    for name, path in (
+        ("qwen3", tiny_model("qwen3")),
+        ("qwen3_next", hybrid_model("qwen3_next")),
+        ("kimi_linear", hybrid_model("kimi_linear")),
+    ):
+        spec = {"method": "ngram", "num_speculative_tokens": K}
+        runner = engine(path, speculative_config=spec, device="cpu").executor.worker.runner
+        assert runner.verify_graph_blockers() == []  # the CPU stand-in runs every case
+        runner.device = cuda
+        monkeypatch.setenv("KVLOOM_HYBRID_VERIFY_GRAPHS", "")
+        blockers[name] = " | ".join(runner.verify_graph_blockers())
+        monkeypatch.setenv("KVLOOM_HYBRID_VERIFY_GRAPHS", "1")
+        blockers[name + "+env"] = " | ".join(runner.verify_graph_blockers())
+    assert blockers["qwen3"] == blockers["qwen3+env"] == ""
+    assert "KVLOOM_HYBRID_VERIFY_GRAPHS=1" in blockers["qwen3_next"]
+    assert blockers["qwen3_next+env"] == ""
+    assert "KimiDeltaAttention" in blockers["kimi_linear"]
+    assert blockers["kimi_linear+env"] == blockers["kimi_linear"]
+
+
+def test_uniform_resume_rows_are_recognised_from_the_one_classification():
+    from kvloom.workers.layers.gated_deltanet import uniform_resume_len
+    from kvloom.workers.row_kinds import RowClasses, classify_rows
+
+    def batch(computed, scheduled):
+        return SimpleNamespace(rows=RowClasses(classify_rows(computed, scheduled), scheduled))
+
+    assert uniform_resume_len(batch([7, 9], [5, 5]), 10) == 5  # a (2, 4) verification
+    assert uniform_resume_len(batch([7, 0], [5, 5]), 10) is None  # a fresh row
+    assert uniform_resume_len(batch([7, 9], [5, 4]), 9) is None  # uneven rows
+    assert uniform_resume_len(batch([7, 9], [1, 1]), 2) is None  # decodes: their own path
+    assert uniform_resume_len(batch([7], [16]), 16) is None  # a long resume chunk

@@ -340,7 +340,7 @@ class ModelRunner:
                 sizes,
                 max_len,
                 query_len=k + 1,
-                pad_state=-1 if self.scratch_state is None else self.scratch_state,
+                pad_state=self._verify_pad_state(),
                 prepare=self._zero_scratch_state,
                 aux=aux,
             )
@@ -349,6 +349,9 @@ class ModelRunner:
         reasons = self.drafter_graph_blockers()
         if self.draft is not None and not reasons:
             self.draft.capture_graphs(make_graph, sizes, self.groups, max_len, pool)
+            catch_up = getattr(self.draft, "capture_catch_up_graphs", None)
+            if catch_up is not None and k:
+                catch_up(make_graph, sizes, self.groups, max_len, k, self.draft.graphs.pool)
         for reason in reasons:
             logger.info("drafter forwards run eagerly: %s", reason)
 
@@ -425,17 +428,44 @@ class ModelRunner:
             blockers.append(f"{type(self.model).__name__} does not declare supports_cuda_graphs")
         return blockers
 
+    def _linear_layers(self) -> list:
+        """The target's layers whose KV-cache group is linear state."""
+        return [
+            layer
+            for layer in self.model.cache_layers()
+            if isinstance(self.groups[self.layer_to_group[layer.layer_index]].spec, LinearStateSpec)
+        ]
+
+    def _verify_pad_state(self) -> int:
+        """The state index of a verification graph's padding rows: -1 (skipped) where every
+        linear layer serves the rows token by token, else the scratch state the varlen
+        kernels read and write (they take every row)."""
+        serial = all(getattr(x, "captures_uniform_resume", False) for x in self._linear_layers())
+        return -1 if self.scratch_state is None or serial else self.scratch_state
+
     def verify_graph_blockers(self) -> list[str]:
         """Why (rows, k) verification steps run eagerly while decode steps replay graphs.
-        On a CUDA hybrid target a (k + 1)-token row takes the varlen causal conv and the
-        chunked Gated DeltaNet path, which read sequence bounds on the host: a capture
-        fails (seen on the H200). The CPU stand-in (EagerStepGraph) still runs them, so
-        the static-buffer logic stays tested for when those kernels become capturable."""
-        linear = any(isinstance(g.spec, LinearStateSpec) for g in self.groups)
-        if self.speculative and linear and self.device.type == "cuda":
+        A hybrid target's (k + 1)-token rows need linear-attention layers that serve them
+        without host-side sequence bounds (`captures_uniform_resume`: Gated DeltaNet runs
+        them token by token; KDA still takes the varlen conv and chunked kernels, whose
+        capture failed on the H200). On CUDA that path is opt-in
+        (KVLOOM_HYBRID_VERIFY_GRAPHS=1) until a GPU run verifies its capture. The CPU
+        stand-in (EagerStepGraph) runs every case."""
+        linear = self._linear_layers()
+        if not (self.speculative and linear and self.device.type == "cuda"):
+            return []
+        lacking = sorted(
+            {type(x).__name__ for x in linear if not getattr(x, "captures_uniform_resume", False)}
+        )
+        if lacking:
             return [
-                "a hybrid target's (k + 1)-token rows take the varlen conv / chunked Gated "
-                "DeltaNet path, which reads sequence bounds on the host"
+                f"{', '.join(lacking)} layers serve (k + 1)-token rows with the varlen conv / "
+                "chunked kernels, which read sequence bounds on the host"
+            ]
+        if not envs.flag("KVLOOM_HYBRID_VERIFY_GRAPHS"):
+            return [
+                "hybrid verification graphs are opt-in until verified on a GPU "
+                "(KVLOOM_HYBRID_VERIFY_GRAPHS=1)"
             ]
         return []
 

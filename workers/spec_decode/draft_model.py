@@ -15,9 +15,15 @@ pages are saved before the proposal steps and restored after them, so no draft e
 in the state. When the target itself rolls back (a rejected draft on a hybrid target) the
 scheduler's backup/restore covers the draft's linear groups too.
 
-On CUDA the proposal steps replay graphs (`capture_graphs`, proposal_graphs.py); the
-catch-up forward stays eager. The state save/restore around the proposals stays outside
-the graphs, as it is around the eager steps.
+On CUDA the proposal steps replay graphs (`capture_graphs`, proposal_graphs.py). A draft
+without linear-state layers also replays its catch-up in a (rows, k + 1) graph when the
+step is a uniform verification step (`capture_catch_up_graphs`): it runs over all k + 1
+tokens of each row, rejected drafts included, as the target's verification does. KV
+written at a rejected position is rewritten by the next proposal at that position
+before anything reads it (attention reads positions below a row's length only), so the
+result is the eager catch-up's. A draft with linear state catches up eagerly over the
+kept tokens only (its state cannot take back a token). The state save/restore around the
+proposals stays outside the graphs, as it is around the eager steps.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 
 from kvloom.contracts.kv_cache_spec import LinearStateSpec
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
+from kvloom.workers.cuda_graphs import TargetGraphs, verify_graph_size_for
 from kvloom.workers.device_copy import to_device
 from kvloom.workers.models.registry import model_class
 from kvloom.workers.row_kinds import RowClasses, classify_rows
@@ -82,6 +89,7 @@ class DraftModel:
         self.layer_to_group: dict[int, int] = {}
         self.linear_layers: list = []
         self.graphs: ProposalGraphs | None = None
+        self.catch_up_graphs: TargetGraphs | None = None
 
     def kv_cache_specs(self, block_size: int, dtype_name: str) -> dict[int, object]:
         specs = self.model.kv_cache_specs(block_size, dtype_name)
@@ -123,8 +131,28 @@ class DraftModel:
         )
         self.graphs.capture(make_graph, pool)
 
+    def capture_catch_up_graphs(self, make_graph, sizes, groups, max_model_len, k, pool=None):
+        """(rows, k + 1) graphs of the catch-up forward (see the module docstring); None
+        where the draft has linear state. Returns the memory pool."""
+        if self.linear_layers or k < 1:
+            return pool
+        self.catch_up_graphs = TargetGraphs(
+            self.model, groups, self.layer_to_group, self.device, sizes, max_model_len, k + 1
+        )
+        self.catch_up_graphs.capture(make_graph, pool)
+        return self.catch_up_graphs.pool
+
     def release_graphs(self) -> None:
         self.graphs = None
+        self.catch_up_graphs = None
+
+    def _catch_up_graph_size(self, step: DraftStep) -> int | None:
+        graphs = self.catch_up_graphs
+        if graphs is None:
+            return None
+        drafts = [len(step.drafts.get(rid, [])) for rid in step.request_ids]
+        tokens = step.input_ids.shape[0]
+        return verify_graph_size_for(step.batch.rows, drafts, step.k, tokens, graphs.sizes)
 
     def catch_up(self, input_ids: torch.Tensor, batch: ForwardBatch, keep: list[int]) -> None:
         """Runs the draft over the first keep[i] tokens of each row of this step (the real
@@ -137,7 +165,11 @@ class DraftModel:
         )
 
     def run(self, step: DraftStep) -> dict[str, list[int]]:
-        self.catch_up(step.input_ids, step.batch, step.kept_tokens())
+        size = self._catch_up_graph_size(step)
+        if size is not None:  # every token of the verification, rejected drafts included
+            self.catch_up_graphs.replay(size, step.input_ids, step.batch)
+        else:
+            self.catch_up(step.input_ids, step.batch, step.kept_tokens())
         starts = step.starts()
         proposals = self.propose(starts, step.k, step.slots_fn, step.groups)
         return {rid: p for (rid, _, _, _), p in zip(starts, proposals)}

@@ -50,6 +50,10 @@ class ProposalGraphs:
     def replays(self) -> int:
         return self.graphs.replays
 
+    @property
+    def pool(self):
+        return self.graphs.pool
+
     def capture(self, make_graph, pool=None) -> None:
         self.graphs.capture(make_graph, pool)
 

@@ -96,7 +96,8 @@ def rejection_sample(
     drafts = drafts.clamp(0, vocab - 1)  # bounded for every gather below
 
     logits = target_logits.float().clone()
-    _apply_penalties_per_lane(logits, rows, drafts.tolist(), in_vocab.tolist(), num_drafts)
+    if any(_has_penalties(row.params) for row in rows):  # reads drafts back: only then
+        _apply_penalties_per_lane(logits, rows, drafts.tolist(), in_vocab.tolist(), num_drafts)
     logits, poisoned = _sanitize(logits, real)
 
     q = None
