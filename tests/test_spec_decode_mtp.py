@@ -396,3 +396,34 @@ def test_gpu_mtp_that_matches_the_target_has_every_draft_accepted(hybrid_model, 
     stats = spec.stats()
     assert stats["spec_accepted_tokens"] == stats["spec_drafted_tokens"] > 0
     assert_pool_full(spec)
+
+
+def test_mtp_catch_up_replays_verification_graphs_with_the_eager_drafts(next_mtp):
+    """With stand-in graphs, uniform verification steps catch the head up in one
+    (rows, k + 1) replay over every entry, rejected drafts included: the drafts and tokens
+    are the eager engine's, under chunked prefill, preemption and prefix hits."""
+    from tests.test_verification_graphs import SETTING, graph_engine, record_drafts, workload
+    from tests.test_verification_graphs import engine as f64_engine
+
+    setting = dict(SETTING, num_kv_blocks=80)  # the head's layer books KV too
+    plain = workload(f64_engine(next_mtp, **setting))
+    eager = f64_engine(next_mtp, speculative_config=MTP, device="cpu", **setting)
+    eager_drafts = record_drafts(eager)
+    assert workload(eager) == plain
+    eng = graph_engine(next_mtp, speculative_config=MTP, **setting)
+    drafts = record_drafts(eng)
+    assert workload(eng) == plain
+    assert drafts == eager_drafts
+    runner = eng.executor.worker.runner
+    assert runner.draft.catch_up_graphs.replays > 0
+    stats = eng.stats()
+    assert stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"]  # rejections too
+    assert stats["num_preemptions"] > 0
+    assert_pool_full(eng)
+    # Prefix hits (this small pool evicts them): conversations on a default-sized pool.
+    eng = graph_engine(next_mtp, speculative_config=MTP)
+    got = [[o.outputs[0].token_ids for _, o in t] for t in multi_turn(eng)]
+    want = [[o.outputs[0].token_ids for _, o in t] for t in multi_turn(f64_engine(next_mtp))]
+    assert got == want
+    assert eng.stats()["prefix_cache_hit_tokens"] > 0
+    assert eng.executor.worker.runner.draft.catch_up_graphs.replays > 0

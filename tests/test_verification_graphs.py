@@ -310,6 +310,8 @@ def test_eagle3_reads_hooked_states_through_target_graphs(tiny_model, tmp_path):
     assert drafts == eager_drafts
     runner = eng.executor.worker.runner
     assert runner.verify_graphs.replays > 0 and runner.draft.graphs.replays > 0
+    assert runner.draft.catch_up_graphs.replays > 0  # its catch-up too, every entry
+    assert eng.stats()["spec_accepted_tokens"] < eng.stats()["spec_drafted_tokens"]
 
 
 def test_dflash_proposals_stay_eager_and_say_why(tiny_model, tmp_path, caplog):

@@ -351,7 +351,11 @@ class ModelRunner:
             self.draft.capture_graphs(make_graph, sizes, self.groups, max_len, pool)
             catch_up = getattr(self.draft, "capture_catch_up_graphs", None)
             if catch_up is not None and k:
-                catch_up(make_graph, sizes, self.groups, max_len, k, self.draft.graphs.pool)
+                try:
+                    catch_up(make_graph, sizes, self.groups, max_len, k, self.draft.graphs.pool)
+                except RuntimeError as err:  # not yet run on every GPU: stay eager, loudly
+                    self.draft.catch_up_graphs = None
+                    logger.warning("drafter catch-up runs eagerly: its capture failed: %s", err)
         for reason in reasons:
             logger.info("drafter forwards run eagerly: %s", reason)
 

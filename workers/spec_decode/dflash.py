@@ -40,6 +40,7 @@ from kvloom.kernels.merge_attention_states import merge_attention_states_ref
 from kvloom.kernels.ops import paged_attention, write_kv_cache
 from kvloom.kernels.paged_attention import compute_dtype
 from kvloom.workers.attention_metadata import GroupMetadata
+from kvloom.workers.device_copy import to_device
 from kvloom.workers.layers.linear import ReplicatedLinear
 from kvloom.workers.layers.norm import RMSNorm
 from kvloom.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -431,7 +432,7 @@ class DFlashProposer:
         kept = step.kept_tokens()
         qsl = step.batch.query_start_loc_list
         index = [t for i, n in enumerate(kept) for t in range(qsl[i], qsl[i] + n)]
-        take = torch.tensor(index, dtype=torch.long, device=step.hidden.device)
+        take = to_device(index, torch.long, step.hidden.device)
         context = self.model.context([a[take] for a in aux])
         positions = step.batch.positions[take]
         for layer in self.model.layers:
@@ -441,24 +442,24 @@ class DFlashProposer:
     def propose(self, starts, k: int, groups) -> torch.Tensor:
         """One forward over [x_b, mask × k] per row -> [rows, k] draft tokens."""
         fmt, dev, n = self.format, self.device, k + 1
-        ids = torch.tensor(
-            [[token] + [fmt.mask_token_id] * k for _, _, _, token in starts], device=dev
-        ).flatten()
-        positions = torch.tensor(
-            [b + j for _, _, b, _ in starts for j in range(n)], dtype=torch.long, device=dev
+        ids = to_device(
+            [t for _, _, _, token in starts for t in [token] + [fmt.mask_token_id] * k],
+            torch.long,
+            dev,
         )
+        positions = to_device([b + j for _, _, b, _ in starts for j in range(n)], torch.long, dev)
         metas = []
         for g in range(len(groups)):
             rows = [blocks[g] for _, blocks, _, _ in starts]
             width = max(len(r) for r in rows)
             table = [r + [0] * (width - len(r)) for r in rows]
-            tables = torch.tensor(table, dtype=torch.int32, device=dev)
+            tables = to_device(table, torch.int32, dev)
             metas.append(GroupMetadata(tables, torch.empty(0, dtype=torch.long, device=dev)))
         lens = [b for _, _, b, _ in starts]
         blocks = BlockRows(
             len(starts),
             n,
-            torch.tensor(lens, dtype=torch.int32, device=dev),
+            to_device(lens, torch.int32, dev),
             max(lens),
             metas,
             self.layer_to_group,

@@ -36,7 +36,7 @@ import torch
 
 from kvloom.contracts.kv_cache_spec import LinearStateSpec
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
-from kvloom.workers.cuda_graphs import TargetGraphs, verify_graph_size_for
+from kvloom.workers.cuda_graphs import TargetGraphs
 from kvloom.workers.device_copy import to_device
 from kvloom.workers.models.registry import model_class
 from kvloom.workers.row_kinds import RowClasses, classify_rows
@@ -146,14 +146,6 @@ class DraftModel:
         self.graphs = None
         self.catch_up_graphs = None
 
-    def _catch_up_graph_size(self, step: DraftStep) -> int | None:
-        graphs = self.catch_up_graphs
-        if graphs is None:
-            return None
-        drafts = [len(step.drafts.get(rid, [])) for rid in step.request_ids]
-        tokens = step.input_ids.shape[0]
-        return verify_graph_size_for(step.batch.rows, drafts, step.k, tokens, graphs.sizes)
-
     def catch_up(self, input_ids: torch.Tensor, batch: ForwardBatch, keep: list[int]) -> None:
         """Runs the draft over the first keep[i] tokens of each row of this step (the real
         tokens and the accepted drafts), so its KV and state cover exactly those."""
@@ -165,7 +157,7 @@ class DraftModel:
         )
 
     def run(self, step: DraftStep) -> dict[str, list[int]]:
-        size = self._catch_up_graph_size(step)
+        size = step.verification_graph_size(self.catch_up_graphs)
         if size is not None:  # every token of the verification, rejected drafts included
             self.catch_up_graphs.replay(size, step.input_ids, step.batch)
         else:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvloom.workers.attention_metadata import ForwardBatch
+from kvloom.workers.cuda_graphs import verify_graph_size_for
+from kvloom.workers.device_copy import to_device
 
 
 @dataclass
@@ -44,6 +46,33 @@ class DraftStep:
                 n -= len(self.drafts.get(rid, [])) - (len(self.sampled[rid]) - 1)
             kept.append(n)
         return kept
+
+    def verification_graph_size(self, graphs) -> int | None:
+        """The row count of a drafter's (rows, k + 1) catch-up graph (`graphs`, StepGraphs
+        or None) to replay for this step, or None: only a uniform verification step, every
+        row resuming with its k drafts, as the target's own verification graphs."""
+        if graphs is None:
+            return None
+        drafts = [len(self.drafts.get(rid, [])) for rid in self.request_ids]
+        tokens = self.input_ids.shape[0]
+        return verify_graph_size_for(self.batch.rows, drafts, self.k, tokens, graphs.sizes)
+
+    def verification_entries(self) -> tuple[torch.Tensor, list[int]]:
+        """A uniform verification step's entries for a head that books token x_{p+1}
+        beside the target's state at p (MTP, EAGLE-3), over every token of every row:
+        (ids, per row the index of its last kept entry, which takes the token just
+        sampled). Entries past it pair rejected drafts; their KV is rewritten by the
+        proposal at that position before any read."""
+        q = self.k + 1
+        n = len(self.request_ids)
+        kept = self.kept_tokens()
+        shifted = [i * q + min(j + 1, q - 1) for i in range(n) for j in range(q)]
+        last = [i * q + kept[i] - 1 for i in range(n)]
+        dev = self.input_ids.device
+        ids = self.input_ids[to_device(shifted, torch.long, dev)]
+        following = [self.sampled[rid][-1] for rid in self.request_ids]
+        ids[to_device(last, torch.long, dev)] = to_device(following, ids.dtype, dev)
+        return ids, last
 
     def starts(self) -> list[tuple[str, list[list[int]], int, int]]:
         """Per sampled request: (id, block ids, position of its newest token, that token)."""

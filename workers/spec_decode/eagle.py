@@ -34,6 +34,7 @@ from torch import nn
 
 from kvloom.contracts.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
 from kvloom.workers.attention_metadata import ForwardBatch
+from kvloom.workers.cuda_graphs import StaticBatch, StepGraphs
 from kvloom.workers.device_copy import to_device
 from kvloom.workers.layers.linear import ReplicatedLinear
 from kvloom.workers.layers.norm import RMSNorm
@@ -85,6 +86,9 @@ class EagleHead(nn.Module):
 class EagleProposer:
     # Proposal graphs, once captured (heads built on this class set up their own state).
     graphs: ProposalGraphs | None = None
+    # (rows, k + 1) catch-up graphs over every verification entry, for heads that book
+    # token x_{p+1} beside a target state at p (MTP, EAGLE-3: `capture_entry_graphs`).
+    catch_up_graphs: StepGraphs | None = None
 
     def __init__(self, head_dir: str, target, dtype, tp, device, progress: bool = False):
         config = json.loads((Path(head_dir) / "config.json").read_text())
@@ -174,7 +178,7 @@ class EagleProposer:
         """Keeps the target's hidden states of this step's real and accepted positions,
         copied out in one gather (`hidden` may be a graph's static output)."""
         index = [lo + i for rid, _, lo, _ in row_spans for i in range(kept[rid])]
-        copied = hidden[torch.tensor(index, dtype=torch.long, device=hidden.device)]
+        copied = hidden[to_device(index, torch.long, hidden.device)]
         at = 0
         for rid, start, _, _ in row_spans:
             keep = kept[rid]
@@ -192,6 +196,25 @@ class EagleProposer:
             return []
         prev = torch.stack([self._prev_hidden(rid, pos) for rid, _, pos, _ in starts])
         return self.greedy_steps(starts, [t for _, _, _, t in starts], prev, k, slots_fn, groups)
+
+    def propose_from(self, step: DraftStep, lm_state, next_state, last: dict[str, int]):
+        """Drafts for each sampled row of `step` from a head's output at the row's last
+        entry (`last`: request id -> entry index): the first from `lm_state` through the
+        LM head, k - 1 greedy steps fed `next_state` (MTP: the same state; EAGLE-3: the
+        pre-norm one)."""
+        starts = step.starts()
+        rows = to_device([last[rid] for rid, _, _, _ in starts], torch.long, lm_state.device)
+        first = self.draft_ids(lm_state[rows])
+        drafts = self.greedy_steps(
+            starts,
+            first,
+            next_state[rows],
+            step.k - 1,
+            step.slots_fn,
+            step.groups,
+            include_first=True,
+        )
+        return {rid: d for (rid, _, _, _), d in zip(starts, drafts)}
 
     def greedy_steps(
         self, starts, tokens, prev, steps: int, slots_fn, groups, include_first: bool = False
@@ -250,6 +273,25 @@ class EagleProposer:
 
     def release_graphs(self) -> None:
         self.graphs = None
+        self.catch_up_graphs = None
+
+    def capture_entry_graphs(
+        self, make_graph, sizes, groups, max_model_len, k, state: tuple[str, int, object], pool
+    ):
+        """Captures `catch_up_graphs`: `self._entries(batch, ids, **{name: [tokens, width]})`
+        over a uniform verification step's every entry (DraftStep.verification_entries).
+        state: (input name, width, dtype) of the target state the head reads. Returns the
+        memory pool."""
+        q, rows = k + 1, sizes[-1]
+        static = StaticBatch(groups, self.layer_to_group, self.device, rows, q, max_model_len)
+        name, width, dtype = state
+        inputs = {
+            "ids": torch.zeros(rows * q, dtype=torch.long, device=self.device),
+            name: torch.zeros(rows * q, width, dtype=dtype, device=self.device),
+        }
+        self.catch_up_graphs = StepGraphs(self._entries, inputs, static, sizes)
+        self.catch_up_graphs.capture(make_graph, pool)
+        return self.catch_up_graphs.pool
 
     # What a head format changes (EAGLE-3 overrides all three): ---------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -246,6 +246,18 @@ class Eagle3Proposer(EagleProposer):
         self.capture = AuxHiddenCapture(
             target, fmt.aux_layer_ids, f"{where}: eagle_aux_hidden_state_layer_ids"
         )
+        self.dtype = dtype
+
+    def capture_catch_up_graphs(self, make_graph, sizes, groups, max_model_len, k, pool=None):
+        """The catch-up over every entry of a verification (see `run`) in graphs; the
+        auxiliary states come concatenated, as `fc` reads them."""
+        state = ("aux", self.model.fc.weight.shape[1], self.dtype)
+        return self.capture_entry_graphs(make_graph, sizes, groups, max_model_len, k, state, pool)
+
+    def _entries(self, batch, ids: torch.Tensor, aux: torch.Tensor):
+        fused = self.model.fc(aux)
+        embeds = self.embed(ids)
+        return self.model(embeds, fused.to(embeds.dtype), batch.positions, batch)
 
     def run(self, step: DraftStep) -> dict[str, list[int]]:
         """One forward over this step's kept tokens (each entry x_{p+1} beside the fused
@@ -253,6 +265,13 @@ class Eagle3Proposer(EagleProposer):
         prompt token), whose last entry of each sampled row gives its first draft; then
         k - 1 greedy steps."""
         aux = self.capture.take()
+        size = step.verification_graph_size(self.catch_up_graphs)
+        if size is not None:  # every entry in one replay
+            ids, last = step.verification_entries()
+            normed, prenorm = self.catch_up_graphs.replay(
+                size, step.batch, ids=ids, aux=torch.cat(aux, dim=-1)
+            )
+            return self.propose_from(step, normed, prenorm, dict(zip(step.request_ids, last)))
         kept = step.kept_tokens()
         qsl = step.batch.query_start_loc_list
         sampled = step.sampled
@@ -283,18 +302,7 @@ class Eagle3Proposer(EagleProposer):
         starts = step.starts()
         if not starts:
             return {}
-        rows = to_device([last_index[rid] for rid, _, _, _ in starts], torch.long, dev)
-        first = self.draft_ids(normed[rows])
-        drafts = self.greedy_steps(
-            starts,
-            first,
-            prenorm[rows],
-            step.k - 1,
-            step.slots_fn,
-            step.groups,
-            include_first=True,
-        )
-        return {rid: d for (rid, _, _, _), d in zip(starts, drafts)}
+        return self.propose_from(step, normed, prenorm, last_index)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         own = self.model.embed_tokens

@@ -300,6 +300,16 @@ class MtpProposer(EagleProposer):
         self.device = device
         self.layer_to_group: dict[int, int] = {}
         self.history: dict[str, dict[int, torch.Tensor]] = {}  # unused: entries need none
+        self.dtype = dtype
+
+    def capture_catch_up_graphs(self, make_graph, sizes, groups, max_model_len, k, pool=None):
+        """The catch-up over every entry of a verification (see `run`) in graphs."""
+        state = ("hidden", int(self.config["hidden_size"]), self.dtype)
+        return self.capture_entry_graphs(make_graph, sizes, groups, max_model_len, k, state, pool)
+
+    def _entries(self, batch, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        embeds = self.embed(ids)
+        return self.model(embeds, hidden.to(embeds.dtype), batch.positions, batch)
 
     def run(self, step: DraftStep) -> dict[str, list[int]]:
         """One forward over the step's kept tokens, entry p being token x_{p+1} beside
@@ -308,6 +318,11 @@ class MtpProposer(EagleProposer):
         entry gives its first draft, k - 1 greedy steps the others."""
         kept = step.kept_tokens()
         qsl = step.batch.query_start_loc_list
+        size = step.verification_graph_size(self.catch_up_graphs)
+        if size is not None:  # every entry in one replay (DraftStep.verification_entries)
+            ids, last = step.verification_entries()
+            out = self.catch_up_graphs.replay(size, step.batch, ids=ids, hidden=step.hidden)
+            return self.propose_from(step, out, out, dict(zip(step.request_ids, last)))
         source, shifted, ends, following, last = [], [], [], [], {}
         for i, rid in enumerate(step.request_ids):
             if rid in step.sampled:
@@ -333,12 +348,7 @@ class MtpProposer(EagleProposer):
         starts = step.starts()
         if not starts:
             return {}
-        rows = out[to_device([last[rid] for rid, _, _, _ in starts], torch.long, dev)]
-        first = self.draft_ids(rows)
-        drafts = self.greedy_steps(
-            starts, first, rows, step.k - 1, step.slots_fn, step.groups, include_first=True
-        )
-        return {rid: d for (rid, _, _, _), d in zip(starts, drafts)}
+        return self.propose_from(step, out, out, last)
 
 
 def write_mtp_checkpoint(

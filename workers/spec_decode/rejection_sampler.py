@@ -68,8 +68,9 @@ class RejectionSampleOutput:
     invalid: torch.Tensor
 
     def tolist(self) -> list[list[int]]:
-        counts = (self.num_accepted + 1).tolist()
-        return [row[:n] for row, n in zip(self.token_ids.tolist(), counts)]
+        # One readback: the accepted count rides in front of each row's tokens.
+        rows = torch.cat([self.num_accepted[:, None], self.token_ids], dim=1).tolist()
+        return [row[1 : row[0] + 2] for row in rows]
 
 
 def rejection_sample(
