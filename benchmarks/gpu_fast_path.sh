@@ -5,7 +5,8 @@
 # ../shared/tools/device-wheels.sh):
 #
 #   bash benchmarks/gpu_fast_path.sh tests bench-dense|latency-dense [bench-hybrid] [plans]
-#     [profile-dense|profile-hybrid] [latency-hybrid] [plans]
+#     [profile-dense|profile-hybrid] [latency-hybrid] [plans] [pending-tests]
+#     [spec-profile] [deterministic]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -58,6 +59,28 @@ for section in "$@"; do
     latency-hybrid)
       python3 -m kvloom.cluster.cli bench latency --shape qwen3-next-24l \
         --out "$OUT/kvloom_qwen3-next-24l_latency.json" 2>&1 | tail -15 || status=1
+      ;;
+    pending-tests)  # gpu tests of code that landed without a GPU run (see the closing notes)
+      KVLOOM_HYBRID_VERIFY_GRAPHS=1 timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests/test_verification_graphs.py tests/test_spec_decode_mtp.py 2>&1 \
+        | tee "$OUT/pending_spec_tests.log" | tail -12 || status=1
+      timeout 280 python3 -m pytest -q -p no:cacheprovider \
+        tests/triton_interpret/test_kv_cache_fp8_triton.py \
+        tests/triton_interpret/test_paged_attention_dcp_triton.py \
+        tests/triton_interpret/test_batch_invariant_triton.py 2>&1 \
+        | tee "$OUT/pending_kernel_tests.log" | tail -12 || status=1
+      ;;
+    spec-profile)  # a speculative step's phases, graph replays and kernels (spec_decode.md)
+      for p in "draft_1layer 1" "draft_1layer 64" "self_draft 1"; do set -- $p
+        timeout 120 python3 benchmarks/spec_step_profile.py --shape qwen3-8b --proposer "$1" \
+          --rows "$2" --out "$OUT/spec_step_$1_$2.json" 2>&1 | grep -E "^INFO|^RESULT" || status=1
+      done
+      ;;
+    deterministic)  # the mode's GPU test and its throughput cost (deterministic.md)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_deterministic_gpu.py \
+        2>&1 | tail -4 || status=1
+      timeout 300 python3 benchmarks/deterministic_cost.py --out "$OUT/deterministic_cost.json" \
+        2>&1 | grep -v "it/s" | tail -6 || status=1
       ;;
     *) echo "unknown section $section"; status=2 ;;
   esac
