@@ -405,9 +405,10 @@ def test_gpu_verification_graphs_match_eager(tiny_model, hybrid_model, tmp_path,
 
 
 def test_hybrid_verification_graph_blockers_on_cuda(tiny_model, hybrid_model, monkeypatch):
-    """On CUDA a hybrid target's verification graphs need every linear-attention layer to
-    serve uniform resume rows without host bounds (Gated DeltaNet does, KDA does not), and
-    stay opt-in until a GPU run verifies them; dense targets have no such blocker."""
+    """On CUDA a hybrid target's verification graphs (its Gated DeltaNet or KDA layers
+    serve uniform resume rows token by token, no host bounds) stay opt-in until a GPU run
+    verifies them, and a layer without that path keeps them off; dense targets have no
+    such blocker."""
     cuda = SimpleNamespace(type="cuda")
     blockers = {}
     for name, path in (
@@ -426,12 +427,18 @@ def test_hybrid_verification_graph_blockers_on_cuda(tiny_model, hybrid_model, mo
     assert blockers["qwen3"] == blockers["qwen3+env"] == ""
     assert "KVLOOM_HYBRID_VERIFY_GRAPHS=1" in blockers["qwen3_next"]
     assert blockers["qwen3_next+env"] == ""
-    assert "KimiDeltaAttention" in blockers["kimi_linear"]
-    assert blockers["kimi_linear+env"] == blockers["kimi_linear"]
+    assert "MLA attention" in blockers["kimi_linear"] == blockers["kimi_linear+env"]
+    # A linear layer without the token-by-token path keeps them off, whatever the switch.
+    runner = engine(hybrid_model("qwen3_next"), speculative_config=spec, device="cpu")
+    runner = runner.executor.worker.runner
+    runner.device = cuda
+    layer = runner._linear_layers()[0]
+    monkeypatch.setattr(type(layer), "captures_uniform_resume", False)
+    assert "GatedDeltaNet layers" in " | ".join(runner.verify_graph_blockers())
 
 
 def test_uniform_resume_rows_are_recognised_from_the_one_classification():
-    from kvloom.workers.layers.gated_deltanet import uniform_resume_len
+    from kvloom.workers.layers.linear_state_pages import uniform_resume_len
     from kvloom.workers.row_kinds import RowClasses, classify_rows
 
     def batch(computed, scheduled):

@@ -20,7 +20,8 @@ reads its slot, so a recycled or NaN-poisoned page cannot leak into a new reques
 
 A step whose every row resumes its state with the same few tokens (a speculative
 verification of k + 1 tokens a row, `uniform_resume_len`) runs those tokens one position
-at a time through the single-step kernels instead (`_resume_all`): the recurrence a plain
+at a time through the single-step kernels instead (`resume_token_by_token`, in
+linear_state_pages.py, shared with KDA): the recurrence a plain
 decode would compute, with no host-side sequence bounds, so CUDA graphs can capture it.
 
 Tensor parallelism splits key-head groups (and with them their value heads) over ranks.
@@ -44,7 +45,7 @@ from kvloom.kernels.ops import (
 )
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape
-from kvloom.workers.layers.linear_state_pages import LinearStatePages
+from kvloom.workers.layers.linear_state_pages import LinearStatePages, uniform_resume_len
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
 
 
@@ -89,27 +90,8 @@ class ShardedDepthwiseConv(nn.Module):
         self.weight.data.copy_(torch.cat(pieces))
 
 
-# Longest uniform resume row served token by token (verifications are k + 1 <= 9 tokens).
-MAX_SERIAL_RESUME = 9
-
-
-def uniform_resume_len(batch: ForwardBatch, num_tokens: int) -> int | None:
-    """q when every row resumes its own state with exactly q tokens, 2 <= q <= 9."""
-    rows = batch.rows
-    n = len(rows.kinds)
-    if n == 0 or num_tokens % n:
-        return None
-    q = num_tokens // n
-    if not 2 <= q <= MAX_SERIAL_RESUME or not rows.uniform_decode(q):
-        return None
-    return q if len(rows.num_scheduled_tokens) == n and q * n == num_tokens else None
-
-
 class GatedDeltaNet(LinearStatePages, nn.Module):
     """Qwen3-Next's linear-attention layer; also a cache layer (allocate/poison/copy)."""
-
-    # Uniform multi-token resume rows need no host sync (`_resume_all`): graph-capturable.
-    captures_uniform_resume = True
 
     def __init__(self, config: dict, layer_index: int, tp: TPGroup | None, dtype: torch.dtype):
         super().__init__()
@@ -215,7 +197,7 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
             return self.out_proj(self.norm(self._decode_all(mixed, g, beta, slots), z).flatten(1))
         resume = uniform_resume_len(batch, hidden.shape[0])
         if resume is not None:
-            core = self._resume_all(mixed, g, beta, slots, resume)
+            core = self.resume_token_by_token(mixed, g, beta, slots, resume)
             return self.out_proj(self.norm(core, z).flatten(1))
         core = hidden.new_zeros(hidden.shape[0], self.num_v_heads, self.head_v_dim)
         split = batch.linear_rows(hidden.device)
@@ -254,19 +236,6 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
             )
         normed = self.norm(core, z)
         return self.out_proj(normed.flatten(1))
-
-    def _resume_all(self, mixed, g, beta, slots: torch.Tensor, q: int) -> torch.Tensor:
-        """Rows of q tokens each, every row resuming its state: q single-step passes, pass
-        j over token j of every row (device-side indices only)."""
-        first = torch.arange(slots.shape[0], device=mixed.device) * q
-        core = None
-        for j in range(q):
-            index = first + j
-            out = self._decode_all(mixed[index], g[index], beta[index], slots)
-            if core is None:
-                core = out.new_empty((mixed.shape[0], *out.shape[1:]))
-            core[index] = out
-        return core
 
     def _decode_all(self, mixed, g, beta, slots: torch.Tensor) -> torch.Tensor:
         """Every token is its row's one-token decode (`batch.decode_only`): no host sync, so

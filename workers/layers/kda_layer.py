@@ -33,7 +33,7 @@ from kvloom.workers.layers.linear import (
     RowParallelLinear,
     check_shape,
 )
-from kvloom.workers.layers.linear_state_pages import LinearStatePages
+from kvloom.workers.layers.linear_state_pages import LinearStatePages, uniform_resume_len
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
 from kvloom.workers.linear_rows import LinearRows
 
@@ -175,8 +175,11 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
         g = kda_log_decay(raw_gate, self.A_log, self.dt_bias)
         beta = torch.sigmoid(self.b_proj(hidden))
 
+        resume = uniform_resume_len(batch, num_tokens)
         if batch.decode_only:
             core = self._decode_all(mixed, g, beta, slots)
+        elif resume is not None:  # a verification: token by token, no host-side bounds
+            core = self.resume_token_by_token(mixed, g, beta, slots, resume)
         else:
             core = hidden.new_zeros(heads)
             self._mixed_rows(mixed, g, beta, batch, slots, core)

@@ -3,19 +3,58 @@
 A run of consecutive blocks of the one pool holds, per layer, a causal-conv window and a
 recurrent state: a request's live state, or a prefix-cache checkpoint of it. A state is
 indexed by the pool block id of its run's first page.
+
+Both layers serve a step whose every row resumes its state with the same few tokens (a
+speculative verification, k + 1 tokens a row) one position at a time through their
+single-step kernels (`resume_token_by_token`): the recurrence a plain decode computes,
+with device-side indices only, so CUDA graphs can capture it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.cache_pages import span_view
 from kvloom.workers.dtypes import TORCH_DTYPES
+
+# Longest uniform resume row served token by token (verifications are k + 1 <= 9 tokens).
+MAX_SERIAL_RESUME = 9
+
+
+def uniform_resume_len(batch: ForwardBatch, num_tokens: int) -> int | None:
+    """q when every row resumes its own state with exactly q tokens, 2 <= q <= 9."""
+    rows = batch.rows
+    n = len(rows.kinds)
+    if n == 0 or num_tokens % n:
+        return None
+    q = num_tokens // n
+    if not 2 <= q <= MAX_SERIAL_RESUME or not rows.uniform_decode(q):
+        return None
+    return q if len(rows.num_scheduled_tokens) == n and q * n == num_tokens else None
 
 
 class LinearStatePages:
     conv_state: torch.Tensor | None = None
     recurrent_state: torch.Tensor | None = None
+    # Uniform multi-token resume rows need no host sync (`resume_token_by_token`).
+    captures_uniform_resume = True
+
+    def _decode_all(self, mixed, g, beta, slots: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError  # each layer's single-step kernels over every row
+
+    def resume_token_by_token(self, mixed, g, beta, slots: torch.Tensor, q: int) -> torch.Tensor:
+        """Rows of q tokens each, every row resuming its state: q single-step passes, pass
+        j over token j of every row (device-side indices only)."""
+        first = torch.arange(slots.shape[0], device=mixed.device) * q
+        core = None
+        for j in range(q):
+            index = first + j
+            out = self._decode_all(mixed[index], g[index], beta[index], slots)
+            if core is None:
+                core = out.new_empty((mixed.shape[0], *out.shape[1:]))
+            core[index] = out
+        return core
 
     def allocate_cache(self, pages: torch.Tensor, spec) -> None:
         """Views the pool's pages: the conv window first, the recurrent state after it. A
