@@ -64,6 +64,16 @@ class SyncTimer:
         setattr(obj, name, timed)
 
 
+def ms_per_step(engine, steps: int) -> float:
+    """Wall ms per engine step over `steps` steps, the device drained at both ends."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    return round((time.perf_counter() - start) * 1e3 / steps, 3)
+
+
 def speculative_config(proposer: str, model: str, tmp: Path, shape: str, k: int):
     if proposer == "none":
         return None
@@ -130,12 +140,7 @@ def main() -> None:
 
         # (1) the real step time, then (3) GPU kernels and host functions over a window.
         before = replay_counts(runner)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step()
-        sync()
-        result["step_ms"] = round((time.perf_counter() - t0) * 1e3 / args.steps, 3)
+        result["step_ms"] = ms_per_step(engine, args.steps)
         after = replay_counts(runner)
         result["replays_per_step"] = {
             k: round((after[k] - before[k]) / args.steps, 2) for k in after if after[k] >= 0
@@ -167,17 +172,15 @@ def main() -> None:
         ]
         draft = runner.draft
         if draft is not None:
+            targets.append((draft, "run", "draft_total"))
             for name in ("catch_up", "propose"):
                 if hasattr(draft, name):
                     targets.append((draft, name, f"draft_{name}"))
+            if getattr(draft, "catch_up_graphs", None) is not None:
+                targets.append((draft.catch_up_graphs, "replay", "draft_catch_up_graph"))
         for obj, name, label in targets:
             timer.wrap(obj, name, label)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step()
-        sync()
-        result["serialised_step_ms"] = round((time.perf_counter() - t0) * 1e3 / args.steps, 3)
+        result["serialised_step_ms"] = ms_per_step(engine, args.steps)
         result["phase_ms_per_step"] = {
             k: round(v * 1e3 / args.steps, 3) for k, v in sorted(timer.totals.items())
         }

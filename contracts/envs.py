@@ -27,7 +27,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "",
         "1: capture (rows, k) verification graphs for a CUDA hybrid target whose "
         "linear-attention layers serve uniform resume rows token by token (Gated "
-        "DeltaNet); off until an H200 run verifies the capture",
+        "DeltaNet, KDA; MLA targets stay eager); off until an H200 run verifies the capture",
     ),
     "KVLOOM_DRAFTER_TIMEOUT_S": (
         "2",

@@ -21,8 +21,8 @@ reads its slot, so a recycled or NaN-poisoned page cannot leak into a new reques
 A step whose every row resumes its state with the same few tokens (a speculative
 verification of k + 1 tokens a row, `uniform_resume_len`) runs those tokens one position
 at a time through the single-step kernels instead (`resume_token_by_token`, in
-linear_state_pages.py, shared with KDA): the recurrence a plain
-decode would compute, with no host-side sequence bounds, so CUDA graphs can capture it.
+linear_state_pages.py, shared with KDA): the recurrence a plain decode would compute,
+with no host-side sequence bounds, so CUDA graphs can capture it.
 
 Tensor parallelism splits key-head groups (and with them their value heads) over ranks.
 """

@@ -29,9 +29,9 @@ def uniform_resume_len(batch: ForwardBatch, num_tokens: int) -> int | None:
     if n == 0 or num_tokens % n:
         return None
     q = num_tokens // n
-    if not 2 <= q <= MAX_SERIAL_RESUME or not rows.uniform_decode(q):
-        return None
-    return q if len(rows.num_scheduled_tokens) == n and q * n == num_tokens else None
+    # uniform_decode skips padding rows, but a padding row (no tokens) leaves the real
+    # rows more than num_tokens / n each: such a step never passes.
+    return q if 2 <= q <= MAX_SERIAL_RESUME and rows.uniform_decode(q) else None
 
 
 class LinearStatePages:
@@ -40,12 +40,10 @@ class LinearStatePages:
     # Uniform multi-token resume rows need no host sync (`resume_token_by_token`).
     captures_uniform_resume = True
 
-    def _decode_all(self, mixed, g, beta, slots: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError  # each layer's single-step kernels over every row
-
     def resume_token_by_token(self, mixed, g, beta, slots: torch.Tensor, q: int) -> torch.Tensor:
         """Rows of q tokens each, every row resuming its state: q single-step passes, pass
-        j over token j of every row (device-side indices only)."""
+        j over token j of every row (device-side indices only), through the layer's own
+        `_decode_all` (its single-step kernels over every row)."""
         first = torch.arange(slots.shape[0], device=mixed.device) * q
         core = None
         for j in range(q):
