@@ -16,10 +16,13 @@ Usage (about 2-3 minutes on an H200 with the defaults):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
 from pathlib import Path
+
+import torch
 
 from kvloom import Engine
 from kvloom.cluster.bench import offline_workload, run_offline, shape_dir
@@ -40,6 +43,10 @@ def run_once(model: str, args, deterministic: bool) -> dict:
     )
     elapsed, out_tokens = run_offline(engine, offline_workload(args, engine.vocab_size))
     engine.shutdown()
+    del engine
+    gc.collect()  # the runner's graphs and pools sit in cycles: free them before the next
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     set_batch_invariant(False)
     return {"seconds": round(elapsed, 2), "tok_s": round(out_tokens / elapsed, 1)}
 

@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/gpu_fast_path.sh tests bench-dense|latency-dense [bench-hybrid] [plans]
 #     [profile-dense|profile-hybrid] [latency-hybrid] [plans] [pending-tests]
-#     [spec-profile] [deterministic]
+#     [spec-profile] [deterministic] [all-gpu-tests]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -60,8 +60,35 @@ for section in "$@"; do
       python3 -m kvloom.cluster.cli bench latency --shape qwen3-next-24l \
         --out "$OUT/kvloom_qwen3-next-24l_latency.json" 2>&1 | tail -15 || status=1
       ;;
+    all-gpu-tests)  # every gpu test, in parallel groups (compiles are CPU-bound; gpu_tests.md)
+      run_group() { name=$1; shift
+        ( timeout ${GROUP_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -rfE \
+            --durations=8 "$@" > "$OUT/gpu_tests_$name.log" 2>&1
+          echo "EXIT $name $?" >> "$OUT/gpu_tests_$name.log" ) &
+      }
+      run_group G1 -m gpu tests/test_cuda_graphs.py tests/test_async_scheduling.py \
+        tests/test_structured_outputs_async.py
+      run_group G2 -m gpu tests/test_verification_graphs.py tests/test_spec_decode_mtp.py \
+        tests/test_spec_decode_eagle3.py tests/test_spec_decode_dflash.py \
+        tests/test_rejection_sampler.py tests/test_remote_drafter.py
+      run_group G3 -m gpu tests/test_gdn_fla.py tests/test_linear_decode_triton.py \
+        tests/test_greedy_argmax.py tests/test_gemv.py tests/test_moe_router.py \
+        tests/test_gdn_gates.py tests/test_gated_rms_norm.py tests/test_fused_moe.py \
+        tests/test_qk_norm_rope.py tests/test_token_bitmask.py
+      run_group G4 tests/triton_interpret/test_kv_cache_fp8_triton.py \
+        tests/triton_interpret/test_paged_attention_dcp_triton.py
+      run_group G5 tests/triton_interpret/test_batch_invariant_triton.py \
+        tests/triton_interpret/test_kernels_triton_dense.py
+      run_group G6 tests/triton_interpret/test_quant_kernels_triton.py
+      run_group G7 -m gpu tests/test_ray_gpu.py tests/test_distributed_all_gatherv.py \
+        tests/test_distributed_process_group.py tests/test_ray_async_scheduling.py \
+        tests/test_deterministic_gpu.py
+      wait
+      for f in "$OUT"/gpu_tests_G*.log; do tail -3 "$f"; done
+      grep -q "EXIT G[0-9] [^0]" "$OUT"/gpu_tests_G*.log && status=1
+      ;;
     pending-tests)  # gpu tests of code that landed without a GPU run (see the closing notes)
-      KVLOOM_HYBRID_VERIFY_GRAPHS=1 timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu \
         tests/test_verification_graphs.py tests/test_spec_decode_mtp.py 2>&1 \
         | tee "$OUT/pending_spec_tests.log" | tail -12 || status=1
       timeout 280 python3 -m pytest -q -p no:cacheprovider \

@@ -23,12 +23,6 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "decode_context_parallel_size > 1 (NCCL calls inside the graph); off until a "
         "multi-GPU run verifies it",
     ),
-    "KVLOOM_HYBRID_VERIFY_GRAPHS": (
-        "",
-        "1: capture (rows, k) verification graphs for a CUDA hybrid target whose "
-        "linear-attention layers serve uniform resume rows token by token (Gated "
-        "DeltaNet, KDA; MLA targets stay eager); off until an H200 run verifies the capture",
-    ),
     "KVLOOM_DRAFTER_TIMEOUT_S": (
         "2",
         "seconds a target waits for a remote drafter's drafts before serving without them",

@@ -95,6 +95,24 @@ def test_absorbed_kernel_matches_decompressed_attention_on_mixed_rows(dtype):
         assert torch.allclose(lse[a:b], ref_lse.float(), atol=1e-5)
     assert torch.isfinite(out).all()
 
+    # A CUDA graph's padding: tokens past the last row (query_start_loc ends below the
+    # token count) come out zero with lse -inf, and the real rows are unchanged.
+    pad = 3
+    padded_q = torch.cat([q_latent, torch.randn(pad, HEADS, RANK, generator=gen, dtype=dtype)])
+    padded_pe = torch.cat(
+        [torch.cat(q_pe), torch.randn(pad, HEADS, ROPE, generator=gen, dtype=dtype)]
+    )
+    o_pad, lse_pad = mla_attention_ref(
+        padded_q, padded_pe, cache, tables, starts, torch.tensor(context), scale
+    )
+    assert torch.equal(o_pad[: len(q_latent)], o_latent)
+    assert torch.equal(o_pad[len(q_latent) :], torch.zeros_like(o_pad[len(q_latent) :]))
+    assert torch.isneginf(lse_pad[len(q_latent) :]).all()
+    with pytest.raises(ValueError, match="query_start_loc"):
+        mla_attention_ref(
+            q_latent[:-1], torch.cat(q_pe)[:-1], cache, tables, starts, torch.tensor(context), scale
+        )
+
 
 def test_write_skips_padding_slots_and_rejects_bad_shapes():
     cache = torch.zeros(3, BLOCK, RANK + ROPE)

@@ -17,7 +17,7 @@ from kvloom.contracts.kv_cache_plan import (
     KVCacheSpecs,
     PageLayout,
 )
-from kvloom.contracts.kv_cache_spec import KVCacheGroup, LinearStateSpec, MLASpec
+from kvloom.contracts.kv_cache_spec import KVCacheGroup, LinearStateSpec
 from kvloom.contracts.runner_output import ModelRunnerOutput
 from kvloom.contracts.scheduler_output import (
     PLACEHOLDER_TOKEN_ID,
@@ -452,15 +452,11 @@ class ModelRunner:
         A hybrid target's (k + 1)-token rows need linear-attention layers that serve them
         without host-side sequence bounds (`captures_uniform_resume`: Gated DeltaNet and
         KDA run them token by token; the varlen conv and chunked kernels they replace
-        failed to capture on the H200). On CUDA that path is opt-in
-        (KVLOOM_HYBRID_VERIFY_GRAPHS=1) until a GPU run verifies its capture, and MLA
-        targets (Kimi-Linear) stay eager: no test covers MLA in a verification graph yet
-        (the CPU stand-in's MLA reference refuses a graph's padding rows)."""
+        failed to capture on the H200; the token-by-token path passed the H200's
+        verification-graph tests for Qwen3-Next and Kimi-Linear)."""
         linear = self._linear_layers()
         if not (self.speculative and linear and self.device.type == "cuda"):
             return []
-        if any(isinstance(g.spec, MLASpec) for g in self.groups):
-            return ["MLA attention has no verification-graph coverage yet (Kimi-Linear)"]
         lacking = sorted(
             {type(x).__name__ for x in linear if not getattr(x, "captures_uniform_resume", False)}
         )
@@ -468,11 +464,6 @@ class ModelRunner:
             return [
                 f"{', '.join(lacking)} layers serve (k + 1)-token rows with the varlen conv / "
                 "chunked kernels, which read sequence bounds on the host"
-            ]
-        if not envs.flag("KVLOOM_HYBRID_VERIFY_GRAPHS"):
-            return [
-                "hybrid verification graphs are opt-in until verified on a GPU "
-                "(KVLOOM_HYBRID_VERIFY_GRAPHS=1)"
             ]
         return []
 
