@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/gpu_fast_path.sh tests bench-dense|latency-dense [bench-hybrid] [plans]
 #     [profile-dense|profile-hybrid] [latency-hybrid] [plans] [pending-tests]
-#     [spec-profile] [deterministic] [all-gpu-tests]
+#     [spec-profile] [deterministic] [all-gpu-tests] [gdn-mixed]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -86,6 +86,13 @@ for section in "$@"; do
       wait
       for f in "$OUT"/gpu_tests_G*.log; do tail -3 "$f"; done
       grep -q "EXIT G[0-9] [^0]" "$OUT"/gpu_tests_G*.log && status=1
+      ;;
+    gdn-mixed)  # Gated DeltaNet's mixed steps: chunked kernels vs auto (serial for many rows)
+      for choice in chunked auto; do
+        KVLOOM_GDN_MIXED_STEPS=$choice python3 -m kvloom.cluster.cli bench throughput \
+          --shape qwen3-next-24l --out "$OUT/gdn_mixed_${choice}_throughput.json" 2>&1 \
+          | grep -v "it/s" | tail -4 || status=1
+      done
       ;;
     pending-tests)  # gpu tests of code that landed without a GPU run (see the closing notes)
       timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu \

@@ -30,6 +30,12 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "KVLOOM_DISABLE_TRITON": ("", "1: every kernel takes its pure-torch reference"),
     "KVLOOM_NO_GEMV": ("", "1: small-row linears (bf16, FP8, W4A16) skip the Triton GEMVs"),
     "KVLOOM_NO_FLA": ("", "1: Gated DeltaNet prefill on CUDA skips fla-core's kernels"),
+    "KVLOOM_GDN_MIXED_STEPS": (
+        "auto",
+        "how Gated DeltaNet serves mixed prefill + decode steps: serial (token by token, in "
+        "place), chunked (the chunked kernels) or auto (serial on CUDA for many short rows "
+        "and a float32 state)",
+    ),
 }
 
 
