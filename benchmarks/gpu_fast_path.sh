@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/gpu_fast_path.sh tests bench-dense|latency-dense [bench-hybrid] [plans]
 #     [profile-dense|profile-hybrid] [latency-hybrid] [plans] [pending-tests]
-#     [spec-profile] [deterministic] [all-gpu-tests] [gdn-mixed]
+#     [spec-profile] [spec-decode] [deterministic] [all-gpu-tests] [gdn-mixed]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -109,6 +109,10 @@ for section in "$@"; do
         timeout 120 python3 benchmarks/spec_step_profile.py --shape qwen3-8b --proposer "$1" \
           --rows "$2" --out "$OUT/spec_step_$1_$2.json" 2>&1 | grep -E "^INFO|^RESULT" || status=1
       done
+      ;;
+    spec-decode)  # ms/token by proposer at 1 and 64 rows, forced acceptance (spec_decode.md)
+      timeout 300 python3 benchmarks/spec_decode.py --shape qwen3-8b --rows 1 64 \
+        --out "$OUT/spec_decode_qwen3-8b.json" 2>&1 | grep -v "it/s" | tail -12 || status=1
       ;;
     deterministic)  # the mode's GPU test and its throughput cost (deterministic.md)
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_deterministic_gpu.py \

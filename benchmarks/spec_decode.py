@@ -9,7 +9,9 @@ model in one process. Reports tokens/s, acceptance rate and mean tokens per step
 On a GPU, `--shape qwen3-8b` (cluster/bench.py's shapes, random dummy weights, bf16, CUDA
 graphs on) runs each proposer at every `--rows` batch size and adds `draft_1layer`: a
 one-layer draft of the target's widths, the cost of an MTP / EAGLE-shaped head, whose
-random drafts are all rejected, so its figure is the per-step overhead. From the measured
+random drafts are all rejected, so its figure is the per-step overhead, and
+`draft_1layer_forced`: the same drafter whose proposals are replaced by the target's own
+tokens from the run without speculation (acceptance forced). From the measured
 step times it reports the overhead per draft token and the break-even mean accepted length
 (the tokens per verify step a drafter must reach to pay for itself):
 
@@ -42,9 +44,10 @@ def workload(n: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-def run(engine: Engine, prompts, max_tokens: int) -> tuple[float, int]:
+def run(engine: Engine, prompts, max_tokens: int, sequences: dict | None = None):
     """(seconds of decoding, output tokens): the clock starts once every prompt has been
-    prefilled (its first token out), so the figure is decode time per token."""
+    prefilled (its first token out), so the figure is decode time per token. `sequences`,
+    if given, receives each request's prompt + output tokens."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
@@ -56,9 +59,29 @@ def run(engine: Engine, prompts, max_tokens: int) -> tuple[float, int]:
             started.add(out.request_id)
             if out.finished:
                 tokens += len(out.outputs[0].token_ids) - 1
+                if sequences is not None:
+                    sequences[out.request_id] = out.prompt_token_ids + out.outputs[0].token_ids
         if start is None and len(started) == len(prompts):
             start = time.perf_counter()
     return time.perf_counter() - (start or time.perf_counter()), tokens
+
+
+def force_drafts(engine: Engine, oracle: dict[str, list[int]]) -> None:
+    """Acceptance forced: the drafter still runs (its cost is paid), then its proposals are
+    replaced by the tokens the target itself produced without speculation (`oracle`: per
+    request id, prompt + output). Rounding in verification rows can still reject some."""
+    draft = engine.executor.worker.runner.draft
+    propose = draft.run
+
+    def forced(step):
+        drafts = propose(step)
+        for rid, own in drafts.items():
+            seq = oracle.get(rid, [])
+            at = step.num_tokens[rid] + len(step.sampled.get(rid, []))
+            drafts[rid] = seq[at : at + len(own)] + own[len(seq[at : at + len(own)]) :]
+        return drafts
+
+    draft.run = forced
 
 
 def gpu_main(args) -> None:
@@ -83,6 +106,9 @@ def gpu_main(args) -> None:
                 "num_speculative_tokens": k,
             },
         }
+        # The MTP / EAGLE-shaped drafter with acceptance forced (force_drafts).
+        configs["draft_1layer_forced"] = configs["draft_1layer"]
+        oracle: dict[int, dict] = {batch: {} for batch in args.rows}
         for name, spec in configs.items():
             engine = Engine(
                 model=model,
@@ -95,7 +121,11 @@ def gpu_main(args) -> None:
             )
             run(engine, workload(1, seed=1), 8)  # warm-up
             for batch in args.rows:
-                elapsed, tokens = run(engine, workload(batch, seed=batch), args.max_tokens)
+                if name == "draft_1layer_forced":
+                    force_drafts(engine, oracle[batch])
+                record = oracle[batch] if name == "none" else None
+                prompts = workload(batch, seed=batch)
+                elapsed, tokens = run(engine, prompts, args.max_tokens, record)
                 stats = engine.stats()  # acceptance: cumulative over this engine's runs
                 rows[f"{name}@{batch}"] = {
                     "proposer": name,
@@ -115,12 +145,14 @@ def gpu_main(args) -> None:
             rows[f"draft_1layer@{batch}"]["ms_per_token"]
             * rows[f"draft_1layer@{batch}"]["mean_tokens_per_step"]
         )
+        forced = rows[f"draft_1layer_forced@{batch}"]
         rows[f"derived@{batch}"] = {
             "rows": batch,
             "plain_step_ms": base,
             "speculative_step_ms_1layer_draft": round(step, 3),
             "overhead_ms_per_draft_token": round((step - base) / k, 3),
             "break_even_tokens_per_step": round(step / base, 2),
+            "forced_speed_up": round(base / forced["ms_per_token"], 3),
         }
         print(json.dumps(rows[f"derived@{batch}"]))
     if args.out:
