@@ -521,3 +521,43 @@ def test_cuda_matches_cpu():
         assert cuda.token_ids.device.type == "cuda"
         assert cuda.tolist() == cpu.tolist()
         assert cuda.invalid.cpu().tolist() == cpu.invalid.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_all_greedy_fast_path_matches_the_general_path(dtype):
+    """Every row greedy: the fused argmax and max-based poison check (`_greedy_lanes`) give
+    the general path's tokens, accepted counts and flags, special values included (a float64
+    entry that rounds to float32 +inf counts as +inf, as `.float()` makes it)."""
+    from kvloom.workers.sampler import sanitize_logits
+
+    gen = torch.Generator().manual_seed(5)
+    rows, lanes, vocab = 12, 4, 33
+    logits = torch.randn(rows, lanes, vocab, generator=gen).to(dtype)
+    logits[0, 1, 7] = NAN
+    logits[1, 0, 3] = INF
+    logits[2, 2] = -INF
+    logits[3, 0] = NAN
+    logits[4, 1, :5] = logits[4, 1].max() + 1  # a tie: the lowest id wins
+    if dtype == torch.float64:
+        logits[5, 0, 9] = 1e300  # finite in float64, +inf in float32
+    drafts = logits.float().nan_to_num(-INF).argmax(-1)[:, : lanes - 1].clone()
+    drafts[6, 1] = (drafts[6, 1] + 1) % vocab  # a rejection mid-row
+    num_drafts = [3, 3, 3, 3, 3, 3, 3, 2, 1, 0, 3, 3]
+    real = torch.arange(lanes)[None, :] <= torch.tensor(num_drafts)[:, None]
+    from kvloom.workers.spec_decode.rejection_sampler import _greedy_lanes
+
+    clean, want_poisoned = sanitize_logits(logits.float().clone(), real)
+    argmax, poisoned = _greedy_lanes(logits, real)
+    assert torch.equal(argmax, clean.argmax(-1)) and torch.equal(poisoned, want_poisoned)
+    flagged = [r for r in range(rows) if poisoned[r].any()]
+    assert flagged == ([0, 1, 2, 3, 5] if dtype == torch.float64 else [0, 1, 2, 3])
+
+    fast = rejection_sample(logits, drafts, num_drafts, [state() for _ in range(rows)])
+    # One sampled row sends the same batch through the general path; greedy rows keep theirs.
+    mixed = [state() for _ in range(rows - 1)] + [state(SamplingParams(temperature=0.7), 3)]
+    general = rejection_sample(logits, drafts, num_drafts, mixed)
+    assert fast.tolist()[:-1] == general.tolist()[:-1]
+    assert fast.invalid[:-1].tolist() == general.invalid[:-1].tolist()
+    for r in range(rows):
+        want = reference_greedy(logits[r].float().tolist(), drafts[r].tolist(), num_drafts[r])
+        assert fast.tolist()[r] == want, r

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.contracts.config import require
+from kvloom.kernels.ops import greedy_argmax
 from kvloom.workers.device_copy import to_device
 from kvloom.workers.sampler import (
     RowSamplingState,
@@ -96,6 +97,14 @@ def rejection_sample(
     in_vocab = (drafts >= 0) & (drafts < vocab)
     drafts = drafts.clamp(0, vocab - 1)  # bounded for every gather below
 
+    if draft_probs is None and all(row.params.greedy and not _has_penalties(row.params)
+                                   for row in rows):  # fmt: skip
+        # Every row greedy: two passes over the raw logits instead of a float32 copy and
+        # its sanitising passes; the same tokens and poisoned lanes (`_greedy_lanes`).
+        target_argmax, poisoned = _greedy_lanes(target_logits, real)
+        accept = is_draft & in_vocab & ~poisoned[:, :k] & (drafts == target_argmax[:, :k])
+        return _emit(accept, drafts, target_argmax, poisoned)
+
     logits = target_logits.float().clone()
     if any(_has_penalties(row.params) for row in rows):  # reads drafts back: only then
         _apply_penalties_per_lane(logits, rows, drafts.tolist(), in_vocab.tolist(), num_drafts)
@@ -120,13 +129,30 @@ def rejection_sample(
             sampled, logits, rows, num_drafts, drafts, in_vocab, poisoned, q, accept, emit
         )
 
+    return _emit(accept, drafts, emit, poisoned)
+
+
+def _emit(accept, drafts, emit, poisoned) -> RejectionSampleOutput:
+    """Each row's leading run of accepted drafts, then the lane's emitted token."""
     # accept is False on padding lanes, so the leading run stops at K_r at the latest.
     num_accepted = accept.long().cumprod(1).sum(1)
-    draft_lanes = torch.cat([drafts, drafts.new_zeros(num_rows, 1)], dim=1)
+    lanes = torch.arange(emit.shape[1], device=emit.device)
+    draft_lanes = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], dim=1)
     token_ids = torch.where(lanes[None, :] < num_accepted[:, None], draft_lanes, PADDING_TOKEN_ID)
     token_ids.scatter_(1, num_accepted[:, None], emit.gather(1, num_accepted[:, None]))
     invalid = poisoned.any(-1)  # poisoned lanes are real lanes
     return RejectionSampleOutput(token_ids, num_accepted, invalid)
+
+
+def _greedy_lanes(target_logits, real) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax [R, K+1], poisoned [R, K+1]) as `_sanitize` then argmax give them: the fused
+    NaN-safe greedy kernel picks the same token, and a lane is poisoned exactly when its
+    maximum is not finite (max propagates NaN; +inf, or nothing but -inf, is not finite)."""
+    num_rows, num_lanes, vocab = target_logits.shape
+    argmax = greedy_argmax(target_logits.reshape(-1, vocab)).view(num_rows, num_lanes)
+    # The max rounded as `.float()` rounds every entry: rounding is monotonic.
+    poisoned = ~torch.isfinite(target_logits.amax(-1).float()) & real
+    return argmax, poisoned
 
 
 def _validate(target_logits, draft_token_ids, num_draft_tokens, rows, draft_probs) -> list[int]:
