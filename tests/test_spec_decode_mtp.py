@@ -402,15 +402,15 @@ def test_mtp_catch_up_replays_verification_graphs_with_the_eager_drafts(next_mtp
     """With stand-in graphs, uniform verification steps catch the head up in one
     (rows, k + 1) replay over every entry, rejected drafts included: the drafts and tokens
     are the eager engine's, under chunked prefill, preemption and prefix hits."""
-    from tests.test_verification_graphs import SETTING, graph_engine, record_drafts, workload
     from tests.test_verification_graphs import engine as f64_engine
+    from tests.test_verification_graphs import graph_engine, record_drafts, setting, workload
 
-    setting = dict(SETTING, num_kv_blocks=80)  # the head's layer books KV too
-    plain = workload(f64_engine(next_mtp, **setting))
-    eager = f64_engine(next_mtp, speculative_config=MTP, device="cpu", **setting)
+    settings = dict(setting(next_mtp), num_kv_blocks=80)  # the head's layer books KV too
+    plain = workload(f64_engine(next_mtp, **settings))
+    eager = f64_engine(next_mtp, speculative_config=MTP, device="cpu", **settings)
     eager_drafts = record_drafts(eager)
     assert workload(eager) == plain
-    eng = graph_engine(next_mtp, speculative_config=MTP, **setting)
+    eng = graph_engine(next_mtp, speculative_config=MTP, **settings)
     drafts = record_drafts(eng)
     assert workload(eng) == plain
     assert drafts == eager_drafts
