@@ -63,8 +63,8 @@ for section in "$@"; do
     all-gpu-tests)  # every gpu test, in parallel groups (compiles are CPU-bound; gpu_tests.md)
       run_group() { name=$1; shift
         ( timeout ${GROUP_TIMEOUT:-540} python3 -m pytest -q -p no:cacheprovider -rfE \
-            --durations=8 "$@" > "$OUT/gpu_tests_$name.log" 2>&1
-          echo "EXIT $name $?" >> "$OUT/gpu_tests_$name.log" ) &
+            --durations=8 "$@" > "/tmp/gpu_tests_$name.log" 2>&1
+          echo "EXIT $name $?" >> "/tmp/gpu_tests_$name.log" ) &
       }
       run_group G1 -m gpu tests/test_cuda_graphs.py tests/test_async_scheduling.py \
         tests/test_structured_outputs_async.py
@@ -84,8 +84,9 @@ for section in "$@"; do
         tests/test_distributed_process_group.py tests/test_ray_async_scheduling.py \
         tests/test_deterministic_gpu.py
       wait
-      for f in "$OUT"/gpu_tests_G*.log; do tail -3 "$f"; done
-      grep -q "EXIT G[0-9] [^0]" "$OUT"/gpu_tests_G*.log && status=1
+      for f in /tmp/gpu_tests_G*.log; do echo "===== $f"; cat "$f"; done > "$OUT/gpu_tests.log"
+      grep -E "passed|failed|^EXIT" "$OUT/gpu_tests.log"
+      grep -q "^EXIT G[0-9] [^0]" "$OUT/gpu_tests.log" && status=1
       ;;
     gdn-mixed)  # Gated DeltaNet's mixed steps: chunked kernels vs auto (serial for many rows)
       for choice in chunked auto; do
