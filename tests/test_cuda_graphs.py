@@ -6,6 +6,8 @@ capture, replay and memory sizing need CUDA (tests marked `gpu`, run on the H200
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from engine_helpers import PROMPTS, assert_pool_full, greedy, run_to_completion
@@ -187,6 +189,20 @@ def test_profiling_step_leaves_nothing_behind(tiny_model):
     runner.initialize_kv_cache(engine.stats()["num_blocks"])
     outs = run_to_completion(engine, PROMPTS[:2], greedy(3))
     assert all(len(o.outputs[0].token_ids) == 3 for o in outs)
+
+
+def test_graph_memory_over_the_margin_is_a_warning(caplog):
+    """Capture's memory is measured against the margin the KV pool left for it: within it a
+    log line, beyond it a warning naming what to lower."""
+    from kvloom.workers.memory_profile import CUDA_GRAPH_MARGIN, MiB, report_graph_memory
+
+    with caplog.at_level(logging.INFO, logger="kvloom.workers.memory_profile"):
+        report_graph_memory(300 * MiB)
+        report_graph_memory(CUDA_GRAPH_MARGIN + 64 * MiB)
+    info, warning = caplog.records
+    assert info.levelno == logging.INFO and "300 MiB of the 512 MiB margin" in info.message
+    assert warning.levelno == logging.WARNING and "576 MiB" in warning.message
+    assert "gpu_memory_utilization" in warning.message
 
 
 # -- on the GPU ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ logits) runs over a temporary cache, and the allocator's high-water mark is read
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,27 @@ from kvloom.contracts.sampling_params import SamplingParams
 from kvloom.workers.input_batch import CachedRequestState
 
 GiB = 2**30
-CUDA_GRAPH_MARGIN = 512 * 2**20
+MiB = 2**20
+CUDA_GRAPH_MARGIN = 512 * MiB
+
+logger = logging.getLogger(__name__)
+
+
+def report_graph_memory(used: int, margin: int = CUDA_GRAPH_MARGIN) -> None:
+    """Logs what capturing the CUDA graphs (decode, verification, drafter proposal and
+    catch-up graphs) took from the device, and warns when it exceeds the margin the KV pool
+    was sized to leave: the pool was planned first, so the overrun comes out of the
+    memory `gpu_memory_utilization` meant to keep free."""
+    if used > margin:
+        logger.warning(
+            "CUDA graphs took %d MiB, more than the %d MiB margin left beside the KV cache; "
+            "if the device runs out of memory, lower gpu_memory_utilization or "
+            "max_num_seqs (the largest graph)",
+            used // MiB,
+            margin // MiB,
+        )
+    else:
+        logger.info("CUDA graphs took %d MiB of the %d MiB margin", used // MiB, margin // MiB)
 
 
 @dataclass

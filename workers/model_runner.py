@@ -38,7 +38,11 @@ from kvloom.workers.kv_cache_scales import KVCacheScales, has_kv_cache_scheme
 from kvloom.workers.layers.attention import PagedAttention
 from kvloom.workers.layers.quantization.build import build_model
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
-from kvloom.workers.memory_profile import CUDA_GRAPH_MARGIN, profile_memory
+from kvloom.workers.memory_profile import (
+    CUDA_GRAPH_MARGIN,
+    profile_memory,
+    report_graph_memory,
+)
 from kvloom.workers.models.registry import model_class
 from kvloom.workers.pending_step import PendingStep
 from kvloom.workers.row_kinds import RowClasses, classify_rows
@@ -310,7 +314,9 @@ class ModelRunner:
             kv_cache_ready(num_blocks, self.groups)
         sizes = self._graph_sizes()
         if capture_graphs and sizes:
+            before = torch.cuda.memory_reserved(self.device)
             self.capture_graphs(CudaStepGraph, sizes)
+            report_graph_memory(torch.cuda.memory_reserved(self.device) - before)
 
     def capture_graphs(self, make_graph, sizes: list[int]) -> None:
         """Captures the target's decode graphs, its (rows, k) verification graphs with
