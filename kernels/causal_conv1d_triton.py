@@ -192,3 +192,191 @@ def causal_conv1d_update_triton(
         num_warps=4,
     )
     return out
+
+
+# -- prefill: packed sequences ---------------------------------------------------------------
+
+_VARLEN_BLOCK_T = 16  # tokens per program
+_VARLEN_BLOCK_C = 128  # channels per program
+
+
+@triton.jit
+def _conv1d_varlen_kernel(
+    x_ptr,
+    weight_ptr,
+    bias_ptr,
+    state_ptr,
+    has_state_ptr,
+    seq_ptr,
+    cu_ptr,
+    out_ptr,
+    num_tokens,
+    stride_xt,
+    stride_wc,
+    stride_sn,
+    stride_sc,
+    stride_ot,
+    CHANNELS: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HAS_STATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    chan_ok = chans < CHANNELS
+    seq = tl.load(seq_ptr + tokens, mask=tokens < num_tokens, other=0).to(tl.int64)
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    token_ok = (tokens < num_tokens) & (tokens < end)
+    if HAS_STATE:
+        has_state = tl.load(has_state_ptr + seq, mask=token_ok, other=0) != 0
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(WIDTH):
+        # Tap j reads input t - (K-1) + j: the sequence's own token, or before its start
+        # the carried state, whose column K-1-d holds the input d steps before the start.
+        src = tokens - (WIDTH - 1) + j
+        own = token_ok & (src >= start)
+        x = tl.load(
+            x_ptr + src[:, None] * stride_xt + chans[None, :],
+            mask=own[:, None] & chan_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        if HAS_STATE:
+            carried = token_ok & (src < start) & has_state
+            column = (WIDTH - 1) - (start - src)
+            x += tl.load(
+                state_ptr + seq[:, None] * stride_sn + chans[None, :] * stride_sc + column[:, None],
+                mask=carried[:, None] & chan_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+        w = tl.load(weight_ptr + chans * stride_wc + j, mask=chan_ok, other=0.0).to(tl.float32)
+        acc += x * w[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(
+        out_ptr + tokens[:, None] * stride_ot + chans[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(tokens < num_tokens)[:, None] & chan_ok[None, :],
+    )
+
+
+def causal_conv1d_varlen_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    conv_state: torch.Tensor | None,
+    has_initial_state: torch.Tensor | None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed sequences (prefill chunks), as `causal_conv1d.causal_conv1d_varlen`: x [T, C]
+    (channels contiguous), cu_seqlens [N+1] on x's device, conv_state [N, C, K-1] (gathered
+    by the caller) read where has_initial_state [N]. Returns (y [T, C], the new state
+    [N, C, K-1]). Every token's program reads only its own window, so the work is parallel
+    over tokens and channels, and nothing is read back to the host: lengths stay on the
+    device. Tokens past cu_seqlens[-1] get zeros."""
+    _check_varlen_args(x, weight, bias, cu_seqlens, conv_state, has_initial_state, activation)
+    num_tokens, channels = x.shape
+    width = weight.shape[1]
+    num_seqs = cu_seqlens.shape[0] - 1
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((num_tokens, channels), dtype=x.dtype, device=x.device)
+    state_dtype = x.dtype if conv_state is None else conv_state.dtype
+    if num_seqs == 0 or channels == 0:
+        return out.zero_(), torch.zeros(
+            (num_seqs, channels, width - 1), dtype=state_dtype, device=x.device
+        )
+    cu = cu_seqlens.to(torch.int64)
+    if num_tokens:
+        positions = torch.arange(num_tokens, device=x.device)
+        seq = torch.searchsorted(cu[1:], positions, right=True).clamp_(max=num_seqs - 1)
+        has_state = conv_state is not None and width > 1
+        if has_state:
+            conv_state = conv_state if conv_state.stride(2) == 1 else conv_state.contiguous()
+        grid = (triton.cdiv(num_tokens, _VARLEN_BLOCK_T), triton.cdiv(channels, _VARLEN_BLOCK_C))
+        _conv1d_varlen_kernel[grid](
+            x,
+            weight,
+            bias if bias is not None else x,  # never read without HAS_BIAS
+            conv_state if has_state else x,  # never read without HAS_STATE
+            has_initial_state.to(torch.int8) if has_state else x,
+            seq,
+            cu,
+            out,
+            num_tokens,
+            x.stride(0),
+            weight.stride(0),
+            conv_state.stride(0) if has_state else 0,
+            conv_state.stride(1) if has_state else 0,
+            out.stride(0),
+            CHANNELS=channels,
+            WIDTH=width,
+            BLOCK_T=_VARLEN_BLOCK_T,
+            BLOCK_C=_VARLEN_BLOCK_C,
+            HAS_STATE=has_state,
+            HAS_BIAS=bias is not None,
+            SILU=_ACTIVATIONS[activation],
+            num_warps=4,
+        )
+    return out, _final_conv_state(x, cu, conv_state, has_initial_state, width, state_dtype)
+
+
+def _check_varlen_args(x, weight, bias, cu_seqlens, conv_state, has_initial_state, activation):
+    for name, t in (("x", x), ("weight", weight), ("bias", bias), ("conv_state", conv_state)):
+        if t is not None:
+            check_dtype(name, t)
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {list(_ACTIVATIONS)}, got {activation!r}")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected [T, C], got shape {tuple(x.shape)}")
+    channels = x.shape[1]
+    if weight.dim() != 2 or weight.shape[0] != channels or weight.shape[1] < 1:
+        raise ValueError(f"weight: expected [{channels}, K >= 1], got shape {tuple(weight.shape)}")
+    if weight.stride(1) != 1 or (bias is not None and channels > 1 and bias.stride(0) != 1):
+        raise ValueError("weight and bias: each row must be contiguous")
+    if bias is not None:
+        check_shape("bias", bias, (channels,))
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1 or cu_seqlens.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"cu_seqlens: expected an int32/int64 [N+1] tensor, got {cu_seqlens}")
+    num_seqs = cu_seqlens.shape[0] - 1
+    if (conv_state is None) != (has_initial_state is None):
+        raise ValueError("has_initial_state: given exactly when conv_state is")
+    if conv_state is not None:
+        check_shape("conv_state", conv_state, (num_seqs, channels, weight.shape[1] - 1))
+        check_shape("has_initial_state", has_initial_state, (num_seqs,))
+        if has_initial_state.dtype != torch.bool:
+            raise ValueError(f"has_initial_state: expected bool, got {has_initial_state.dtype}")
+    check_same_device(
+        x=x, weight=weight, bias=bias, cu_seqlens=cu_seqlens, conv_state=conv_state,
+        has_initial_state=has_initial_state,
+    )  # fmt: skip
+
+
+def _final_conv_state(x, cu, conv_state, has_initial_state, width, state_dtype):
+    """Each sequence's last K-1 inputs [N, C, K-1], oldest first: its own tokens, and where
+    it is shorter than K-1 the carried state shifted in (or zeros). Device ops only."""
+    history = width - 1
+    num_seqs, channels = cu.shape[0] - 1, x.shape[1]
+    if history == 0:
+        return torch.zeros((num_seqs, channels, 0), dtype=state_dtype, device=x.device)
+    starts, ends = cu[:-1, None], cu[1:, None]
+    pos = ends - history + torch.arange(history, device=x.device)  # [N, K-1]
+    own = pos >= starts
+    values = x[pos.clamp(min=0, max=max(x.shape[0] - 1, 0))] if x.shape[0] else None
+    if values is None:
+        values = torch.zeros((num_seqs, history, channels), dtype=x.dtype, device=x.device)
+    new = values.transpose(1, 2).to(state_dtype)  # [N, C, K-1]
+    carried = torch.zeros_like(new)
+    if conv_state is not None:
+        # Position p before the start sits in state column K-1 - (start - p).
+        column = (pos - starts + history).clamp(0, history - 1)
+        old = conv_state.gather(2, column[:, None, :].expand(num_seqs, channels, history))
+        keep = has_initial_state.to(x.device).view(-1, 1, 1)
+        carried = torch.where(keep, old.to(state_dtype), carried)
+    return torch.where(own[:, None, :], new, carried).contiguous()

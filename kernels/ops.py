@@ -185,6 +185,23 @@ def mla_attention(
     )[0]
 
 
+def causal_conv1d_varlen(
+    x, weight, bias, cu_seqlens, conv_state, has_initial_state, activation="silu"
+):
+    """Causal conv over packed sequences (prefill chunks) -> (y, new conv state). On CUDA
+    the Triton kernel (parallel over tokens, lengths kept on the device); elsewhere the
+    reference, which builds [T, K, C] windows and reads the bounds back."""
+    if use_triton(x):
+        from kvloom.kernels.causal_conv1d_triton import causal_conv1d_varlen_triton
+
+        return causal_conv1d_varlen_triton(
+            x, weight, bias, cu_seqlens, conv_state, has_initial_state, activation
+        )
+    return conv_ref.causal_conv1d_varlen(
+        x, weight, bias, cu_seqlens, conv_state, has_initial_state, activation
+    )
+
+
 def causal_conv1d_update(x, weight, bias, conv_state_pool, state_indices, activation="silu"):
     if use_triton(x):
         from kvloom.kernels.causal_conv1d_triton import causal_conv1d_update_triton

@@ -42,10 +42,10 @@ from torch import nn
 from kvloom.contracts import envs
 from kvloom.contracts.kv_cache_spec import LinearStateSpec
 from kvloom.kernels import batch_invariant as bi
-from kvloom.kernels.causal_conv1d import causal_conv1d_varlen
 from kvloom.kernels.dispatch import batch_invariant
 from kvloom.kernels.ops import (
     causal_conv1d_update,
+    causal_conv1d_varlen,
     chunk_gated_delta_rule,
     gated_rms_norm,
     gdn_gates,
