@@ -275,7 +275,7 @@ def causal_conv1d_varlen_triton(
     activation: str | None = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed sequences (prefill chunks), as `causal_conv1d.causal_conv1d_varlen`: x [T, C]
-    (channels contiguous), cu_seqlens [N+1] on x's device, conv_state [N, C, K-1] (gathered
+    (channels contiguous), cu_seqlens [N+1] on the host or x's device, conv_state [N, C, K-1] (gathered
     by the caller) read where has_initial_state [N]. Returns (y [T, C], the new state
     [N, C, K-1]). Every token's program reads only its own window, so the work is parallel
     over tokens and channels, and nothing is read back to the host: lengths stay on the
@@ -293,6 +293,8 @@ def causal_conv1d_varlen_triton(
             (num_seqs, channels, width - 1), dtype=state_dtype, device=x.device
         )
     cu = cu_seqlens.to(torch.int64)
+    if cu.device != x.device:  # the layers keep chunk bounds on the host: copy, no sync
+        cu = cu.pin_memory().to(x.device, non_blocking=True)
     if num_tokens:
         positions = torch.arange(num_tokens, device=x.device)
         seq = torch.searchsorted(cu[1:], positions, right=True).clamp_(max=num_seqs - 1)
@@ -353,9 +355,8 @@ def _check_varlen_args(x, weight, bias, cu_seqlens, conv_state, has_initial_stat
         if has_initial_state.dtype != torch.bool:
             raise ValueError(f"has_initial_state: expected bool, got {has_initial_state.dtype}")
     check_same_device(
-        x=x, weight=weight, bias=bias, cu_seqlens=cu_seqlens, conv_state=conv_state,
-        has_initial_state=has_initial_state,
-    )  # fmt: skip
+        x=x, weight=weight, bias=bias, conv_state=conv_state, has_initial_state=has_initial_state
+    )
 
 
 def _final_conv_state(x, cu, conv_state, has_initial_state, width, state_dtype):

@@ -86,6 +86,36 @@ def test_gpu_varlen_conv_qwen3_next_width():
     lens = [4096, 1, 2, 3000, 0, 1093]
     x, weight, bias, cu, state, has = case(lens, 8192, 4, torch.bfloat16, True, gen)
     want_y, want_state = causal_conv1d_varlen(x, weight, None, cu, state, has)
-    got_y, got_state = causal_conv1d_varlen_triton(x, weight, None, cu, state, has)
-    torch.testing.assert_close(got_y, want_y, atol=1.6e-2, rtol=1.6e-2)
-    assert torch.equal(got_state, want_state)
+    # The layers hand the chunk bounds over on the host (workers/linear_rows.py).
+    for bounds in (cu, cu.cpu()):
+        got_y, got_state = causal_conv1d_varlen_triton(x, weight, None, bounds, state, has)
+        torch.testing.assert_close(got_y, want_y, atol=1.6e-2, rtol=1.6e-2)
+        assert torch.equal(got_state, want_state)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "kimi_linear"])
+def test_layers_serve_prefill_through_the_kernel(hybrid_model, arch, monkeypatch):
+    """The layers' own call (chunk bounds on the host, gathered states, fresh and resumed
+    rows, chunked prefill and preemption), with the kernel in place of the reference as
+    CUDA takes it: the same greedy tokens (float32)."""
+    from kvloom import Engine
+    from kvloom.workers.layers import gated_deltanet, kda_layer
+    from tests.engine_helpers import PROMPTS, assert_pool_full, greedy, run_to_completion
+
+    settings = dict(dtype="float32", device="cpu", block_size=4, max_num_seqs=8,
+                    max_num_batched_tokens=24, num_kv_blocks=64, sanitize=True, progress=False)  # fmt: skip
+    path = str(hybrid_model(arch))
+    want = run_to_completion(Engine(model=path, **settings), PROMPTS, greedy(10))
+    calls = []
+
+    def kernel(*args):
+        calls.append(1)
+        return causal_conv1d_varlen_triton(*args)
+
+    monkeypatch.setattr(gated_deltanet, "causal_conv1d_varlen", kernel)
+    monkeypatch.setattr(kda_layer, "causal_conv1d_varlen", kernel)
+    eng = Engine(model=path, **settings)
+    got = run_to_completion(eng, PROMPTS, greedy(10))
+    assert calls and eng.stats()["num_preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert_pool_full(eng)
