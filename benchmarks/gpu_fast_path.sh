@@ -72,7 +72,7 @@ for section in "$@"; do
         tests/test_spec_decode_eagle3.py tests/test_spec_decode_dflash.py \
         tests/test_rejection_sampler.py tests/test_remote_drafter.py
       run_group G3 -m gpu tests/test_gdn_fla.py tests/test_linear_decode_triton.py \
-        tests/test_causal_conv1d_varlen_triton.py \
+        tests/test_causal_conv1d_varlen_triton.py tests/test_kda_fla.py \
         tests/test_greedy_argmax.py tests/test_gemv.py tests/test_moe_router.py \
         tests/test_gdn_gates.py tests/test_gated_rms_norm.py tests/test_fused_moe.py \
         tests/test_qk_norm_rope.py tests/test_token_bitmask.py

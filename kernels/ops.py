@@ -338,6 +338,44 @@ def chunk_gated_delta_rule(
     )
 
 
+def chunk_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    cu_seqlens,
+    initial_state=None,
+    has_initial_state=None,
+    *,
+    scale=None,
+    use_qk_l2norm=False,
+):
+    """KDA prefill (Kimi-Linear): fla-core's chunked kernels on CUDA when installed and
+    KVLOOM_KDA_FLA=1 (opt-in until a GPU run checks them against the reference), else the
+    torch reference."""
+    from kvloom.kernels.gated_delta_rule_fla import FLA_DTYPES, fla_available
+
+    if (
+        isinstance(q, torch.Tensor)
+        and q.is_cuda
+        and q.dtype in FLA_DTYPES
+        and fla_available()
+        and envs.flag("KVLOOM_KDA_FLA")
+        and not envs.flag("KVLOOM_NO_FLA")
+    ):
+        from kvloom.kernels.kda_fla import chunk_kda_fla
+
+        return chunk_kda_fla(
+            q, k, v, g, beta, cu_seqlens, initial_state, has_initial_state,
+            scale=scale, use_qk_l2norm=use_qk_l2norm,
+        )  # fmt: skip
+    return kda_ref.chunk_kda(
+        q, k, v, g, beta, cu_seqlens, initial_state, has_initial_state,
+        scale=scale, use_qk_l2norm=use_qk_l2norm,
+    )  # fmt: skip
+
+
 def fused_moe(hidden, w13, w2, topk_weights, topk_ids):
     """The routed experts' sum. Triton on CUDA (no host sync: CUDA-graph safe, one answer
     whatever its route block size); the reference elsewhere."""

@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvloom.kernels.kda import chunk_kda, kda_log_decay
-from kvloom.kernels.ops import causal_conv1d_update, causal_conv1d_varlen, recurrent_kda
+from kvloom.kernels.kda import kda_log_decay
+from kvloom.kernels.ops import causal_conv1d_update, causal_conv1d_varlen, chunk_kda, recurrent_kda
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.layers.linear import (
     ColumnParallelLinear,

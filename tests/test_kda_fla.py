@@ -1,0 +1,131 @@
+"""KDA (Kimi-Linear) prefill on fla-core's chunked kernels against the torch reference.
+
+As for Gated DeltaNet (tests/test_gdn_fla.py): fla cannot run in Triton's CPU interpreter,
+so on CPU only the dispatcher (the reference, unless CUDA and KVLOOM_KDA_FLA=1) and the
+wrapper's input checks are tested. The `gpu` tests run fla at Kimi-Linear's KDA shape
+(32 heads, Dk = Dv = 128) on packed sequences around the 64-token chunk edge, with and
+without an initial state (NaN in the rows whose has_initial_state is False). Tolerances
+are test_gdn_fla.py's relative Frobenius norms; they have not been run on a GPU yet.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvloom.kernels import gated_delta_rule_fla as gdn_fla
+from kvloom.kernels import kda as kda_ref
+from kvloom.kernels import kda_fla, ops
+from tests.test_gdn_fla import LENGTHS, REL_TOL, rel_err, require_fla
+
+CUDA = torch.cuda.is_available()
+H, DK, DV = 32, 128, 128  # Kimi-Linear's KDA layers
+
+
+def make_inputs(lengths, dtype, device, *, h=H, dk=DK, dv=DV, seed=0):
+    """Packed random inputs with Kimi-Linear-like gates: one log-decay <= 0 per key channel
+    (kda_log_decay's form), beta in (0, 1). Made on the CPU, the same on every device."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k, v = randn(total, h, dk), randn(total, h, dk), randn(total, h, dv)
+    g = kda_ref.kda_log_decay(randn(total, h, dk), randn(h) * 0.5, randn(h * dk))
+    beta = torch.sigmoid(randn(total, h))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    state = randn(len(lengths), h, dk, dv) * 0.5
+    as_dtype = [x.to(device=device, dtype=dtype) for x in (q, k, v)]
+    return (*as_dtype, g.to(device), beta.to(device), cu.to(device), state.to(device))
+
+
+# ----------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize("opt_in", ["", "1"])
+def test_dispatcher_uses_reference_off_cuda(monkeypatch, opt_in):
+    """On CPU the dispatcher is the reference, bit for bit, whatever KVLOOM_KDA_FLA says,
+    and never calls fla, even when fla claims to be available."""
+    monkeypatch.setenv("KVLOOM_KDA_FLA", opt_in)
+    monkeypatch.setattr(gdn_fla, "fla_available", lambda: True)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("fla path taken for a CPU tensor")
+
+    monkeypatch.setattr(kda_fla, "chunk_kda_fla", must_not_run)
+    q, k, v, g, beta, cu, state = make_inputs([3, 5], torch.float32, "cpu", h=2, dk=8, dv=8)
+    has = torch.tensor([True, False])
+    state[1] = float("nan")
+    got = ops.chunk_kda(q, k, v, g, beta, cu, state, has, use_qk_l2norm=True)
+    want = kda_ref.chunk_kda(q, k, v, g, beta, cu, state, has, use_qk_l2norm=True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b) and not a.isnan().any()
+
+
+@pytest.mark.parametrize(
+    "field, change",
+    [
+        ("q", lambda a: a["q"].double()),
+        ("g", lambda a: a["g"][..., :1]),  # one decay per head: GDN's gate, not KDA's
+        ("beta", lambda a: a["beta"].long()),
+        ("cu_seqlens", lambda a: torch.tensor([0, 2, 4])),
+        ("has_initial_state", lambda a: None),
+    ],
+)
+def test_fla_wrapper_bad_input_names_the_field(field, change):
+    """Checked before fla is imported, so this runs on CPU."""
+    q, k, v, g, beta, cu, state = make_inputs([2, 3], torch.float32, "cpu", h=2, dk=4, dv=4)
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu, initial_state=state,
+                has_initial_state=torch.tensor([True, False]))  # fmt: skip
+    args[field] = change(args)
+    with pytest.raises(ValueError, match=field):
+        kda_fla.chunk_kda_fla(**args)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fla_matches_reference_kimi_linear_shapes(dtype, with_state):
+    require_fla()
+    q, k, v, g, beta, cu, state = make_inputs(LENGTHS, dtype, "cuda")
+    has = None
+    if with_state:
+        has = torch.arange(len(LENGTHS), device="cuda") % 2 == 0
+        state[~has] = float("nan")  # never read
+    else:
+        state = None
+    out, final = kda_fla.chunk_kda_fla(q, k, v, g, beta, cu, state, has, use_qk_l2norm=True)
+    ref_out, ref_final = kda_ref.chunk_kda(q, k, v, g, beta, cu, state, has, use_qk_l2norm=True)
+    assert out.shape == ref_out.shape and out.dtype == dtype
+    assert out.isfinite().all() and final.isfinite().all()
+    errs = {"out": rel_err(out, ref_out), "state": rel_err(final, ref_final)}
+    bounds = [0, *torch.tensor(LENGTHS).cumsum(0).tolist()]
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        errs[f"out[{i}] len {b - a}"] = rel_err(out[a:b], ref_out[a:b])
+        errs[f"state[{i}]"] = rel_err(final[i], ref_final[i])
+    print(f"{dtype} with_state={with_state}: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+    bad = {n: e for n, e in errs.items() if not e <= REL_TOL[dtype]}
+    assert not bad, f"relative error above {REL_TOL[dtype]}: {bad}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_kimi_linear_engine_with_fla_kda_matches_the_reference_path(hybrid_model, monkeypatch):
+    """The whole model: greedy tokens with KVLOOM_KDA_FLA=1 equal the reference path's
+    (float32 model; a tie within fla's TF32 rounding would show as a divergence here)."""
+    require_fla()
+    from kvloom import Engine
+    from tests.engine_helpers import PROMPTS, greedy, run_to_completion
+
+    path = str(hybrid_model("kimi_linear"))
+    runs = []
+    for opt_in in ("", "1"):
+        monkeypatch.setenv("KVLOOM_KDA_FLA", opt_in)
+        eng = Engine(model=path, dtype="float32", device="cuda", max_num_seqs=8, progress=False)
+        runs.append([o.outputs[0].token_ids for o in run_to_completion(eng, PROMPTS, greedy(12))])
+    assert runs[0] == runs[1]
