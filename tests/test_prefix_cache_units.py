@@ -182,3 +182,27 @@ def test_hit_copies_checkpoint_into_fresh_live_page():
     assert copies.before == [(hit.blocks[1][-1].block_id, live)]
     # 19, one token before b's prompt ends: a checkpoint
     assert copies.after and copies.after[0][0] == live
+
+
+def test_decode_steps_inside_held_blocks_take_nothing():
+    """Full attention only: a step whose tokens fit the request's blocks returns at once
+    (the pool is untouched); one that crosses a block boundary takes exactly one block, as
+    does a sliding-window model, which always takes the full path (it frees blocks that
+    leave the window)."""
+    for specs, window in (((full(), full(8)), False), ((full(), sliding()), True)):
+        coord = coordinator(*specs, num_blocks=40)
+        assert coord._plain_attention is not window
+        req = request("r", TOKENS[:6])
+        compute(coord, req, 6)
+        free = coord.pool.num_free_blocks
+        held = [len(m.req_blocks["r"]) for m in coord.managers]
+        assert coord.allocate_slots(req, 1)  # token 7 fits block 2 of 4 and block 1 of 8
+        assert coord.pool.num_free_blocks == free
+        assert [len(m.req_blocks["r"]) for m in coord.managers] == held
+        req.num_computed_tokens = 8
+        assert coord.allocate_slots(req, 1)  # token 9 starts block 3 (size 4)
+        assert len(coord.managers[0].req_blocks["r"]) == held[0] + 1
+        # Lookahead slots count too: 9 + 4 tokens reach a new block of 8 in group 1.
+        assert coord.allocate_slots(req, 1, num_lookahead_tokens=4)
+        if not window:
+            assert len(coord.managers[1].req_blocks["r"]) == held[1] + 1

@@ -124,6 +124,9 @@ class KVCacheCoordinator:
         ]
         self.linear = [m for m in self.managers if isinstance(m, LinearStateManager)]
         self.attention = [m for m in self.managers if isinstance(m, FullAttentionManager)]
+        # Plain full attention only (no window to slide, no state): a step whose blocks
+        # already cover its tokens needs nothing from allocate_slots.
+        self._plain_attention = all(type(m) is FullAttentionManager for m in self.managers)
         self.enable_caching = enable_caching
         self.checkpoints_on = enable_caching and bool(self.linear) and cap != 0
         self.checkpoint_interval = checkpoint_interval if self.checkpoints_on else 0
@@ -243,6 +246,15 @@ class KVCacheCoordinator:
         get a live state run, a checkpoint run when the step keeps one, and a backup of
         the live state before a step with drafts (restored if any draft is rejected).
         Returns False, taking nothing, if the pool cannot hold it all."""
+        if hit_blocks is None and self._plain_attention:
+            # Most decode steps: the request's blocks hold the new tokens already.
+            rid = request.request_id
+            total = (
+                request.num_computed_tokens + num_new_tokens + num_draft_tokens
+                + num_lookahead_tokens
+            )  # fmt: skip
+            if all(len(m.req_blocks.get(rid, ())) * m.block_size >= total for m in self.managers):
+                return True
         hit_blocks = hit_blocks or [[] for _ in self.managers]
         computed = request.num_computed_tokens
         hit_tokens = computed if any(hit_blocks) else 0
