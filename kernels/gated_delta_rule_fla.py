@@ -58,13 +58,36 @@ def chunk_gated_delta_rule_fla(
     [N, Hv, Dk, Dv] read only where has_initial_state [N] is True. Returns (out [T, Hv, Dv]
     in q's dtype, final_state [N, Hv, Dk, Dv] float32, or initial_state's dtype when given).
     """
-    num_tokens, num_v_heads, head_k, head_v = check_heads(q, k, v)
+    num_tokens, num_v_heads, _, _ = check_heads(q, k, v)
     check_shape("g", g, (num_tokens, num_v_heads))
     check_shape("beta", beta, (num_tokens, num_v_heads))
     check_floating("g", g)
     check_floating("beta", beta)
+    return run_fla_varlen(
+        lambda: importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule,
+        q, k, v, g, beta, cu_seqlens, initial_state, has_initial_state, scale, use_qk_l2norm,
+    )  # fmt: skip
+
+
+def run_fla_varlen(
+    load_kernel,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    cu_seqlens,
+    initial_state,
+    has_initial_state,
+    scale,
+    use_qk_l2norm,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The body both fla wrappers share (gated delta rule, KDA), after their shape checks:
+    the NaN-safe initial states, then one varlen launch of `load_kernel()` (imported only
+    here, so CPU-only installs never import fla) over all packed tokens."""
     if q.dtype not in FLA_DTYPES:
         raise ValueError(f"q: fla takes float16/bfloat16/float32, got {q.dtype}")
+    num_tokens, num_v_heads, head_k, head_v = check_heads(q, k, v)
     bounds = cu_seqlens_to_list(cu_seqlens, num_tokens)
     shape = (len(bounds) - 1, num_v_heads, head_k, head_v)
     # fla reads the initial state as float32 and writes a float32 final state.
@@ -72,12 +95,10 @@ def chunk_gated_delta_rule_fla(
     final_dtype = torch.float32 if initial_state is None else initial_state.dtype
     if num_tokens == 0:  # nothing to launch; every sequence keeps its starting state
         return v.new_zeros(v.shape, dtype=q.dtype), state.to(final_dtype)
-
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
+    kernel = load_kernel()
     cu_cpu = torch.tensor(bounds, dtype=torch.int64)
     # fla's varlen form: a batch of one holding all packed tokens, sequences cut by cu_seqlens.
-    out, final_state = chunk_gated_delta_rule(
+    out, final_state = kernel(
         q.unsqueeze(0),
         k.to(q.dtype).unsqueeze(0),
         v.to(q.dtype).unsqueeze(0),

@@ -286,6 +286,20 @@ def recurrent_kda(q, k, v, g, beta, state, state_indices, *, scale=None, use_qk_
     )
 
 
+def _takes_fla(q) -> bool:
+    """Whether a linear-attention prefill takes fla-core's kernels: a CUDA tensor of a dtype
+    they take, fla installed, and not KVLOOM_NO_FLA=1."""
+    from kvloom.kernels.gated_delta_rule_fla import FLA_DTYPES, fla_available
+
+    return (
+        isinstance(q, torch.Tensor)
+        and q.is_cuda
+        and q.dtype in FLA_DTYPES
+        and fla_available()
+        and not envs.flag("KVLOOM_NO_FLA")
+    )
+
+
 def chunk_gated_delta_rule(
     q,
     k,
@@ -301,15 +315,7 @@ def chunk_gated_delta_rule(
 ):
     """Gated DeltaNet prefill: fla-core's chunked kernels on CUDA when installed (set
     KVLOOM_NO_FLA=1 to force the reference), else the torch reference."""
-    from kvloom.kernels.gated_delta_rule_fla import FLA_DTYPES, fla_available
-
-    if (
-        isinstance(q, torch.Tensor)
-        and q.is_cuda
-        and q.dtype in FLA_DTYPES
-        and fla_available()
-        and not envs.flag("KVLOOM_NO_FLA")
-    ):
+    if _takes_fla(q):
         from kvloom.kernels.gated_delta_rule_fla import chunk_gated_delta_rule_fla
 
         return chunk_gated_delta_rule_fla(
@@ -354,16 +360,7 @@ def chunk_kda(
     """KDA prefill (Kimi-Linear): fla-core's chunked kernels on CUDA when installed and
     KVLOOM_KDA_FLA=1 (opt-in until a GPU run checks them against the reference), else the
     torch reference."""
-    from kvloom.kernels.gated_delta_rule_fla import FLA_DTYPES, fla_available
-
-    if (
-        isinstance(q, torch.Tensor)
-        and q.is_cuda
-        and q.dtype in FLA_DTYPES
-        and fla_available()
-        and envs.flag("KVLOOM_KDA_FLA")
-        and not envs.flag("KVLOOM_NO_FLA")
-    ):
+    if _takes_fla(q) and envs.flag("KVLOOM_KDA_FLA"):
         from kvloom.kernels.kda_fla import chunk_kda_fla
 
         return chunk_kda_fla(
