@@ -29,11 +29,9 @@ VARIABLES: dict[str, tuple[str, str]] = {
     ),
     "KVLOOM_DISABLE_TRITON": ("", "1: every kernel takes its pure-torch reference"),
     "KVLOOM_NO_GEMV": ("", "1: small-row linears (bf16, FP8, W4A16) skip the Triton GEMVs"),
-    "KVLOOM_NO_FLA": ("", "1: Gated DeltaNet prefill on CUDA skips fla-core's kernels"),
-    "KVLOOM_KDA_FLA": (
+    "KVLOOM_NO_FLA": (
         "",
-        "1: KDA prefill (Kimi-Linear) on CUDA through fla-core's chunked kernels instead of "
-        "the torch reference; off until a GPU run checks them against it",
+        "1: linear-attention prefill (Gated DeltaNet, KDA) on CUDA skips fla-core's kernels",
     ),
     "KVLOOM_GDN_MIXED_STEPS": (
         "auto",

@@ -357,10 +357,9 @@ def chunk_kda(
     scale=None,
     use_qk_l2norm=False,
 ):
-    """KDA prefill (Kimi-Linear): fla-core's chunked kernels on CUDA when installed and
-    KVLOOM_KDA_FLA=1 (opt-in until a GPU run checks them against the reference), else the
-    torch reference."""
-    if _takes_fla(q) and envs.flag("KVLOOM_KDA_FLA"):
+    """KDA prefill (Kimi-Linear): fla-core's chunked kernels on CUDA when installed (not
+    KVLOOM_NO_FLA=1), else the torch reference."""
+    if _takes_fla(q):
         from kvloom.kernels.kda_fla import chunk_kda_fla
 
         return chunk_kda_fla(
