@@ -205,6 +205,21 @@ def test_graph_memory_over_the_margin_is_a_warning(caplog):
     assert "gpu_memory_utilization" in warning.message
 
 
+def test_graph_margin_grows_with_speculation():
+    """Speculation's verification, proposal and catch-up graphs get the larger margin (they
+    took 622-772 MiB on an H200 against the plain margin's 512); no graphs, no margin."""
+    from kvloom.workers.memory_profile import (
+        CUDA_GRAPH_MARGIN,
+        SPECULATIVE_GRAPH_MARGIN,
+        graph_margin,
+    )
+
+    assert SPECULATIVE_GRAPH_MARGIN > CUDA_GRAPH_MARGIN
+    assert graph_margin(True, False) == CUDA_GRAPH_MARGIN
+    assert graph_margin(True, True) == SPECULATIVE_GRAPH_MARGIN
+    assert graph_margin(False, True) == graph_margin(False, False) == 0
+
+
 # -- on the GPU ----------------------------------------------------------------------------
 
 GPU_ARCHS = ["llama", "qwen3", "qwen3_next", "kimi_linear"]

@@ -39,7 +39,7 @@ from kvloom.workers.layers.attention import PagedAttention
 from kvloom.workers.layers.quantization.build import build_model
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
 from kvloom.workers.memory_profile import (
-    CUDA_GRAPH_MARGIN,
+    graph_margin,
     profile_memory,
     report_graph_memory,
 )
@@ -273,8 +273,7 @@ class ModelRunner:
         if budget is not None:
             return KVCacheMemory(budget, f"kv_cache_memory_bytes {budget}")
         if self.device.type == "cuda":
-            margin = CUDA_GRAPH_MARGIN if self._graph_sizes() else 0
-            profile = profile_memory(self, margin)
+            profile = profile_memory(self, self._graph_margin())
             return KVCacheMemory(profile.kv_budget, profile.describe())
         return KVCacheMemory(DEFAULT_CPU_KV_BYTES, "the CPU default of 64 MiB")
 
@@ -316,7 +315,12 @@ class ModelRunner:
         if capture_graphs and sizes:
             before = torch.cuda.memory_reserved(self.device)
             self.capture_graphs(CudaStepGraph, sizes)
-            report_graph_memory(torch.cuda.memory_reserved(self.device) - before)
+            report_graph_memory(
+                torch.cuda.memory_reserved(self.device) - before, self._graph_margin()
+            )
+
+    def _graph_margin(self) -> int:
+        return graph_margin(bool(self._graph_sizes()), self.speculative)
 
     def capture_graphs(self, make_graph, sizes: list[int]) -> None:
         """Captures the target's decode graphs, its (rows, k) verification graphs with
