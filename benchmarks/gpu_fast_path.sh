@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the GPU fast path (issue 7): the `gpu` tests of the fast path, then
 # `kvloom bench` on the Qwen3-8B shape (and optionally the hybrid shape). Run from the repo
-# root on the device machine, with the wheel bundle carried in .whl/ (see
-# ../shared/tools/device-wheels.sh):
+# root on the device machine, with the wheel bundle carried in .whl/ (built here by
+# scripts/device_bundle.sh):
 #
 #   bash benchmarks/gpu_fast_path.sh tests bench-dense|latency-dense [bench-hybrid] [plans]
 #     [profile-dense|profile-hybrid] [latency-hybrid] [plans] [pending-tests]
