@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--sort", default="tottime", help="cProfile order: tottime|cumulative")
+    parser.add_argument("--top", type=int, default=20, help="functions listed with --profile")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
                 engine.step()
             profile.disable()
             text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(20)
+            pstats.Stats(profile, stream=text).sort_stats(args.sort).print_stats(args.top)
             print(text.getvalue())
     if args.out is not None:
         args.out.write_text(json.dumps(row, indent=2))

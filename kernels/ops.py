@@ -286,15 +286,21 @@ def recurrent_kda(q, k, v, g, beta, state, state_indices, *, scale=None, use_qk_
     )
 
 
+# Activation dtypes that take fla's prefill kernels by default. fla also takes float32, but
+# its tl.dot rounds through TF32 there: a float32 model stays on the exact reference (on the
+# H200, Kimi-Linear's float32 greedy tokens left the CPU reference's at step 10 on fla).
+FLA_DISPATCH_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def _takes_fla(q) -> bool:
-    """Whether a linear-attention prefill takes fla-core's kernels: a CUDA tensor of a dtype
-    they take, fla installed, and not KVLOOM_NO_FLA=1."""
-    from kvloom.kernels.gated_delta_rule_fla import FLA_DTYPES, fla_available
+    """Whether a linear-attention prefill takes fla-core's kernels: a 16-bit CUDA tensor,
+    fla installed, and not KVLOOM_NO_FLA=1."""
+    from kvloom.kernels.gated_delta_rule_fla import fla_available
 
     return (
         isinstance(q, torch.Tensor)
         and q.is_cuda
-        and q.dtype in FLA_DTYPES
+        and q.dtype in FLA_DISPATCH_DTYPES
         and fla_available()
         and not envs.flag("KVLOOM_NO_FLA")
     )

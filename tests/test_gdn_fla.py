@@ -219,3 +219,16 @@ def test_dispatcher_on_cuda(monkeypatch):
     want, _ = gdn_ref.chunk_gated_delta_rule(q, k, v, g, beta, cu, use_qk_l2norm=True)
     assert torch.equal(ref_out, want)
     assert rel_err(fla_out, want) <= REL_TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_float32_stays_on_the_exact_reference_on_cuda(monkeypatch):
+    """fla rounds float32 through TF32, so float32 prefill on CUDA is the reference's, bit
+    for bit (test_kda_fla.py checks the same for KDA)."""
+    require_fla()
+    calls = []
+    monkeypatch.setattr(gdn_fla, "chunk_gated_delta_rule_fla", lambda *a, **k: calls.append(1))
+    q, k, v, g, beta, cu, _ = make_inputs([65, 7], torch.float32, "cuda")
+    got, _ = ops.chunk_gated_delta_rule(q, k, v, g, beta, cu, use_qk_l2norm=True)
+    want, _ = gdn_ref.chunk_gated_delta_rule(q, k, v, g, beta, cu, use_qk_l2norm=True)
+    assert torch.equal(got, want) and calls == []

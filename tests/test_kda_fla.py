@@ -118,12 +118,38 @@ def test_fla_matches_reference_kimi_linear_shapes(dtype, with_state):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dispatcher_on_cuda_takes_fla_for_16_bit_only(monkeypatch, dtype):
+    """bf16 prefill takes fla; float32 stays on the reference, bit for bit (fla's tl.dot
+    rounds float32 through TF32)."""
+    require_fla()
+    calls = []
+    real = kda_fla.chunk_kda_fla
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kda_fla, "chunk_kda_fla", spy)
+    q, k, v, g, beta, cu, _ = make_inputs([65, 7], dtype, "cuda")
+    got, _ = ops.chunk_kda(q, k, v, g, beta, cu, use_qk_l2norm=True)
+    want, _ = kda_ref.chunk_kda(q, k, v, g, beta, cu, use_qk_l2norm=True)
+    if dtype == torch.float32:
+        assert calls == [] and torch.equal(got, want)
+    else:
+        assert calls == [1] and rel_err(got, want) <= REL_TOL[dtype]
+
+
+@pytest.mark.gpu
 def test_kimi_linear_engine_with_fla_kda_matches_the_reference_path(hybrid_model, monkeypatch):
     """The whole model, float32: greedy tokens on fla's KDA equal the reference path's up to
     a first divergence, which must be a swap of the two paths' top-2 tokens where the
     reference's margin is at most ENGINE_MARGIN_TOL: fla's kernels round through TF32, so
-    a near tie may flip. Divergences are printed."""
+    a near tie may flip. Divergences are printed. (A float32 model takes the exact
+    reference by default; fla's float32 dispatch is switched on here to compare the two
+    paths in one precision.)"""
     require_fla()
+    monkeypatch.setattr(ops, "FLA_DISPATCH_DTYPES", (*ops.FLA_DISPATCH_DTYPES, torch.float32))
     from kvloom import Engine, SamplingParams
     from tests.engine_helpers import PROMPTS, run_to_completion
 
@@ -142,7 +168,7 @@ def test_kimi_linear_engine_with_fla_kda_matches_the_reference_path(hybrid_model
         monkeypatch.setenv("KVLOOM_NO_FLA", no_fla)
         eng = Engine(model=path, dtype="float32", device="cuda", max_num_seqs=8, progress=False)
         runs[name] = run_to_completion(eng, PROMPTS, params)
-    assert calls["reference"] == 0 and calls["fla"] > 0, calls  # fla is the CUDA default
+    assert calls["reference"] == 0 and calls["fla"] > 0, calls
     diverged, equal = [], 0
     for prompt, ref, fla in zip(PROMPTS, runs["reference"], runs["fla"]):
         ref_tokens, fla_tokens = ref.outputs[0].token_ids, fla.outputs[0].token_ids
