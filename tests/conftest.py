@@ -27,6 +27,11 @@ os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 # must not switch on token auth for them (it did here; its warning was in one failed run).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+# After the environment above (kvloom may import triton): importing kvloom takes the name
+# `kernels` for Hugging Face's package before a test module imports transformers, which the
+# repository's own `kernels/` folder on pytest's pythonpath would otherwise shadow.
+import kvloom  # noqa: E402, F401
+
 VOCAB = 512
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 

@@ -8,8 +8,10 @@ import pytest
 from kvloom import Engine, SamplingParams
 from tests.engine_helpers import (
     PROMPTS,
+    assert_greedy_within_bf16_margin,
     assert_pool_full,
     greedy,
+    greedy_with_top2,
     kill_worker_mid_run,
     multi_turn,
     run_to_completion,
@@ -124,19 +126,25 @@ def test_dcp_with_mla_layers_fails_loudly(local_ray, hybrid_model):
 @pytest.mark.parametrize("tp, dcp", [(2, 1), (1, 2)], ids=["tp2", "dcp2"])
 def test_bf16_grid_matches_single_rank(local_ray, dense_path, tp, dcp):
     """In bf16, partial sums cross ranks in float32 and round once (row-parallel
-    all-reduce, DCP merge), as one rank rounds: the grid keeps TP=1's greedy tokens."""
+    all-reduce, DCP merge), so the grid keeps TP=1's greedy tokens except at TP=1's
+    near-ties: a divergence only to TP=1's runner-up where its top-2 margin is at most 2
+    bf16 ulps of the top logit (issue 24's decision; each divergence is printed). The
+    rounding of the bf16 matmuls differs by CPU (a machine with AMX flipped one such tie
+    of prompt 4 under DCP = 2), so exact equality would test the CPU, not the grid."""
 
     def bf16(**kw) -> Engine:
         return Engine(model=str(dense_path), dtype="bfloat16", progress=False, block_size=4, **kw)
 
-    expected = run_to_completion(bf16(), PROMPTS, greedy(16))
+    single = bf16()
+    expected = run_to_completion(single, PROMPTS, greedy_with_top2(16))
     eng = bf16(tensor_parallel_size=tp, decode_context_parallel_size=dcp)
     try:
-        outs = run_to_completion(eng, PROMPTS, greedy(16))
-        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+        outs = run_to_completion(eng, PROMPTS, greedy_with_top2(16))
+        assert_greedy_within_bf16_margin(single, PROMPTS, expected, outs)
         assert_pool_full(eng)
     finally:
         eng.shutdown()
+        single.shutdown()
 
 
 def test_a_grid_on_the_embedded_ray_listens_on_loopback_only(local_ray, dense_path):
