@@ -16,7 +16,9 @@ On a CPU, `--shape tiny --num-requests 300` shows the host side alone.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -91,12 +93,37 @@ def kernel_summary(prof, steps: int, top: int) -> dict:
     }
 
 
+def trace_steps(engine, trace_dir: Path, n: int, steps: int = 3) -> int:
+    """Traces `steps` engine steps with CPU ops, Python calls and CUDA kernels into a chrome
+    trace, for finding what the host did while the GPU had nothing to run."""
+    acts = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(ProfilerActivity.CUDA)
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    with profile(activities=acts, with_stack=True) as prof:
+        for _ in range(steps):
+            if engine.has_unfinished_requests():
+                engine.step()
+    path = trace_dir / f"step{n}.json"
+    prof.export_chrome_trace(str(path))
+    with open(path, "rb") as raw, gzip.open(f"{path}.gz", "wb") as packed:
+        shutil.copyfileobj(raw, packed)
+    path.unlink()
+    return steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="qwen3-8b")
     add_workload_args(parser)
     parser.add_argument("--profile-at", type=int, nargs="*", default=[40, 400])
     parser.add_argument("--profile-steps", type=int, default=8)
+    parser.add_argument(
+        "--trace-dir",
+        type=Path,
+        help="after each profiled window, trace 3 more steps with the host's Python calls "
+        "(slows the host; for benchmarks/trace_gaps.py) into DIR/step<N>.json.gz",
+    )
     parser.add_argument("--deterministic", action="store_true", help="batch-invariant kernels")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -158,6 +185,8 @@ def main() -> None:
                     f"{summary['gpu_busy_ms_per_step']:.2f} shapes {shapes[-1]}"
                 )
                 step_ms.extend([wall] * args.profile_steps)
+                if args.trace_dir is not None:
+                    step_ms.extend([float("nan")] * trace_steps(engine, args.trace_dir, n))
                 continue
             t0 = time.perf_counter()
             engine.step()

@@ -9,6 +9,7 @@ cache keeps each staging block alive until its copy has run).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -17,3 +18,17 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device=device, dtype=dtype)
     return host.to(dtype).pin_memory().to(device, non_blocking=True)
+
+
+def to_device_packed(arrays: list[np.ndarray], dtype: torch.dtype, device: torch.device):
+    """Several host arrays of one dtype in one staged copy: one pinned buffer and one
+    transfer instead of one of each per array (each costs tens of microseconds of host
+    time). Returns device tensors of the arrays' shapes, views of one allocation."""
+    sizes = [a.size for a in arrays]
+    flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0)
+    packed = to_device(torch.from_numpy(flat), dtype, device)
+    out, offset = [], 0
+    for a, n in zip(arrays, sizes):
+        out.append(packed[offset : offset + n].view(a.shape))
+        offset += n
+    return out
