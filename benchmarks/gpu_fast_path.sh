@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_fast_path.sh tests bench-dense|latency-dense [bench-hybrid] [plans]
 #     [profile-dense|profile-hybrid] [latency-hybrid] [plans] [pending-tests]
 #     [spec-profile] [spec-decode] [deterministic] [all-gpu-tests] [gdn-mixed]
+#     [trace-dense] [bench-kimi]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -55,6 +56,20 @@ for section in "$@"; do
       python3 benchmarks/throughput_profile.py --shape $shape --profile-at 20 300 \
         --out "$OUT/throughput_profile_$shape.json" 2>&1 | grep -v "it/s" | tail -45 \
         || status=1
+      ;;
+    trace-dense)  # profile at ~20 and ~300 steps in, plus traces for benchmarks/trace_gaps.py
+      timeout ${TRACE_TIMEOUT:-300} python3 benchmarks/throughput_profile.py --shape qwen3-8b \
+        --profile-at 20 300 --trace-dir "$OUT/trace" \
+        --out "$OUT/throughput_profile_qwen3-8b.json" 2>&1 | grep -v "it/s" | tail -30 \
+        || status=1
+      for t in "$OUT"/trace/*.json.gz; do python3 benchmarks/trace_gaps.py "$t" --top 12; done
+      ;;
+    bench-kimi)  # Kimi-Linear's widths, 16 of 27 layers (cluster/bench.py SHAPES)
+      for kind in latency throughput; do
+        timeout ${KIMI_TIMEOUT:-280} python3 -m kvloom.cluster.cli bench $kind \
+          --shape kimi-linear-16l --out "$OUT/kvloom_kimi-linear-16l_$kind.json" 2>&1 \
+          | grep -v "it/s" | tail -8 || status=1
+      done
       ;;
     latency-hybrid)
       python3 -m kvloom.cluster.cli bench latency --shape qwen3-next-24l \

@@ -87,6 +87,46 @@ SHAPES = {
         "full_attention_interval": 4,
         "tie_word_embeddings": False,
     },
+    # Kimi-Linear-48B-A3B's widths in its checkpoint's own field names (3 KDA : 1 MLA, NoPE
+    # MLA, 256 sigmoid-routed experts, top 8, one shared expert, the first layer dense), 16
+    # of its 27 layers: about 28 B parameters in bf16.
+    "kimi-linear-16l": {
+        "architectures": ["KimiLinearForCausalLM"],
+        "model_type": "kimi_linear",
+        "hidden_size": 2304,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "head_dim": 72,
+        "vocab_size": 163840,
+        "intermediate_size": 9216,
+        "moe_intermediate_size": 1024,
+        "num_experts": 256,
+        "num_experts_per_token": 8,
+        "num_shared_experts": 1,
+        "num_expert_group": 1,
+        "moe_router_activation_func": "sigmoid",
+        "moe_renormalize": True,
+        "routed_scaling_factor": 2.446,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "mla_use_nope": True,
+        "linear_attn_config": {
+            "kda_layers": [i for i in range(1, 17) if i % 4],
+            "full_attn_layers": [4, 8, 12, 16],
+            "num_heads": 32,
+            "head_dim": 128,
+            "short_conv_kernel_size": 4,
+        },
+        "model_max_length": 1048576,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+    },
 }
 
 

@@ -219,3 +219,37 @@ def test_quantized_shape_gets_quantized_dummy_weights(
 def test_quantization_is_refused_with_a_model_dir(tiny_model):
     with pytest.raises(SystemExit, match="--quantization"):
         main(["bench", "latency", "--model", str(tiny_model("llama")), "--quantization", "fp8"])
+
+
+def test_kimi_linear_shape_loads_in_its_checkpoint_spelling(tmp_path):
+    """The kimi-linear-16l shape writes Kimi-Linear's own config fields; shrunk to CPU
+    widths (every field name kept), the model built from it has KDA and MLA layers in the
+    shape's pattern, a dense first MLP, and generates finite logits."""
+    import json
+
+    from kvloom import Engine
+    from kvloom.cluster.bench import SHAPES, shape_dir
+
+    real = SHAPES["kimi-linear-16l"]
+    assert real["linear_attn_config"]["full_attn_layers"] == [4, 8, 12, 16]
+    assert len(real["linear_attn_config"]["kda_layers"]) == 12
+    path = shape_dir("kimi-linear-16l", tmp_path)
+    small = dict(real, hidden_size=64, intermediate_size=96, moe_intermediate_size=32)
+    small.update(num_attention_heads=2, num_key_value_heads=2, num_experts=4, vocab_size=512)
+    small.update(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+    small["num_experts_per_token"] = 2
+    small["linear_attn_config"] = dict(real["linear_attn_config"], num_heads=2, head_dim=16)
+    (path / "config.json").write_text(json.dumps(small))
+    engine = Engine(
+        model=str(path), dtype="float32", load_format="dummy", max_model_len=128, progress=False
+    )
+    model = engine.executor.worker.runner.model
+    kinds = [type(layer.self_attn).__name__ for layer in model.model.layers]
+    assert len(kinds) == 16 and len(set(kinds[3::4])) == 1 and kinds[3] != kinds[0]
+    assert set(kinds) - {kinds[3]} == {kinds[0]}
+    sampling = SamplingParams(max_tokens=3, temperature=0.0, logprobs=2)
+    engine.add_request("r", {"prompt_token_ids": list(range(1, 12))}, sampling)
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+    values = [getattr(v, "logprob", v) for s in outputs[0].outputs[0].logprobs for v in s.values()]
+    assert len(outputs[0].outputs[0].token_ids) == 3 and all(math.isfinite(v) for v in values)

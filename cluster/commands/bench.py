@@ -14,7 +14,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("kind", choices=("latency", "throughput", "load"))
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="checkpoint dir (default: a --shape with dummy weights)")
-    source.add_argument("--shape", default="tiny", help="tiny, qwen3-8b or qwen3-next-24l")
+    source.add_argument(
+        "--shape", default="tiny", help="tiny, qwen3-8b, qwen3-next-24l or kimi-linear-16l"
+    )
     parser.add_argument("--load-format", default=None, choices=("safetensors", "dummy"))
     parser.add_argument(
         "--steps", type=int, default=511, help="latency: decode steps timed (the peer kit's 511)"
