@@ -8,16 +8,24 @@ start-up, as `kvloom serve` does. Prints one JSON line; `--profile` adds the fun
 with the most own time (cProfile).
 
     python benchmarks/host_step_cost.py --rows 256 [--steps 30] [--profile] [--out FILE]
+    python benchmarks/host_step_cost.py --rows 1000 --offline --steps 400
+
+`--offline` runs `kvloom bench throughput`'s kind of requests instead (prompts of 128-1024
+tokens, 64-512 outputs, freeze before they arrive, as `kvloom bench` does) from the first
+step, prefills included. The JSON line counts Python's GC collections per generation and
+their milliseconds (KVLOOM_GC_YOUNG_THRESHOLD sets the young generation's threshold).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import platform
 import pstats
+import random
 import sys
 import tempfile
 import time
@@ -30,6 +38,34 @@ from kvloom.cluster.demo_model import write_demo_model
 from kvloom.contracts.gc_freeze import freeze_startup_objects
 
 
+def add_offline_requests(engine: Engine, count: int) -> None:
+    rng = random.Random(0)
+    for i in range(count):
+        prompt = [rng.randrange(10, 500) for _ in range(rng.randint(128, 1024))]
+        params = SamplingParams(
+            max_tokens=rng.randint(64, 512), temperature=0.0, ignore_eos=True, detokenize=False
+        )
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+
+
+class CollectionTimer:
+    """Counts and times Python's GC collections per generation (gc.callbacks)."""
+
+    def __init__(self):
+        self.counts, self.ms, self._start = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.counts[info["generation"]] += 1
+            self.ms[info["generation"]] += (time.perf_counter() - self._start) * 1e3
+
+    def stop(self):
+        gc.callbacks.remove(self._callback)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=256)
@@ -38,6 +74,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sort", default="tottime", help="cProfile order: tottime|cumulative")
     parser.add_argument("--top", type=int, default=20, help="functions listed with --profile")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--offline", action="store_true", help="the throughput bench's requests")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         path = write_demo_model(Path(tmp) / "m", arch="llama")
@@ -47,27 +84,39 @@ def main(argv=None) -> int:
             device="cpu",
             progress=False,
             max_num_seqs=args.rows,
-            max_num_batched_tokens=8192,
-            max_model_len=1024,
-            num_kv_blocks=args.rows * 40,
+            max_num_batched_tokens=16384 if args.offline else 8192,
+            max_model_len=2048 if args.offline else 1024,
+            num_kv_blocks=args.rows * (100 if args.offline else 40),
         )
         runner = engine.executor.worker.runner
         hidden = runner.model.config["hidden_size"]
         runner._forward = lambda input_ids, batch: torch.zeros(input_ids.shape[0], hidden)
-        params = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
-        for i in range(args.rows):
-            prompt = [5 + (i * 7 + j) % 400 for j in range(32)]
-            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
-        for _ in range(5):  # prefill, then decode steps only
-            engine.step()
-        freeze_startup_objects()
+        if args.offline:
+            freeze_startup_objects()  # before the requests, as `kvloom bench` freezes
+            add_offline_requests(engine, args.rows)
+        else:
+            params = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+            for i in range(args.rows):
+                prompt = [5 + (i * 7 + j) % 400 for j in range(32)]
+                engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+            for _ in range(5):  # prefill, then decode steps only
+                engine.step()
+            freeze_startup_objects()
+        collections = CollectionTimer()
         start = time.perf_counter()
-        for _ in range(args.steps):
+        steps = 0
+        while steps < args.steps and engine.has_unfinished_requests():
             engine.step()
-        ms = (time.perf_counter() - start) * 1e3 / args.steps
+            steps += 1
+        ms = (time.perf_counter() - start) * 1e3 / steps
+        collections.stop()
         row = {
             "rows": args.rows,
             "host_ms_per_step": round(ms, 3),
+            "steps": steps,
+            "gc_threshold": gc.get_threshold(),
+            "gc_collections_per_generation": collections.counts,
+            "gc_ms_per_generation": [round(v, 1) for v in collections.ms],
             "machine": f"{platform.machine()} CPU, torch {torch.__version__}",
         }
         print(json.dumps(row), flush=True)

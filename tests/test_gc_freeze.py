@@ -3,6 +3,8 @@
 import gc
 from types import SimpleNamespace
 
+import pytest
+
 from kvloom.cluster.bench import make_engine
 from kvloom.contracts.gc_freeze import freeze_startup_objects
 
@@ -37,4 +39,21 @@ def test_bench_engine_is_frozen(tiny_model):
         assert not any(any(obj is p for p in params) for obj in gc.get_objects())
     finally:
         engine.shutdown()
+        gc.unfreeze()
+
+
+def test_freeze_raises_the_young_generation_threshold(monkeypatch):
+    """Python's 700 collected the young generation every ~75 decode rows (host time)."""
+    saved = gc.get_threshold()
+    try:
+        freeze_startup_objects()
+        assert gc.get_threshold() == (20000, saved[1], saved[2])
+        monkeypatch.setenv("KVLOOM_GC_YOUNG_THRESHOLD", "5000")
+        freeze_startup_objects()
+        assert gc.get_threshold()[0] == 5000
+        monkeypatch.setenv("KVLOOM_GC_YOUNG_THRESHOLD", "lots")
+        with pytest.raises(ValueError, match="KVLOOM_GC_YOUNG_THRESHOLD must be an integer"):
+            freeze_startup_objects()
+    finally:
+        gc.set_threshold(*saved)
         gc.unfreeze()
