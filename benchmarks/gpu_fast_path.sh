@@ -22,8 +22,8 @@ export PYTHONPATH=/tmp/kvsite:$PWD GRPC_VERBOSITY=ERROR RAY_AUTH_MODE=disabled P
 # took 246 s in one run and the four kernel files after test_greedy_argmax 87 s).
 FAST_PATH_TESTS="tests/test_cuda_graphs.py tests/test_async_scheduling.py tests/test_gdn_fla.py
   tests/test_linear_decode_triton.py tests/test_greedy_argmax.py tests/test_gemv.py
-  tests/test_moe_router.py tests/test_gdn_gates.py tests/test_gated_rms_norm.py
-  tests/test_fused_moe.py tests/test_qk_norm_rope.py"
+  tests/test_moe_router.py tests/test_moe_router_sigmoid.py tests/test_gdn_gates.py
+  tests/test_gated_rms_norm.py tests/test_fused_moe.py tests/test_qk_norm_rope.py"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
 status=0
 for section in "$@"; do
@@ -90,6 +90,7 @@ for section in "$@"; do
         tests/test_causal_conv1d_varlen_triton.py tests/test_kda_fla.py \
         tests/test_greedy_argmax.py tests/test_gemv.py tests/test_moe_router.py \
         tests/test_gdn_gates.py tests/test_gated_rms_norm.py tests/test_fused_moe.py \
+        tests/test_moe_router_sigmoid.py \
         tests/test_qk_norm_rope.py tests/test_token_bitmask.py
       run_group G4 tests/triton_interpret/test_kv_cache_fp8_triton.py \
         tests/triton_interpret/test_paged_attention_dcp_triton.py

@@ -1,4 +1,5 @@
-"""Softmax top-k MoE routing in one launch: the Triton kernel.
+"""Softmax top-k MoE routing in one launch: the Triton kernel (and the sigmoid router's
+ungrouped case, `sigmoid_topk_triton`, at the end).
 
 Same semantics as `moe_router.softmax_topk_ref` (softmax over experts in float32, the k
 largest probabilities sorted descending, renormalised by their sum when asked, weights in
@@ -145,6 +146,118 @@ def softmax_topk_triton(
         E_PAD=e_pad,
         RENORMALIZE=renormalize,
         # A warp per 1024 experts: small rows reduce with warp shuffles alone.
+        num_warps=max(1, min(8, e_pad // 1024)),
+        enable_fp_fusion=False,  # round as torch does: no fused multiply-adds
+    )
+    return weights, ids
+
+
+@triton.jit
+def _sigmoid_topk_kernel(
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_experts,
+    scaling,
+    stride_lt,
+    stride_le,
+    stride_wt,
+    stride_it,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, E_PAD)
+    real = experts < num_experts
+    logits = tl.load(logits_ptr + token * stride_lt + experts * stride_le, mask=real, other=0.0).to(
+        tl.float32
+    )
+    scores = tl.math.div_rn(1.0, 1.0 + exp_f32(-logits))
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + tl.load(bias_ptr + experts, mask=real, other=0.0).to(tl.float32)
+    # NaN ranks above everything (torch.topk's order); its weight stays NaN.
+    value = tl.where(choice != choice, float("inf"), choice)
+    low = (E_PAD - 1 - experts).to(tl.int64)
+    keys = tl.where(real, (_sortable_key(value).to(tl.int64) << 32) | low, KNOCKED_OUT)
+    slots = tl.arange(0, K_PAD)
+    out_w = tl.zeros([K_PAD], dtype=tl.float32)
+    out_id = tl.zeros([K_PAD], dtype=tl.int64)
+    for j in range(TOP_K):
+        best = tl.max(keys, axis=0)
+        expert = (E_PAD - 1) - best.to(tl.int32)
+        expert = tl.minimum(tl.maximum(expert, 0), num_experts - 1)
+        # The unbiased score of the pick (a sum of one lane and zeros: exact).
+        score = tl.sum(tl.where(experts == expert, scores, 0.0), axis=0)
+        out_w = tl.where(slots == j, score, out_w)
+        out_id = tl.where(slots == j, expert, out_id)
+        keys = tl.where(experts == expert, KNOCKED_OUT, keys)
+    if RENORMALIZE:
+        out_w = tl.math.div_rn(out_w, tl.sum(out_w, axis=0) + 1e-20)  # unused slots hold 0
+    out_w = out_w * scaling
+    used = slots < TOP_K
+    tl.store(weights_ptr + token * stride_wt + slots, out_w, mask=used)
+    tl.store(ids_ptr + token * stride_it + slots, out_id, mask=used)
+
+
+def sigmoid_topk_triton(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    renormalize: bool,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 / Kimi-Linear routing with every expert group eligible (one group, or
+    topk_groups == num_groups), one launch: scores = sigmoid(logits), the top-k of scores +
+    bias choose (ties: lowest expert id first, picks in descending order), the weights are
+    the unbiased scores, over their sum + 1e-20 when `renormalize`, times the scaling, in
+    float32 as `workers.layers.moe.route_grouped_sigmoid_topk` computes them (sigmoid
+    within a few ulps of torch's). router_logits [T, E] (float16/bfloat16/float32, any
+    strides), correction_bias [E] or None -> (weights [T, k] float32, ids [T, k] int64).
+    Replaces some fifteen torch launches per MoE layer; CUDA-graph capturable."""
+    num_experts = check_router_args(router_logits, top_k)
+    check_dtype("router_logits", router_logits)
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(
+            f"router_logits: {num_experts} experts exceed the kernel's limit {MAX_EXPERTS}"
+        )
+    if correction_bias is not None:
+        if tuple(correction_bias.shape) != (num_experts,):
+            raise ValueError(
+                f"correction_bias: expected shape [{num_experts}], got "
+                f"{list(correction_bias.shape)}"
+            )
+        check_dtype("correction_bias", correction_bias)
+        correction_bias = correction_bias.contiguous()
+    if not isinstance(renormalize, bool):
+        raise ValueError(f"renormalize must be a bool, got {renormalize!r}")
+    num_tokens = router_logits.shape[0]
+    device = router_logits.device
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
+    if num_tokens == 0:
+        return weights, ids
+    e_pad = next_power_of_2(num_experts)
+    _sigmoid_topk_kernel[(num_tokens,)](
+        router_logits,
+        correction_bias if correction_bias is not None else router_logits,
+        weights,
+        ids,
+        num_experts,
+        float(routed_scaling_factor),
+        router_logits.stride(0),
+        router_logits.stride(1),
+        weights.stride(0),
+        ids.stride(0),
+        TOP_K=top_k,
+        K_PAD=next_power_of_2(top_k),
+        E_PAD=e_pad,
+        HAS_BIAS=correction_bias is not None,
+        RENORMALIZE=renormalize,
         num_warps=max(1, min(8, e_pad // 1024)),
         enable_fp_fusion=False,  # round as torch does: no fused multiply-adds
     )

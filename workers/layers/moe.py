@@ -5,6 +5,7 @@ Routers turn router logits into (weights [T, k], expert ids [T, k]):
     (Qwen3-MoE / Qwen3-Next).
   * `route_grouped_sigmoid_topk`: sigmoid scores plus a correction bias choose the experts
     within the best groups; the weights are the uncorrected scores (DeepSeek-V3 / Kimi-Linear).
+    With every group eligible (Kimi-Linear's one group) it is one Triton launch on CUDA.
 
 `FusedMoE` holds every expert's weights stacked: `w13` [E, 2 * I_local, H] (gate rows, then
 up rows) and `w2` [E, H, I_local]. Tensor parallelism splits the intermediate dim, so each
@@ -116,19 +117,32 @@ def route_grouped_sigmoid_topk(
             f"top_k ({top_k}) exceeds the experts in the chosen groups "
             f"({topk_groups} x {per_group})"
         )
+    if correction_bias is not None:
+        _check_input("correction_bias", correction_bias, (num_experts,))
+    every_group = topk_groups == num_groups  # the group stage rules nothing out
+    if every_group and use_triton(router_logits) and num_experts <= MAX_ROUTER_EXPERTS:
+        # One fused launch for the ~15 torch kernels below (Kimi-Linear has one group).
+        from kvloom.kernels.moe_router_triton import sigmoid_topk_triton
+
+        return sigmoid_topk_triton(
+            router_logits, correction_bias, top_k, bool(renormalize), routed_scaling_factor
+        )
     dtype = _routing_dtype(router_logits)
     scores = router_logits.to(dtype).sigmoid()
     choice = scores
     if correction_bias is not None:
-        _check_input("correction_bias", correction_bias, (num_experts,))
         choice = scores + correction_bias.to(dtype)
-    grouped = choice.view(-1, num_groups, per_group)
-    group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)
-    best_groups = group_scores.topk(topk_groups, dim=-1, sorted=False).indices
-    group_mask = torch.zeros_like(group_scores, dtype=torch.bool)
-    group_mask.scatter_(1, best_groups, True)
-    eligible = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, num_experts)
-    ids = choice.masked_fill(~eligible, float("-inf")).topk(top_k, dim=-1, sorted=False).indices
+    if every_group:
+        ids = choice.topk(top_k, dim=-1, sorted=False).indices
+    else:
+        grouped = choice.view(-1, num_groups, per_group)
+        group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)
+        best_groups = group_scores.topk(topk_groups, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool)
+        group_mask.scatter_(1, best_groups, True)
+        eligible = group_mask.unsqueeze(-1).expand_as(grouped).reshape(-1, num_experts)
+        masked = choice.masked_fill(~eligible, float("-inf"))
+        ids = masked.topk(top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

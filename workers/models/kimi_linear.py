@@ -145,7 +145,9 @@ class KimiRouter(nn.Module):
                 f"config.json: moe_router_activation_func {activation!r} is not supported "
                 "(Kimi-Linear routes with 'sigmoid')"
             )
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), False)
+        # Held in the routing dtype (an exact upcast at load): the logits are computed
+        # there, and a per-step cast would cost a launch and a copy per layer.
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=self.acc), False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=self.acc), False)
 
     def load_shard(self, param_name: str, loaded: torch.Tensor, shard: int = 0) -> None:
@@ -154,7 +156,7 @@ class KimiRouter(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(hidden.to(self.acc), self.weight.to(self.acc))
+        logits = F.linear(hidden.to(self.acc), self.weight)
         return route_grouped_sigmoid_topk(
             logits,
             self.e_score_correction_bias,
