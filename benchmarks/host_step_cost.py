@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from kvloom import Engine, SamplingParams
+from kvloom.cluster.bench import workload_params
 from kvloom.cluster.demo_model import write_demo_model
 from kvloom.contracts.gc_freeze import freeze_startup_objects
 
@@ -42,9 +43,7 @@ def add_offline_requests(engine: Engine, count: int) -> None:
     rng = random.Random(0)
     for i in range(count):
         prompt = [rng.randrange(10, 500) for _ in range(rng.randint(128, 1024))]
-        params = SamplingParams(
-            max_tokens=rng.randint(64, 512), temperature=0.0, ignore_eos=True, detokenize=False
-        )
+        params = workload_params(rng.randint(64, 512))  # as the bench: one output at the end
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
 
 

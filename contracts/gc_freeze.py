@@ -11,10 +11,13 @@ made later (requests, outputs) are still collected as usual.
 The youngest generation's threshold is raised too (KVLOOM_GC_YOUNG_THRESHOLD, 20,000).
 Python collects it whenever allocations outnumber deallocations by 700, and one decode
 step holds a few objects per row alive at once (sampling rows, outputs), so at 1000 rows
-the default ran about 13 young, 1.2 middle and 0.1 full collections per step; the full
-ones walk every request's token lists (up to 24 ms each). With the model stubbed out on
-the CPU (`benchmarks/host_step_cost.py --rows 1000 --offline --steps 400`): 25.3 ms of
-host work per step by default, 5.7 ms of it collecting; 19.6 ms at 20,000 (one collection).
+the default collected the young generation several times a step and ran a full collection
+every ~15 steps, walking every request's token lists (up to 24 ms each). With the model
+stubbed out on the CPU (`benchmarks/host_step_cost.py --rows 1000 --offline --steps 400`,
+the bench's one-output-per-request sampling): 14.8 ms of host work per step by default,
+1.8 ms of it collecting, and 13.4 ms at 20,000 (one collection in the run). With a
+cumulative output per row and step (`Engine.step`'s default) the run allocates more:
+25.3 ms by default, 5.7 ms of it collecting, and 19.6 ms at 20,000.
 Cyclic garbage is still collected, only less often.
 
 Called where a process serves one engine for its life (`kvloom serve`, the Ray scheduler
