@@ -323,18 +323,28 @@ def run_offline(engine: Engine, requests: list[tuple[list[int], int]]) -> tuple[
 
 
 def throughput(model: str, args) -> dict:
+    """The offline workload, `repeat` times on one engine: figures of the first run (as the
+    peer kit times vLLM's one run), and every run's seconds."""
     engine = make_engine(model, args)
     requests = offline_workload(args, engine.vocab_size)
-    elapsed, out_tokens = run_offline(engine, requests)
-    engine.shutdown()  # a Ray executor's actors and placement group
+    runs = []
+    try:
+        for _ in range(getattr(args, "repeat", 1)):
+            runs.append(run_offline(engine, requests))
+    finally:
+        engine.shutdown()  # a Ray executor's actors and placement group
+    elapsed, out_tokens = runs[0]
     prompt_tokens = sum(len(p) for p, _ in requests)
-    return {
+    result = {
         "executor": getattr(args, "executor", "inprocess"),
         "requests": args.num_requests,
         "seconds": round(elapsed, 2),
         "output_tokens_per_s": round(out_tokens / elapsed, 1),
         "total_tokens_per_s": round((out_tokens + prompt_tokens) / elapsed, 1),
     }
+    if len(runs) > 1:
+        result["seconds_per_run"] = [round(seconds, 2) for seconds, _ in runs]
+    return result
 
 
 def percentiles(values: list[float], name: str) -> dict:

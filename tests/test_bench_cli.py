@@ -74,6 +74,28 @@ def test_bench_throughput(tmp_path, executor):
         shutdown_ray()  # the embedded Ray this run started: later modules start their own
 
 
+def test_bench_throughput_repeats_on_one_engine(tmp_path):
+    out = tmp_path / "throughput.json"
+    args = ["bench", "throughput", "--shape", "tiny", "--dtype", "float32"]
+    args += ["--num-requests", "3", "--prompt-len", "8", "16", "--output-len", "4", "8"]
+    assert main(args + ["--repeat", "3", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    runs = result["seconds_per_run"]
+    assert len(runs) == 3 and all(s > 0 for s in runs) and result["seconds"] == runs[0]
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["throughput", "--repeat", "0"], "--repeat must be >= 1"),
+        (["latency", "--repeat", "2"], "--repeat applies to throughput"),
+    ],
+)
+def test_bad_repeat_is_refused(args, match):
+    with pytest.raises(SystemExit, match=match):
+        main(["bench", *args, "--shape", "tiny"])
+
+
 def test_unknown_shape_is_refused():
     with pytest.raises(ValueError, match="shape"):
         main(["bench", "latency", "--shape", "gpt-9"])

@@ -35,6 +35,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="with --shape: dummy weights in this checkpoint format (fp8: 128x128 "
         "block-scaled e4m3 as Qwen3-8B-FP8; w4a16: compressed-tensors int4, group 128)",
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="throughput: run the workload this many times on one engine and report each "
+        "run (the first pays the Triton kernels' first compiles; `seconds` is the first run's)",
+    )
     parser.add_argument("--out", type=Path, help="write the result as JSON")
     parser.set_defaults(func=run)
 
@@ -96,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
             "kvloom bench: --quantization applies to --shape (a --model dir has its own "
             "quantization_config)"
         )
+    if args.repeat < 1:
+        raise SystemExit(f"kvloom bench: --repeat must be >= 1, got {args.repeat}")
+    if args.repeat > 1 and args.kind != "throughput":
+        raise SystemExit("kvloom bench: --repeat applies to throughput")
     if args.load_format is None:
         args.load_format = "safetensors" if args.model else "dummy"
     result = bench(args)
