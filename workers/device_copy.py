@@ -20,15 +20,25 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return host.to(dtype).pin_memory().to(device, non_blocking=True)
 
 
+# Triton compiles a kernel apart for each pointer argument that is (or is not) a multiple
+# of 16 bytes: views packed at arbitrary offsets would make a step's inputs flip between
+# those variants, and each new one costs a compile on the host mid-run.
+PACK_ALIGN_BYTES = 16
+
+
 def to_device_packed(arrays: list[np.ndarray], dtype: torch.dtype, device: torch.device):
     """Several host arrays of one dtype in one staged copy: one pinned buffer and one
     transfer instead of one of each per array (each costs tens of microseconds of host
-    time). Returns device tensors of the arrays' shapes, views of one allocation."""
-    sizes = [a.size for a in arrays]
-    flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0)
+    time). Returns device tensors of the arrays' shapes, views of one allocation, each
+    starting PACK_ALIGN_BYTES-aligned (as a fresh allocation would)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    align = max(1, PACK_ALIGN_BYTES // itemsize)
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.size // align) * align
+    flat = np.zeros(total, dtype=torch.empty(0, dtype=dtype).numpy().dtype)
+    for a, start in zip(arrays, offsets):
+        flat[start : start + a.size] = a.reshape(-1)
     packed = to_device(torch.from_numpy(flat), dtype, device)
-    out, offset = [], 0
-    for a, n in zip(arrays, sizes):
-        out.append(packed[offset : offset + n].view(a.shape))
-        offset += n
-    return out
+    return [packed[start : start + a.size].view(a.shape) for a, start in zip(arrays, offsets)]
