@@ -200,7 +200,8 @@ _VARLEN_BLOCK_T = 16  # tokens per program
 _VARLEN_BLOCK_C = 128  # channels per program
 
 
-@triton.jit
+# The step's token count changes every step: no recompiles for its value (1, multiples of 16).
+@triton.jit(do_not_specialize=["num_tokens"])
 def _conv1d_varlen_kernel(
     x_ptr,
     weight_ptr,

@@ -43,7 +43,8 @@ MAX_DIM = 16384  # one program holds whole rows in registers
 BLOCK_ELEMENTS = 2048  # rows x padded D per program
 
 
-@triton.jit
+# Rows change with every step's token count: no recompiles for their value.
+@triton.jit(do_not_specialize=["num_rows"])
 def _gated_rms_norm_kernel(
     x_ptr,
     gate_ptr,

@@ -79,7 +79,8 @@ def _softplus(x):
     return tl.where(x > SOFTPLUS_THRESHOLD, x, tl.maximum(x, 0.0) + log1p_e)
 
 
-@triton.jit
+# Tokens change every step: no recompiles for their value (1, multiples of 16).
+@triton.jit(do_not_specialize=["num_tokens"])
 def _gdn_gates_kernel(
     ba_ptr,
     a_log_ptr,
