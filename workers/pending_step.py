@@ -31,7 +31,9 @@ class PendingStep:
         # Reading `tokens` later would wait for every launch queued by then, the step
         # scheduled ahead included; a copy queued now and an event wait for this step only.
         if self.tokens is not None and self.tokens.is_cuda:
-            self.host_tokens = torch.empty(self.tokens.shape, dtype=self.tokens.dtype).pin_memory()
+            self.host_tokens = torch.empty(
+                self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True
+            )  # straight from the pinned cache (`.pin_memory()` would allocate twice)
             self.host_tokens.copy_(self.tokens, non_blocking=True)
             self.copied = torch.cuda.Event()
             self.copied.record()
