@@ -143,3 +143,40 @@ def test_final_only_outputs_come_once_at_the_end(tiny_model):
     assert seen["f"][0].outputs[0].token_ids == seen["c"][-1].outputs[0].token_ids
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="delta")
+
+
+def test_plain_greedy_steps_skip_per_row_sampling_state(model_dir, monkeypatch):
+    """Steps whose rows are all plain greedy go straight to the fused argmax, with the same
+    tokens as the per-row path; one row asking for logprobs (or a penalty, min_tokens, a
+    sampled temperature) sends its step through the per-row path again."""
+    from kvloom.workers.model_runner import ModelRunner
+
+    built = []
+    real = ModelRunner._sampling_state
+
+    def spy(self, request_id, history=False):
+        built.append(request_id)
+        return real(self, request_id, history)
+
+    monkeypatch.setattr(ModelRunner, "_sampling_state", spy)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    fast = run_to_completion(Engine(model=model_dir, progress=False), PROMPTS[:4], greedy)
+    assert built == []
+    engine = Engine(model=model_dir, progress=False)
+    runner = engine.executor.worker.runner
+    apply = runner.input_batch.apply
+
+    def without_fast_path(sched):
+        apply(sched)
+        for state in runner.input_batch.requests.values():
+            state.plain_greedy = False
+
+    monkeypatch.setattr(runner.input_batch, "apply", without_fast_path)
+    slow = run_to_completion(engine, PROMPTS[:4], greedy)
+    assert built and [o.outputs[0].token_ids for o in fast] == [
+        o.outputs[0].token_ids for o in slow
+    ]
+    built.clear()
+    mixed = [greedy] * 3 + [SamplingParams(max_tokens=6, temperature=0.0, logprobs=1)]
+    run_to_completion(Engine(model=model_dir, progress=False), PROMPTS[:4], mixed)
+    assert built  # the logprobs row's steps build every row's state

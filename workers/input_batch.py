@@ -18,6 +18,14 @@ class CachedRequestState:
     block_ids: list[list[int]]  # per KV-cache group
     num_computed_tokens: int
 
+    def __post_init__(self) -> None:
+        p = self.sampling_params
+        # Sampled by the fused greedy argmax alone (no logprobs, penalties or min_tokens):
+        # the sampler needs no per-row state for it, and steps of only such rows skip it.
+        self.plain_greedy = (
+            p.greedy and p.logprobs is None and not p.reads_token_history and not p.min_tokens
+        )
+
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]

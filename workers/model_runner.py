@@ -25,6 +25,7 @@ from kvloom.contracts.scheduler_output import (
     SchedulerOutput,
 )
 from kvloom.kernels.dispatch import set_batch_invariant
+from kvloom.kernels.ops import greedy_argmax
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
 from kvloom.workers.awaiting_masks import AwaitingMasksStep
 from kvloom.workers.batch_arrays import padded_block_table, slot_mapping, token_positions
@@ -714,8 +715,16 @@ class ModelRunner:
     def _sample_plain(self, hidden: torch.Tensor, sample_rows, sched) -> PendingStep:
         """Samples one token per row on the device and remembers where each request's
         token is, so a step scheduled before this one is read back can use it. A step
-        whose grammar masks follow samples when they arrive (`supply_bitmasks`)."""
-        rows = [self._sampling_state(rid) for rid, _, _ in sample_rows]
+        whose grammar masks follow samples when they arrive (`supply_bitmasks`). A step
+        whose rows are all plain greedy (the offline benchmarks' every step) builds no
+        per-row sampling state: the fused argmax is all the sampler would run for it."""
+        requests = self.input_batch.requests
+        plain = (
+            not sched.grammar_bitmasks_follow
+            and not self.step_bitmasks
+            and all(requests[rid].plain_greedy for rid, _, _ in sample_rows)
+        )
+        rows = None if plain else [self._sampling_state(rid) for rid, _, _ in sample_rows]
         self.prev_sampled = None
         self.prev_rows = {}
         if not sample_rows:
@@ -723,6 +732,8 @@ class ModelRunner:
         index = to_device([i for _, i, _ in sample_rows], torch.long, hidden.device)
         logits = self.model.compute_logits(hidden[index])
         request_ids = [rid for rid, _, _ in sample_rows]
+        if plain:
+            return self._pending(greedy_argmax(logits), None, None, request_ids)
         if not sched.grammar_bitmasks_follow:
             return self._draw(logits, rows, request_ids)
 
@@ -749,6 +760,11 @@ class ModelRunner:
             [r.params.logprobs for r in rows if r.params.logprobs is not None], default=-1
         )
         tokens, raw_logprobs = sample_on_device(logits, rows, max_logprobs)
+        return self._pending(tokens, raw_logprobs, rows, request_ids)
+
+    def _pending(self, tokens, raw_logprobs, rows, request_ids) -> PendingStep:
+        """Remembers where each request's token is (a step scheduled before this one is
+        read back takes it from there) and hands the step's result out to be read later."""
         self.prev_sampled = tokens
         self.prev_rows = {rid: row for row, rid in enumerate(request_ids)}
         return PendingStep(

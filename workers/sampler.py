@@ -262,9 +262,12 @@ def sample_on_device(
 
 
 def finish_sampling(
-    tokens: list[int], raw_logprobs: torch.Tensor | None, rows: list[RowSamplingState]
+    tokens: list[int], raw_logprobs: torch.Tensor | None, rows: list[RowSamplingState] | None
 ) -> list:
-    """Per row, logprob info if asked (reads the device: call once the ids are back)."""
+    """Per row, logprob info if asked (reads the device: call once the ids are back).
+    Without raw logprobs no row has any, and `rows` may be None (a plain greedy step)."""
+    if raw_logprobs is None:
+        return [None] * len(tokens)
     infos: list = []
     for i, row in enumerate(rows):
         n = row.params.logprobs
