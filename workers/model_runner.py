@@ -28,7 +28,7 @@ from kvloom.kernels.dispatch import set_batch_invariant
 from kvloom.kernels.ops import greedy_argmax
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
 from kvloom.workers.awaiting_masks import AwaitingMasksStep
-from kvloom.workers.batch_arrays import padded_block_table, slot_mapping, token_positions
+from kvloom.workers.batch_arrays import slot_mapping, token_positions
 from kvloom.workers.cache_pages import allocate_pages
 from kvloom.workers.cuda_graphs import TargetGraphs, capture_sizes, graph_key_for
 from kvloom.workers.device_copy import to_device, to_device_packed
@@ -511,7 +511,6 @@ class ModelRunner:
     def build_batch(self, sched: SchedulerOutput):
         input_ids: list[int] = []
         starts, ends = [], []
-        block_rows = [[] for _ in self.groups]
         # (request id, token index of its last real query, drafts after it)
         sample_rows: list[tuple[str, int, list[int]]] = []
         # Tokens the previous step sampled that this worker has not been sent yet (a step
@@ -556,8 +555,6 @@ class ModelRunner:
             self.step_row_drafts.append(len(spec))
             starts.append(start)
             ends.append(real_end + len(spec))
-            for g, ids in enumerate(state.block_ids):
-                block_rows[g].append(ids)
             if real_end == available:
                 sample_rows.append((request_id, len(input_ids) - 1 - len(spec), spec))
                 positions_of_samples[request_id] = real_end
@@ -573,15 +570,15 @@ class ModelRunner:
         narrow = [query_start, end_array, start_array]
         # Per group: (index in wide of its slots, of its state indices or None).
         where = []
-        for g, group in enumerate(self.groups):
-            table = padded_block_table(block_rows[g])
+        tables = self.input_batch.padded_tables(list(sched.num_scheduled_tokens), len(self.groups))
+        for group, table in zip(self.groups, tables):
             narrow.append(table)
             if isinstance(group.spec, LinearStateSpec):
-                # State lives in one page per request: no per-token slots.
+                # State lives in one page per request: no per-token slots. A row without
+                # a page has 0 (the null block) first: its state index is -1.
                 first = table[:, 0] if table.shape[1] else np.zeros(len(starts), np.int32)
-                has = np.fromiter(map(bool, block_rows[g]), dtype=bool, count=len(starts))
                 where.append((len(wide), len(wide) + 1))
-                wide += [np.zeros(0, np.int64), np.where(has, first, -1).astype(np.int64)]
+                wide += [np.zeros(0, np.int64), np.where(first != 0, first, -1).astype(np.int64)]
             else:
                 size = group.spec.block_size
                 where.append((len(wide), None))
