@@ -31,13 +31,13 @@ def to_device_packed(arrays: list[np.ndarray], dtype: torch.dtype, device: torch
     transfer instead of one of each per array (each costs tens of microseconds of host
     time). Returns device tensors of the arrays' shapes, views of one allocation, each
     starting PACK_ALIGN_BYTES-aligned (as a fresh allocation would)."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    align = max(1, PACK_ALIGN_BYTES // itemsize)
+    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    align = max(1, PACK_ALIGN_BYTES // np_dtype.itemsize)
     offsets, total = [], 0
     for a in arrays:
         offsets.append(total)
         total += -(-a.size // align) * align
-    flat = np.zeros(total, dtype=torch.empty(0, dtype=dtype).numpy().dtype)
+    flat = np.zeros(total, dtype=np_dtype)
     for a, start in zip(arrays, offsets):
         flat[start : start + a.size] = a.reshape(-1)
     packed = to_device(torch.from_numpy(flat), dtype, device)
