@@ -14,12 +14,15 @@ with the most own time (cProfile).
 tokens, 64-512 outputs, freeze before they arrive, as `kvloom bench` does) from the first
 step, prefills included. The JSON line counts Python's GC collections per generation and
 their milliseconds (KVLOOM_GC_YOUNG_THRESHOLD sets the young generation's threshold).
+`--phases` adds the host ms per step of the scheduler's and the runner's main calls
+(timed around each call, so nothing is inflated as under cProfile).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import gc
 import io
 import json
@@ -65,6 +68,37 @@ class CollectionTimer:
         gc.callbacks.remove(self._callback)
 
 
+PHASES = {
+    "schedule": lambda e: (e.core.scheduler, "schedule"),
+    "update_from_output": lambda e: (e.core.scheduler, "update_from_output"),
+    "input_batch_apply": lambda e: (e.executor.worker.runner.input_batch, "apply"),
+    "build_batch": lambda e: (e.executor.worker.runner, "build_batch"),
+    "sample": lambda e: (e.executor.worker.runner, "_sample_plain"),
+    "output_processor": lambda e: (e.output_processor, "process"),
+}
+
+
+def time_phases(engine: Engine) -> dict[str, float]:
+    """Wraps each phase's call to add its seconds to the returned dict."""
+    seconds = dict.fromkeys(PHASES, 0.0)
+
+    def timed(name, call):
+        @functools.wraps(call)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                seconds[name] += time.perf_counter() - start
+
+        return wrapper
+
+    for name, where in PHASES.items():
+        owner, attr = where(engine)
+        setattr(owner, attr, timed(name, getattr(owner, attr)))
+    return seconds
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=256)
@@ -74,6 +108,7 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=20, help="functions listed with --profile")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--offline", action="store_true", help="the throughput bench's requests")
+    parser.add_argument("--phases", action="store_true", help="host ms per step of each phase")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         path = write_demo_model(Path(tmp) / "m", arch="llama")
@@ -101,10 +136,12 @@ def main(argv=None) -> int:
             for _ in range(5):  # prefill, then decode steps only
                 engine.step()
             freeze_startup_objects()
+        phases = time_phases(engine) if args.phases else None
         collections = CollectionTimer()
         start = time.perf_counter()
-        steps = 0
+        steps = rows = 0
         while steps < args.steps and engine.has_unfinished_requests():
+            rows += len(engine.core.scheduler.running)
             engine.step()
             steps += 1
         ms = (time.perf_counter() - start) * 1e3 / steps
@@ -113,11 +150,14 @@ def main(argv=None) -> int:
             "rows": args.rows,
             "host_ms_per_step": round(ms, 3),
             "steps": steps,
+            "mean_running": round(rows / steps, 1),
             "gc_threshold": gc.get_threshold(),
             "gc_collections_per_generation": collections.counts,
             "gc_ms_per_generation": [round(v, 1) for v in collections.ms],
             "machine": f"{platform.machine()} CPU, torch {torch.__version__}",
         }
+        if phases is not None:
+            row["phase_ms_per_step"] = {k: round(v * 1e3 / steps, 3) for k, v in phases.items()}
         print(json.dumps(row), flush=True)
         if args.profile:
             profile = cProfile.Profile()

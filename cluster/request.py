@@ -18,9 +18,9 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"  # the engine failed under it (a worker died)
 
-    @property
-    def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+    def __init__(self, value: str) -> None:
+        # A plain attribute, not a property: it is read for every request every step.
+        self.finished = value in ("stop", "length", "abort", "error")
 
 
 @dataclass(eq=False)

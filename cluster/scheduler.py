@@ -141,10 +141,12 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------
     def _chunk_size(self, request: Request, budget: int) -> int:
-        length = request.num_tokens + request.num_pending_output_tokens
+        length = len(request.all_token_ids) + request.num_pending_output_tokens
         num_new = min(length - request.num_computed_tokens, budget)
         if self.config.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
+        if not self.kv_cache.checkpoints_on:
+            return num_new
         start = request.num_computed_tokens
         stop = self.kv_cache.prompt_checkpoint_length(request)
         if stop is not None and start < stop < start + num_new:
@@ -166,7 +168,7 @@ class Scheduler:
         here yet: it gets placeholder slots, which the worker fills from the proposals it
         made in that step. Their number assumes every draft in flight is accepted (the
         longest the request can be), so length limits hold whatever comes back."""
-        if request.restore_state:
+        if not self.speculative.num_speculative_tokens or request.restore_state:
             return []
         pending = request.num_pending_output_tokens
         if pending:
@@ -358,28 +360,21 @@ class Scheduler:
             step_id=self.num_steps,
         )
         self._forget = []
+        kv_cache = self.kv_cache
         for request_id, num_tokens in scheduled.items():
+            request = self.requests[request_id]
             grammar = self._grammar_of.get(request_id)
-            request = self.requests[request_id]
-            spec = drafts.get(request_id, ())
-            if grammar is None:
-                continue
-            if request.num_pending_output_tokens:
-                # Its matcher lacks the token in flight: the mask follows (async scheduling).
-                out.grammar_bitmasks_follow.append(request_id)
-                self.num_grammar_rows_ahead += 1
-            elif request.num_computed_tokens + num_tokens - len(spec) >= request.num_tokens:
-                # This step samples its next token(s): the grammar says which are allowed.
-                out.grammar_bitmasks[request_id] = grammar.draft_bitmasks(list(spec))
-        for request_id in scheduled:
-            request = self.requests[request_id]
-            if request_id not in self._sent_tokens:
+            if grammar is not None:
+                self._add_grammar_mask(out, request, grammar, num_tokens, drafts)
+            num_blocks = kv_cache.num_blocks(request_id)
+            sent_tokens = self._sent_tokens.get(request_id)
+            if sent_tokens is None:
                 out.new_requests.append(
                     NewRequestData(
                         request_id=request_id,
                         token_ids=list(request.all_token_ids),
                         sampling_params=request.sampling_params,
-                        block_ids=self.kv_cache.block_ids(request_id),
+                        block_ids=kv_cache.block_ids(request_id),
                         num_computed_tokens=request.num_computed_tokens,
                         num_output_tokens=request.num_output_tokens,
                         sampling_seed=self._sampling_seeds[request_id],
@@ -388,20 +383,32 @@ class Scheduler:
             else:
                 # Only what the workers lack: copying every block id of every running
                 # request each step costs milliseconds at a thousand requests.
+                sent_blocks = self._sent_blocks[request_id]
                 out.cached_requests.append(
                     CachedRequestData(
                         request_id=request_id,
-                        new_token_ids=request.all_token_ids[self._sent_tokens[request_id] :],
-                        new_block_ids=self.kv_cache.new_block_ids(
-                            request_id, self._sent_blocks[request_id]
-                        ),
+                        new_token_ids=request.all_token_ids[sent_tokens:],
+                        new_block_ids=kv_cache.new_block_ids(request_id, sent_blocks)
+                        if num_blocks != sent_blocks
+                        else tuple([] for _ in num_blocks),
                         num_computed_tokens=request.num_computed_tokens,
                     )
                 )
             self._sent_tokens[request_id] = request.num_tokens
-            self._sent_blocks[request_id] = self.kv_cache.num_blocks(request_id)
+            self._sent_blocks[request_id] = num_blocks
         self.num_steps += 1
         return out
+
+    def _add_grammar_mask(self, out, request, grammar, num_tokens: int, drafts: dict) -> None:
+        request_id = request.request_id
+        spec = drafts.get(request_id, ())
+        if request.num_pending_output_tokens:
+            # Its matcher lacks the token in flight: the mask follows (async scheduling).
+            out.grammar_bitmasks_follow.append(request_id)
+            self.num_grammar_rows_ahead += 1
+        elif request.num_computed_tokens + num_tokens - len(spec) >= request.num_tokens:
+            # This step samples its next token(s): the grammar says which are allowed.
+            out.grammar_bitmasks[request_id] = grammar.draft_bitmasks(list(spec))
 
     def followed_bitmasks(self, sched_out: SchedulerOutput) -> GrammarBitmasks:
         """The masks of a step scheduled ahead, once the step before it was read back
@@ -449,7 +456,8 @@ class Scheduler:
                     # next step and recompute the accepted tokens from it.
                     request.num_computed_tokens = computed_before
                     request.restore_state = True
-            request.spec_token_ids = []
+            if request.spec_token_ids:
+                request.spec_token_ids = []
             self.kv_cache.publish_computed_blocks(request)
             grammar = self._grammar_of.get(request_id)
             for token_id in new_tokens:

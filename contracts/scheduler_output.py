@@ -22,7 +22,7 @@ class NewRequestData:
     sampling_seed: int
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
     request_id: str
     new_token_ids: list[int]

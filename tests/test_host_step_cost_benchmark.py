@@ -24,3 +24,16 @@ def test_offline_run_reports_collections(tmp_path, monkeypatch):
     row = json.loads(out.read_text())
     assert row["rows"] == 3 and row["steps"] == 4 and row["gc_threshold"][0] == 1
     assert row["gc_collections_per_generation"][0] > 0 and row["host_ms_per_step"] > 0
+
+
+def test_phases_are_timed(tmp_path):
+    out = tmp_path / "row.json"
+    try:
+        host_step_cost.main(["--rows", "4", "--steps", "3", "--phases", "--out", str(out)])
+    finally:
+        gc.unfreeze()
+    row = json.loads(out.read_text())
+    phases = row["phase_ms_per_step"]
+    assert set(phases) == set(host_step_cost.PHASES)
+    assert all(ms > 0 for ms in phases.values())
+    assert sum(phases.values()) < row["host_ms_per_step"]

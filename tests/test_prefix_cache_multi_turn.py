@@ -101,3 +101,52 @@ def test_cache_salt_never_shares_hits(tiny_model):
                 result = outs[0]
         expected_hit = i in (2, 4)  # same salt seen before
         assert (result.num_cached_tokens > 0) == expected_hit, (i, salt, result.num_cached_tokens)
+
+
+class _AlwaysDue(dict):
+    """A `_publish_due` that never lets `publish_computed_blocks` skip a request."""
+
+    def get(self, key, default=None):
+        return 0
+
+
+@pytest.mark.parametrize("max_batched", [None, 7], ids=["whole", "chunked"])
+@pytest.mark.parametrize("kind", ["dense", "sliding", *HYBRIDS])
+def test_publish_skips_change_nothing(tiny_model, hybrid_model, kind, max_batched, monkeypatch):
+    """publish_computed_blocks skips a request until a block can have filled; the cache
+    must hold the same blocks under the same keys, step for step, as publishing every
+    step, and the skip must be taken. Chunked prefills keep linear-state checkpoints
+    inside a block (one token before a prompt's end), which must not wait for it."""
+    if kind in HYBRIDS:
+        path = hybrid_model(kind)
+    else:
+        arch, overrides = MODELS[kind]
+        path = tiny_model(arch, **overrides)
+
+    def run(skips: bool):
+        kw = {} if max_batched is None else {"max_num_batched_tokens": max_batched}
+        engine = engine_for(path, True, **kw)
+        coordinator = engine.core.kv_cache
+        if not skips:
+            coordinator._publish_due = _AlwaysDue()
+        published, skipped = [], 0
+        publish = coordinator.publish_computed_blocks
+
+        def recording(request):
+            nonlocal skipped
+            skipped += request.num_computed_tokens < coordinator._publish_due.get(
+                request.request_id, 0
+            )
+            publish(request)
+            published.append(sorted(coordinator.pool._cached))
+
+        monkeypatch.setattr(coordinator, "publish_computed_blocks", recording)
+        turns = multi_turn(engine)
+        hits = [[o.num_cached_tokens for _, o in turn] for turn in turns]
+        return hits, published, skipped
+
+    hits_skip, published_skip, skipped = run(True)
+    hits_all, published_all, _ = run(False)
+    assert hits_skip == hits_all
+    assert published_skip == published_all
+    assert skipped > 0

@@ -142,6 +142,8 @@ class KVCacheCoordinator:
         self.backup_len: dict[str, int] = {}
         # request id -> [(length, [checkpoint run per linear group])] awaiting their step
         self.pending: dict[str, list[tuple[int, list[KVBlock]]]] = {}
+        # request id -> computed length below which publish_computed_blocks has no work
+        self._publish_due: dict[str, int] = {}
 
     @property
     def num_groups(self) -> int:
@@ -253,7 +255,10 @@ class KVCacheCoordinator:
                 request.num_computed_tokens + num_new_tokens + num_draft_tokens
                 + num_lookahead_tokens
             )  # fmt: skip
-            if all(len(m.req_blocks.get(rid, ())) * m.block_size >= total for m in self.managers):
+            for manager in self.managers:
+                if len(manager.req_blocks.get(rid, ())) * manager.block_size < total:
+                    break
+            else:
                 return True
         hit_blocks = hit_blocks or [[] for _ in self.managers]
         computed = request.num_computed_tokens
@@ -283,6 +288,9 @@ class KVCacheCoordinator:
             return False
         # A checkpoint is a bonus: under pressure the step goes without it.
         checkpoint = checkpoint and fits(runs + len(self.linear))
+        if checkpoint or any(hit_blocks):
+            # What a hit holds is released, and a checkpoint published, after the step.
+            self._publish_due.pop(rid, None)
         for manager, hit in zip(self.managers, hit_blocks):
             if hit:
                 manager.add_hit_blocks(rid, hit, hit_tokens)
@@ -342,11 +350,12 @@ class KVCacheCoordinator:
         that have run."""
         if not self.enable_caching:
             return
+        rid = request.request_id
+        if request.num_computed_tokens < self._publish_due.get(rid, 0):
+            return  # no block filled since the last publish and nothing waits: most steps
         self.update_block_hashes(request)
         for manager in self.managers:
-            manager.publish_full_blocks(
-                request.request_id, request.block_hashes, request.num_computed_tokens
-            )
+            manager.publish_full_blocks(rid, request.block_hashes, request.num_computed_tokens)
         waiting = []
         for length, runs in self.pending.pop(request.request_id, ()):
             if length <= min(request.num_computed_tokens, request.num_tokens):
@@ -356,7 +365,9 @@ class KVCacheCoordinator:
             else:
                 waiting.append((length, runs))
         if waiting:
-            self.pending[request.request_id] = waiting
+            self.pending[rid] = waiting
+        dues = [m.publish_due(rid) for m in self.managers]
+        self._publish_due[rid] = 0 if waiting or None in dues else min(dues)
 
     def _publish_checkpoint(self, request: Request, length: int, runs: list[KVBlock]) -> None:
         """Caches the state runs (one per linear group) as the checkpoint at `length`, and
@@ -391,6 +402,7 @@ class KVCacheCoordinator:
 
     def free(self, request: Request) -> None:
         rid = request.request_id
+        self._publish_due.pop(rid, None)
         self.copies.pop(rid, None)
         self._checkpoint_at_free(request)
         self._planned.pop(rid, None)

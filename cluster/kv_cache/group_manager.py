@@ -23,10 +23,14 @@ the coordinator; each group probes them under its own tag.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 from kvloom.cluster.kv_cache.block_pool import BlockPool, KVBlock
 from kvloom.contracts.kv_cache_spec import KVCacheSpec, SlidingWindowSpec
+
+# `publish_due` of a group that has nothing to publish at any length.
+NOTHING_TO_PUBLISH = sys.maxsize
 
 
 @dataclass
@@ -94,6 +98,11 @@ class GroupManager:
     def transient_blocks(self, request_id: str) -> list[KVBlock]:
         return []
 
+    def publish_due(self, request_id: str) -> int | None:
+        """The computed length from which `publish_full_blocks` has work for the request
+        again; None while it holds something the next publish releases."""
+        return NOTHING_TO_PUBLISH
+
 
 class FullAttentionManager(GroupManager):
     def __init__(self, spec, pool, group_id, hash_block_size):
@@ -159,6 +168,11 @@ class FullAttentionManager(GroupManager):
         tail = self.hit_tails.pop(request_id, None)
         if tail is not None:
             self.pool.free_blocks([tail])
+
+    def publish_due(self, request_id: str) -> int | None:
+        if request_id in self.hit_tails:
+            return None
+        return (self.num_published.get(request_id, 0) + 1) * self.block_size
 
     def cache_end(self, request_id: str, length: int, key: bytes) -> bytes | None:
         """Publishes the request's block that `length` ends inside under `key` (this
@@ -350,6 +364,9 @@ class LinearStateManager(GroupManager):
         source = self.pending_hit_source.pop(request_id, None)
         if source is not None:
             self.pool.free_blocks([source])
+
+    def publish_due(self, request_id: str) -> int | None:
+        return None if request_id in self.pending_hit_source else NOTHING_TO_PUBLISH
 
     def free(self, request_id: str) -> None:
         backup = self.backups.pop(request_id, None)
