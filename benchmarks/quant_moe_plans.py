@@ -18,6 +18,18 @@ few candidate tilings, with whether they agree bitwise), each timed as gemv_plan
 does: inside a CUDA graph over rotating weight copies, so every launch reads its weight
 from HBM (us per launch). `--no-moe` skips the MoE table.
 
+`--fp8-plans` adds the FP8 GEMM plan table (kernels/fp8_gemm_triton.py, issue 22): at
+Qwen3-8B's projections and FP8_PLAN_TOKENS, ms and TFLOP/s of the GEMM alone (activations
+quantized beforehand; their quantization is timed apart) in every plan of
+FP8_GEMM_PLANS, beside bf16 F.linear; the plan `choose_fp8_gemm_plan` picks; whether
+every plan's output is bitwise the first's (invariant 7); and torch._scaled_mm with
+blockwise scales (1x128 activations, 128x128 weights) as a reference row where the
+running torch and GPU accept it (a failure is recorded, not raised). It also times the
+prefill plan with max_num_imprecise_acc=32 (FP8 wgmma instead of fp16 mma.sync) and
+gives its and the default's largest error against a float64 product.
+
+    python3 benchmarks/quant_moe_plans.py --no-moe --fp8-plans --out $OUT/fp8_plans.json
+
 `--tiny` runs small shapes, also on a CPU under TRITON_INTERPRET=1 (only to exercise the
 script: timings there mean nothing).
 """
@@ -47,6 +59,7 @@ PLANS = (16, 32, 64)
 CHOOSE = {"w4a16_g32": choose_block_m, "fp8_block128": choose_fp8_block_m}  # each scheme's plan
 LINEAR_TOKENS = (1, 256, 4096)  # decode, a decode batch, a prefill chunk
 LINEAR_SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))  # (N, K)
+FP8_PLAN_TOKENS = (1, 16, 256, 1024, 4096)
 GEMV_TOKENS = (1, 8)
 # Tilings tried beside each format's default plan (all split_k 1, the default's at these
 # shapes): block_n, block_k (columns per step), warps, pipeline stages.
@@ -166,6 +179,108 @@ def linear_rows(args, device, gbps):
     return rows
 
 
+def scaled_mm_reference(row, x_q, x_s, w8, s_blocks, first, repeats):
+    """torch._scaled_mm with 1x128 activation and 128x128 weight scales, where the
+    running torch and GPU accept them: ms, TFLOP/s and its largest difference from the
+    first plan's output (relative to that output's scale); else the error."""
+    a_scale = x_s.t().contiguous().t()  # 1x128 blocks: scales outer-dimension-major
+    call = partial(torch._scaled_mm, x_q, w8.t(), a_scale, s_blocks.t(), out_dtype=first.dtype)
+    try:
+        out = call()
+        row["ms_scaled_mm"] = timed(call, repeats)
+    except Exception as exc:  # recorded: the row says why it has no time
+        row["scaled_mm_error"] = f"{type(exc).__name__}: {exc}"[:600]
+        return
+    row["tflops_scaled_mm"] = (
+        2 * x_q.shape[0] * w8.shape[0] * w8.shape[1] / row["ms_scaled_mm"] / 1e9
+    )
+    scale = max(first.abs().max().item(), 1e-30)
+    row["scaled_mm_max_diff_rel"] = (out.float() - first.float()).abs().max().item() / scale
+
+
+def imprecise_acc_candidate(row, gemm, x_q, x_s, w8, s8, flop, repeats):
+    """The prefill plan with max_num_imprecise_acc=32 (FP8 wgmma, each 32-product MMA
+    added into float32): its time, and both its and the default's largest error (float32
+    outputs) against a float64 product, relative to the output's largest magnitude."""
+    from kvloom.kernels.fp8_gemm_triton import PREFILL_PLAN, fp8_matmul_triton
+
+    exact = fp8_exact(x_q, x_s, w8, s8)
+    scale = max(exact.abs().max().item(), 1e-30)
+    f32 = partial(fp8_matmul_triton, x_q, x_s, w8, s8, 128, None, torch.float32)
+    for acc in (0, 32):
+        name = "default" if acc == 0 else "imprecise32"
+        try:
+            out = f32(plan=PREFILL_PLAN, imprecise_acc=acc)
+        except Exception as exc:  # recorded: the row says why it has no figures
+            row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:600]
+            return
+        row[f"max_err_rel_{name}"] = (out.double() - exact).abs().max().item() / scale
+    row["ms_imprecise32"] = timed(partial(gemm, plan=PREFILL_PLAN, imprecise_acc=32), repeats)
+    row["tflops_imprecise32"] = flop / row["ms_imprecise32"] / 1e9
+
+
+def fp8_exact(x_q, x_s, w8, s8):
+    """The FP8 GEMM's output in float64 (groups of 128 columns)."""
+    out = torch.zeros(x_q.shape[0], w8.shape[0], dtype=torch.float64, device=x_q.device)
+    for g in range(x_s.shape[1]):
+        cols = slice(g * 128, (g + 1) * 128)
+        part = x_q[:, cols].double() @ w8[:, cols].double().T
+        out += part * x_s[:, g, None].double() * s8[None, :, g].double()
+    return out
+
+
+def fp8_plan_rows(args, device):
+    """Every FP8 GEMM plan at each shape and token count (the GEMM alone, 128x128 weight
+    blocks expanded to per-row scales as the loader does)."""
+    from kvloom.kernels.fp8_gemm_triton import (
+        FP8_GEMM_PLANS,
+        choose_fp8_gemm_plan,
+        fp8_matmul_triton,
+        per_token_group_quant_fp8_triton,
+    )
+
+    rows = []
+    for n, k in args.fp8_shapes:
+        g = torch.Generator(device="cpu").manual_seed(n + k)
+        w_bf16 = (torch.randn(n, k, generator=g) * 0.02).to(device, torch.bfloat16)
+        w8 = (torch.randn(n, k, generator=g) * 20).to(torch.float8_e4m3fn).to(device)
+        s_blocks = (torch.rand(n // 128, k // 128, generator=g) * 0.002).to(device)
+        s8 = s_blocks.repeat_interleave(128, dim=0).contiguous()
+        for tokens in args.fp8_tokens:
+            x = torch.randn(tokens, k, generator=g).to(device, torch.bfloat16)
+            x_q, x_s = per_token_group_quant_fp8_triton(x, 128)
+            flop = 2 * n * k * tokens
+            row = {
+                "N": n,
+                "K": k,
+                "tokens": tokens,
+                "chosen_plan": choose_fp8_gemm_plan(tokens).name,
+            }
+            row["ms_bf16_linear"] = timed(partial(F.linear, x, w_bf16), args.repeats)
+            row["tflops_bf16_linear"] = flop / row["ms_bf16_linear"] / 1e9
+            row["ms_quant_activations"] = timed(
+                partial(per_token_group_quant_fp8_triton, x, 128), args.repeats
+            )
+            gemm = partial(fp8_matmul_triton, x_q, x_s, w8, s8, 128, None, torch.bfloat16)
+            calls = {p.name: partial(gemm, plan=p) for p in FP8_GEMM_PLANS}
+            outs = {name: call() for name, call in calls.items()}
+            first = outs[FP8_GEMM_PLANS[0].name]
+            row["plans_differing_from_first"] = [
+                m for m, o in outs.items() if not torch.equal(o, first)
+            ]
+            row["bitwise_across_plans"] = not row["plans_differing_from_first"]
+            del outs
+            row["ms_plans"] = {name: timed(call, args.repeats) for name, call in calls.items()}
+            row["tflops_plans"] = {name: flop / ms / 1e9 for name, ms in row["ms_plans"].items()}
+            row["ms_chosen"] = row["ms_plans"][row["chosen_plan"]]
+            row["best_plan"] = min(row["ms_plans"], key=row["ms_plans"].get)
+            imprecise_acc_candidate(row, gemm, x_q, x_s, w8, s8, flop, args.repeats)
+            scaled_mm_reference(row, x_q, x_s, w8, s_blocks, first, args.repeats)
+            rows.append(row)
+            print(json.dumps(row))
+    return rows
+
+
 def gemv_weights(n, k, device):
     """bf16, FP8 (128-blocks) and int4 (g128) weights of one [n, k] linear."""
     g = torch.Generator(device="cpu").manual_seed(n * k)
@@ -252,16 +367,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--gemv", action="store_true", help="add the decode GEMV rows")
     parser.add_argument("--no-moe", action="store_true", help="skip the MoE table")
+    parser.add_argument("--fp8-plans", action="store_true", help="add the FP8 GEMM plan table")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.tiny:
         args.experts, args.top_k, args.hidden, args.inter = 4, 2, 128, 128
         args.tokens, args.linear_shapes, args.repeats = (1, 9), ((64, 128),), 1
         args.linear_tokens = (1, 3)
+        args.fp8_shapes, args.fp8_tokens = ((256, 256),), (1, 130)
     else:
         args.experts, args.top_k, args.hidden, args.inter = 512, 10, 2048, 512
         args.tokens, args.linear_shapes = TOKENS, LINEAR_SHAPES
         args.linear_tokens = LINEAR_TOKENS
+        args.fp8_shapes, args.fp8_tokens = LINEAR_SHAPES, FP8_PLAN_TOKENS
     gbps = hbm_gbps(device)
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -272,6 +390,8 @@ def main() -> None:
     }
     if args.gemv:
         result["gemv"] = gemv_rows(args, device, gbps)
+    if args.fp8_plans:
+        result["fp8_plans"] = fp8_plan_rows(args, device)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

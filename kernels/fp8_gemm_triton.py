@@ -6,22 +6,55 @@ Semantics are `fp8_gemm.fp8_linear_ref`'s (read its docstring). Two launches:
 1. `_quant_kernel`, one program per (token, group): the group's max |x| (exact), scale =
    max(amax, 1e-10) / 448, x / scale correctly rounded (`div_rn`), clamped, cast to e4m3
    (round to nearest even): bitwise the reference's quantized activations and scales.
-2. `_fp8_gemm_kernel`, one program per (BLOCK_N weight rows, BLOCK_M tokens): for each
-   BLOCK_K tile of K, the e4m3 dot (exact products, float32 sums) is scaled by
-   x_s[t, g] * w_s[n, g] (g = the tile's group) and added to a float32 accumulator; the
-   bias is added in float32 and the result rounded once.
+2. `_fp8_gemm_kernel`, one program per output tile (BLOCK_N weight rows x BLOCK_M
+   tokens): for each BLOCK_K tile of K, the e4m3 dot (exact products, float32 sums) is
+   scaled by x_s[t, g] * w_s[n, g] (g = the tile's group) and added to a float32
+   accumulator; the bias is added in float32 and the result rounded once.
 
-Weight rows sit in the dot's M slot and tokens in its N slot (decode pads tokens to 16,
-not to the MMA's 64). BLOCK_M is the only thing plans change (chosen by token count);
-BLOCK_N, BLOCK_K, warps and stages are fixed by the shape, so every plan gives bitwise
-the same output (invariant 7). A group must be whole BLOCK_K tiles, or one group per row
-(per-channel weights): checked.
+Plans (`Fp8GemmPlan`, picked by `choose_fp8_gemm_plan(num_tokens)`) vary BLOCK_M, BLOCK_N,
+warps, pipeline stages and the order programs start in; nothing else. Why every plan gives
+bitwise the same output (invariant 7): an output element is the result of one sequence of
+float operations, and no plan field changes that sequence, only where and when it runs.
 
+- BLOCK_K is `gemm_block_k(group_size, K)`, a function of the shape only, so every plan
+  walks the same K tiles in ascending order and adds `part * w_s * x_s` to the element's
+  float32 accumulator once per tile, in K order.
+- `part` is the element's dot over one K tile. Weight rows stay in the dot's M slot and
+  tokens in its N slot, and plans keep BLOCK_N a multiple of 64, BLOCK_M a multiple of 16
+  and warps a multiple of 4 (checked), the bounds inside which Triton's choice of MMA
+  instruction depends only on the dtypes, BLOCK_K, `max_num_imprecise_acc` and the GPU.
+  Every plan thus issues the same instruction, and Triton chains its MMAs over a K tile
+  in ascending K order into the element's zero-started float32 part, whatever the tile
+  and warps. Seen compiling for sm_90 with Triton 3.9 (every plan): with
+  `max_num_imprecise_acc=0` Triton refuses wgmma for e4m3 (its float32 promotion needs
+  at least 32 products per MMA) and uses mma.sync m16n8k16 on operands converted to fp16
+  (exactly: every e4m3 value is an fp16), BLOCK_K / 16 MMAs per tile. Tile shape and
+  warps only decide which elements a program holds and which threads hold them; stages
+  only how early loads are issued; the program order only which tile starts first.
+  Interpreted, `_dot_fp8` sums the products one k at a time, whatever the tile.
+- BLOCK_K stays 64 for 128-column groups. 128 would halve the per-tile scaling work and
+  would keep invariant 7 if every plan of the shape used it, but it changes every plan's
+  bits (decode too) and the FP8 MoE shares `gemm_block_k`: a change for after measuring.
+
+`group` > 1 (prefill plans) orders programs for L2: they are numbered in bands of `group`
+token tiles and walk down a band before moving to the next weight tile, so the programs
+running at once share a few weight and token tiles instead of each streaming its own
+weight tile. group = 1 is row-major order (weight tiles fastest): the order of the 2-D
+grid this kernel used before plans.
+
+Up to PREFILL_MIN_TOKENS tokens the plans are the tiles measured on the H200 before plans
+existed: 64 weight rows x 16, 32 or 64 tokens, 4 warps, 3 stages (decode tokens pad to a
+16-token tile). From there, 128 x 128 tiles on 8 warps in grouped order: NOT yet
+measured on a GPU (docs/benchmarks/quantization.md: `quant_moe_plans.py --fp8-plans`).
+
+A group must be whole BLOCK_K tiles, or one group per row (per-channel weights): checked.
 No host sync; allocations are the quantized activations, their scales and the output
 (CUDA-graph capturable).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -37,11 +70,71 @@ from kvloom.kernels.fp8_gemm import check_fp8_gemm_args
 from kvloom.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, SCALE_EPS, check_group_size
 from kvloom.kernels.fused_moe_triton import _interpreted
 
-BLOCK_M_CHOICES = (16, 32, 64)
+# The small plans' tiling, also the FP8 MoE's (fp8_moe_triton imports these).
 BLOCK_N = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
 MAX_QUANT_CHUNK = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8GemmPlan:
+    """One tiling of the FP8 GEMM; it changes speed only, never results."""
+
+    block_m: int  # tokens per program (the dot's N slot)
+    block_n: int  # weight rows per program (the dot's M slot)
+    warps: int
+    stages: int  # software-pipelining depth of the K loop
+    group: int = 1  # token tiles per band of the program order (1: row-major)
+
+    def __post_init__(self) -> None:
+        def bad(field: str, want: str) -> ValueError:
+            return ValueError(f"plan.{field}: {getattr(self, field)!r} is not {want}")
+
+        for field in ("block_m", "block_n", "warps", "stages", "group"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise bad(field, "an int")
+        # The bitwise argument of the module docstring rests on these bounds: inside them
+        # Triton picks the same MMA instruction for every plan.
+        if self.block_m not in (16, 32, 64, 128):
+            raise bad("block_m", "one of 16, 32, 64, 128")
+        if self.block_n not in (64, 128):
+            raise bad("block_n", "64 or 128")
+        if self.warps not in (4, 8):
+            raise bad("warps", "4 or 8")
+        if not 1 <= self.stages <= 6:
+            raise bad("stages", "in [1, 6]")
+        if not 1 <= self.group <= 64:
+            raise bad("group", "in [1, 64]")
+
+    @property
+    def name(self) -> str:
+        return f"m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}g{self.group}"
+
+
+# Decode / small launches: the tiles measured before plans existed (unchanged).
+SMALL_PLANS = {m: Fp8GemmPlan(m, BLOCK_N, NUM_WARPS, NUM_STAGES) for m in (16, 32, 64)}
+# Prefill: 128 x 128 tiles (16 KB of e4m3 operands per stage; 48 KB of shared memory at
+# 4 stages, of the H200's 227 KB per block), 8 warps so the float32 tile (and the dot's
+# part) is 64 values per thread, grouped order for L2. Unmeasured. Compiled for sm_90 by
+# Triton 3.9 (not the GPU machines' 3.6): 240 registers a thread, no spills.
+PREFILL_PLAN = Fp8GemmPlan(128, 128, 8, 4, 8)
+# Every plan the tests and the benchmark cover: the table `choose_fp8_gemm_plan` picks
+# from, plus candidates timed beside it (a narrower prefill tile on 4 warps; the chosen
+# prefill tile without grouped order, to measure what grouping buys).
+FP8_GEMM_PLANS = (
+    *SMALL_PLANS.values(),
+    PREFILL_PLAN,
+    Fp8GemmPlan(64, 128, 4, 4, 8),
+    Fp8GemmPlan(128, 128, 8, 4, 1),
+)
+# From here on the prefill plan: at Qwen3-8B's narrowest projection (N = 4096) a 1024-token
+# launch is 32 x 8 = 256 tiles of 128 x 128, about two waves of one program per SM on an
+# H200's 132 SMs, so the big tile loses no parallelism; at 512 tokens it would be under
+# one wave (and 192 tiles, 1.45 waves, at N = 6144). It is also above the default
+# CUDA-graph decode ladder (up to 256 rows), so captured decode launches keep small plans.
+PREFILL_MIN_TOKENS = 1024
 
 
 def gemm_block_k(group_size: int, in_features: int) -> int:
@@ -54,23 +147,29 @@ def gemm_block_k(group_size: int, in_features: int) -> int:
     raise ValueError(f"group_size {group_size}: expected a multiple of 64, 16, 32 or the row")
 
 
-def choose_block_m(num_tokens: int) -> int:
+def choose_fp8_gemm_plan(num_tokens: int) -> Fp8GemmPlan:
+    """Below PREFILL_MIN_TOKENS the choice from before plans (a 16-token tile up to 16
+    tokens, 32 up to 64, then 64); from there PREFILL_PLAN."""
     if num_tokens <= 16:
-        return 16
-    return 32 if num_tokens <= 64 else 64
+        return SMALL_PLANS[16]
+    if num_tokens <= 64:
+        return SMALL_PLANS[32]
+    return SMALL_PLANS[64] if num_tokens < PREFILL_MIN_TOKENS else PREFILL_PLAN
 
 
 @triton.jit
-def _dot_fp8(a, b, acc, INTERPRETED: tl.constexpr):
+def _dot_fp8(a, b, acc, INTERPRETED: tl.constexpr, IMPRECISE_ACC: tl.constexpr = 0):
     """acc + a @ b in float32 for e4m3 (or half) operands. Interpreted, an explicit sum
     over k in order (the interpreter's matmul changes its order with the shapes).
     Compiled: Triton's default for e4m3 dots on sm_90 keeps the whole K range in the
-    tensor cores' narrower accumulator; max_num_imprecise_acc=0 adds every MMA's result
-    into the float32 accumulator instead (DeepSeek-V3's fix for FP8 GEMM accuracy)."""
+    tensor cores' narrower accumulator. max_num_imprecise_acc=0 asks for float32 sums;
+    Triton then leaves FP8 wgmma for mma.sync on fp16-converted operands (module
+    docstring): accurate, at fp16 mma.sync rates. IMPRECISE_ACC=32 (benchmarks only, not
+    a plan: it changes the bits) keeps wgmma and adds each 32-product MMA into float32."""
     if INTERPRETED:
         prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
         return acc + tl.sum(prod, axis=1)
-    return tl.dot(a, b, acc, max_num_imprecise_acc=0)
+    return tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_ACC)
 
 
 @triton.jit
@@ -157,10 +256,22 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    IMPRECISE_ACC: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Program order (changes speed only): bands of GROUP token tiles, each walked token
+    # tile first, weight tile second; the last band may be narrower.
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(out_features, BLOCK_N)
+    per_band = GROUP * tiles_n
+    first_m = (pid // per_band) * GROUP
+    band_m = tl.minimum(tl.cdiv(num_tokens, BLOCK_M) - first_m, GROUP)
+    tile_m = first_m + (pid % per_band) % band_m
+    tile_n = (pid % per_band) // band_m
+
+    rows = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tokens = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < out_features
     tok_ok = tokens < num_tokens
     rows64 = rows.to(tl.int64)
@@ -183,7 +294,10 @@ def _fp8_gemm_kernel(
         g = k0 // group_size
         x_s = tl.load(xs_ptr + tok64 * stride_xs + g, mask=tok_ok, other=0.0)
         w_s = tl.load(ws_ptr + rows64 * stride_ws + g, mask=row_ok, other=0.0)
-        part = _dot_fp8(w, tl.trans(x), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), INTERPRETED)
+        # Weight rows in the dot's M slot, tokens in its N slot, in every plan (the
+        # bitwise argument of the module docstring rests on it).
+        zero = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        part = _dot_fp8(w, tl.trans(x), zero, INTERPRETED, IMPRECISE_ACC)
         acc += part * w_s[:, None] * x_s[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
@@ -191,20 +305,51 @@ def _fp8_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
 
 
-def fp8_matmul_triton(x_q, x_s, w_q, w_s, group_size, bias=None, out_dtype=torch.float32,
-                      *, block_m: int | None = None) -> torch.Tensor:  # fmt: skip
-    """[T, N] in `out_dtype` from quantized activations (x_q [T, K], x_s [T, K / g])."""
+def _resolve_plan(num_tokens: int, plan: Fp8GemmPlan | None, block_m: int | None) -> Fp8GemmPlan:
+    if plan is not None and block_m is not None:
+        raise ValueError("pass plan or block_m, not both")
+    if block_m is not None:
+        if block_m not in SMALL_PLANS:
+            raise ValueError(
+                f"block_m: expected one of {tuple(SMALL_PLANS)} or None, got {block_m!r}"
+            )
+        return SMALL_PLANS[block_m]
+    if plan is None:
+        return choose_fp8_gemm_plan(num_tokens)
+    if not isinstance(plan, Fp8GemmPlan):
+        raise ValueError(f"plan: expected an Fp8GemmPlan or None, got {plan!r}")
+    return plan
+
+
+def fp8_matmul_triton(
+    x_q,
+    x_s,
+    w_q,
+    w_s,
+    group_size,
+    bias=None,
+    out_dtype=torch.float32,
+    *,
+    plan: Fp8GemmPlan | None = None,
+    block_m: int | None = None,
+    imprecise_acc: int = 0,
+) -> torch.Tensor:
+    """[T, N] in `out_dtype` from quantized activations (x_q [T, K], x_s [T, K / g]).
+    `plan` overrides `choose_fp8_gemm_plan`; `block_m` (16, 32, 64) is short for the
+    small plan with that token tile. Every plan gives bitwise the same output.
+    `imprecise_acc` (0 or 32) is for benchmarks: Triton's max_num_imprecise_acc
+    (`_dot_fp8`), which changes the results."""
+    if imprecise_acc not in (0, 32):
+        raise ValueError(f"imprecise_acc: expected 0 or 32, got {imprecise_acc!r}")
     m, k = x_q.shape
     n = w_q.shape[0]
     block_k = gemm_block_k(group_size, k)
+    plan = _resolve_plan(m, plan, block_m)
     out = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     if m == 0 or n == 0:
         return out
-    if block_m is None:
-        block_m = choose_block_m(m)
-    if block_m not in BLOCK_M_CHOICES:
-        raise ValueError(f"block_m: expected one of {BLOCK_M_CHOICES} or None, got {block_m!r}")
-    _fp8_gemm_kernel[(triton.cdiv(n, BLOCK_N), triton.cdiv(m, block_m))](
+    grid = (triton.cdiv(n, plan.block_n) * triton.cdiv(m, plan.block_m),)
+    _fp8_gemm_kernel[grid](
         x_q,
         x_s,
         w_q,
@@ -221,12 +366,14 @@ def fp8_matmul_triton(x_q, x_s, w_q, w_s, group_size, bias=None, out_dtype=torch
         w_s.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
         BLOCK_K=block_k,
+        GROUP=plan.group,
         INTERPRETED=_interpreted(_fp8_gemm_kernel),
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        IMPRECISE_ACC=imprecise_acc,
+        num_warps=plan.warps,
+        num_stages=plan.stages,
     )
     return out
 
@@ -239,10 +386,11 @@ def fp8_linear_triton(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     *,
+    plan: Fp8GemmPlan | None = None,
     block_m: int | None = None,
 ) -> torch.Tensor:
     """x [..., K] -> [..., N] (dynamic activation scales; a static input_scale takes the
-    reference). Every `block_m` gives bitwise the same output."""
+    reference). Every `plan` (or `block_m`) gives bitwise the same output."""
     n, k = check_fp8_gemm_args(x, w_q, w_s, group_size)
     check_dtype("x", x)
     check_last_dim_contiguous("weight", w_q)
@@ -252,6 +400,6 @@ def fp8_linear_triton(
         flat = flat.contiguous()
     x_q, x_s = per_token_group_quant_fp8_triton(flat, group_size)
     out = fp8_matmul_triton(
-        x_q, x_s, w_q, w_s, group_size, bias, out_dtype or x.dtype, block_m=block_m
+        x_q, x_s, w_q, w_s, group_size, bias, out_dtype or x.dtype, plan=plan, block_m=block_m
     )
     return out.view(*x.shape[:-1], n)
