@@ -1,8 +1,10 @@
-"""Gated activations: the Triton kernel for silu(gate) * up.
+"""Gated activations: the Triton kernels for silu(gate) * up and base + sigmoid(g) * x.
 
 Same semantics as `activation.silu_and_mul_ref`: x = [gate | up] along the last dim. As in
 torch, silu is computed in float32 and rounded to x's dtype before the product, which is
 rounded again; only the exponential may differ from torch's in the last float32 bit.
+`gated_add_triton` is `activation.gated_add_ref` in one launch instead of three, with the
+same roundings (sigmoid, product and sum each rounded to the dtype).
 """
 
 from __future__ import annotations
@@ -61,5 +63,64 @@ def silu_and_mul_triton(x: torch.Tensor, *, out: torch.Tensor | None = None) -> 
     grid = (x2.shape[0], triton.cdiv(n, block))
     _silu_and_mul_kernel[grid](
         x2, out2, x2.stride(0), out2.stride(0), n, BLOCK_N=block, enable_fp_fusion=False
+    )
+    return out
+
+
+@triton.jit
+def _gated_add_kernel(
+    base_ptr,
+    gate_ptr,
+    x_ptr,
+    out_ptr,
+    stride_base,
+    stride_gate,
+    stride_x,
+    stride_out,
+    N,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    dtype = out_ptr.dtype.element_ty
+    g = tl.load(gate_ptr + row * stride_gate).to(tl.float32)
+    scale = (1.0 / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    base = tl.load(base_ptr + row * stride_base + cols, mask=mask, other=0.0).to(tl.float32)
+    scaled = (scale * x).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (base + scaled).to(dtype), mask=mask)
+
+
+def gated_add_triton(base: torch.Tensor, gate_logit: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """base, x [T, N], gate_logit [T, 1] (one dtype) -> base + sigmoid(gate_logit) * x."""
+    for name, tensor in (("base", base), ("gate_logit", gate_logit), ("x", x)):
+        check_dtype(name, tensor)
+        if tensor.dim() != 2 or tensor.dtype != base.dtype:
+            raise ValueError(f"{name}: expected a 2-D {base.dtype} tensor, got {tensor.dtype} "
+                             f"{tuple(tensor.shape)}")  # fmt: skip
+        check_last_dim_contiguous(name, tensor)
+    rows, n = base.shape
+    if tuple(x.shape) != (rows, n) or tuple(gate_logit.shape) != (rows, 1):
+        raise ValueError(
+            f"x [T, N] and gate_logit [T, 1] must match base {tuple(base.shape)}, got "
+            f"{tuple(x.shape)} and {tuple(gate_logit.shape)}"
+        )
+    out = torch.empty_like(base)
+    if rows == 0 or n == 0:
+        return out
+    block = min(BLOCK, triton.next_power_of_2(n))
+    _gated_add_kernel[(rows, triton.cdiv(n, block))](
+        base,
+        gate_logit,
+        x,
+        out,
+        base.stride(0),
+        gate_logit.stride(0),
+        x.stride(0),
+        out.stride(0),
+        n,
+        BLOCK_N=block,
+        enable_fp_fusion=False,
     )
     return out

@@ -11,7 +11,7 @@ from kvloom.contracts import envs
 from kvloom.kernels import causal_conv1d as conv_ref
 from kvloom.kernels import gated_delta_rule as gdn_ref
 from kvloom.kernels import kda as kda_ref
-from kvloom.kernels.activation import silu_and_mul_ref
+from kvloom.kernels.activation import gated_add_ref, silu_and_mul_ref
 from kvloom.kernels.dispatch import TRITON_DTYPES, batch_invariant, use_triton
 from kvloom.kernels.gated_rms_norm import gated_rms_norm_ref
 from kvloom.kernels.gdn_gates import gdn_gates_ref
@@ -46,6 +46,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         return silu_and_mul_triton(x)
     return silu_and_mul_ref(x)
+
+
+def gated_add(base: torch.Tensor, gate_logit: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """base + sigmoid(gate_logit) * x (gate_logit [T, 1]); one launch on CUDA."""
+    if use_triton(base) and gate_logit.dtype == x.dtype == base.dtype:
+        from kvloom.kernels.activation_triton import gated_add_triton
+
+        return gated_add_triton(base, gate_logit, x)
+    return gated_add_ref(base, gate_logit, x)
 
 
 def _cache_readable(x: torch.Tensor, cache: torch.Tensor) -> bool:

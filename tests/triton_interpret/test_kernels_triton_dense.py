@@ -19,8 +19,8 @@ import os
 import pytest
 import torch
 
-from kvloom.kernels.activation import silu_and_mul_ref
-from kvloom.kernels.activation_triton import silu_and_mul_triton
+from kvloom.kernels.activation import gated_add_ref, silu_and_mul_ref
+from kvloom.kernels.activation_triton import gated_add_triton, silu_and_mul_triton
 from kvloom.kernels.dispatch import use_triton
 from kvloom.kernels.kv_cache_write import write_kv_cache_ref
 from kvloom.kernels.kv_cache_write_triton import write_kv_cache_triton
@@ -542,6 +542,33 @@ def test_silu_and_mul(dtype, shape):
 def test_silu_and_mul_rejects_odd_width():
     with pytest.raises(ValueError, match="x"):
         silu_and_mul_triton(randn(2, 5, seed=0))
+
+
+# ------------------------------------------------------------- gated add (shared expert)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 3), (5, 40), (2, 1500)])
+def test_gated_add(dtype, shape):
+    rows, n = shape
+    base = randn(rows, n, seed=n, dtype=dtype, scale=2.0)
+    gate = randn(rows, 1, seed=n + 1, dtype=dtype, scale=3.0)
+    x = randn(rows, n, seed=n + 2, dtype=dtype, scale=2.0)
+    out = gated_add_triton(base, gate, x)
+    check_close(
+        f"gated_add {dtype} {shape}", out, gated_add_ref(base, gate, x), *ELEMENTWISE_TOL[dtype]
+    )
+    # Each row takes its own gate: a row's result does not depend on the others.
+    alone = gated_add_triton(base[-1:], gate[-1:], x[-1:])
+    assert torch.equal(alone, out[-1:])
+
+
+def test_gated_add_rejects_mismatched_shapes():
+    base = randn(2, 8, seed=0)
+    with pytest.raises(ValueError, match="gate_logit"):
+        gated_add_triton(base, randn(2, 2, seed=1), randn(2, 8, seed=2))
+    with pytest.raises(ValueError, match="x"):
+        gated_add_triton(base, randn(2, 1, seed=1), randn(2, 8, seed=2, dtype=torch.float16))
 
 
 # ------------------------------------------------------------------------- LSE merge

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kvloom.contracts.kv_cache_spec import FullAttentionSpec, LinearStateSpec
+from kvloom.kernels.ops import gated_add
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.layers.attention import PagedAttention
 from kvloom.workers.layers.gated_deltanet import GatedDeltaNet
@@ -154,7 +155,7 @@ class Qwen3NextSparseMoe(nn.Module):
         shared = self.shared_expert(x)
         weights, ids = route_softmax_topk(self.gate(x), self.top_k, self.renormalize)
         routed = self.experts(x, weights, ids)
-        out = routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        out = gated_add(routed, self.shared_expert_gate(x), shared)  # one launch on CUDA
         return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
 
 
