@@ -5,6 +5,12 @@ per-channel forget gate g = -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias); beta 
 sigmoid(b_proj(x)); the KDA recurrence (q, k L2-normalised in the kernel); then a gated RMSNorm
 per head, norm(o) * sigmoid(g_b(g_a(x))), and o_proj.
 
+Projections that read x share a GEMM, since a batch-1 decode step is bound by launches, not
+bytes: `qkv_proj` gives q | k | v | beta's logits, `fg_a_proj` gives f_a | g_a; with f_b,
+g_b and o_proj that is 5 launches per layer. A fused layer has one quantization scheme, so
+where a checkpoint quantizes b_proj (or f_a / g_a) unlike its partners, the model builds it
+as its own linear instead (`fuse_b_proj`, `fuse_fg_a`).
+
 State: a request owns one page of the linear-state group, holding the conv state of all three
 convolutions (channels q | k | v, the last K-1 inputs each) and the recurrent state
 [H, Dk, Dv]. Which rows read that page comes from `batch.rows` alone (invariant 1): decode
@@ -13,9 +19,9 @@ rows (fresh rows and multi-token resume rows) take the chunked kernels with
 `has_initial_state` from the classification, so a fresh row never reads its slot, which may
 hold another request's state or NaN (sanitizer). Prefill rows write their final states back.
 
-Tensor parallelism splits heads: q/k/v (fused), f_b, g_b and b_proj are column-parallel by
-head, dt_bias and A_log follow; f_a and g_a (hidden -> head_dim) are replicated; o_proj is
-row-parallel.
+Tensor parallelism splits heads: qkv_proj (each of q, k, v and beta's logits), f_b and g_b
+are column-parallel by head, dt_bias and A_log follow; fg_a_proj (hidden -> 2 * head_dim)
+is replicated; o_proj is row-parallel.
 """
 
 from __future__ import annotations
@@ -89,6 +95,8 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
         activation: str = "silu",
         tp: TPGroup | None = None,
         dtype: torch.dtype = torch.float32,
+        fuse_b_proj: bool = True,
+        fuse_fg_a: bool = True,
     ):
         super().__init__()
         tp = tp or LocalGroup()
@@ -110,12 +118,23 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
         self.activation = activation
         width = num_heads * head_dim
         self.local_width = self.num_heads * head_dim
-        self.qkv_proj = ColumnParallelLinear(hidden_size, [width] * 3, tp=tp, dtype=dtype)
+        # q | k | v, then beta's logits where fused: each part split by head over ranks.
+        parts = [width] * 3 + ([num_heads] if fuse_b_proj else [])
+        self.qkv_proj = ColumnParallelLinear(hidden_size, parts, tp=tp, dtype=dtype)
+        self.b_proj = None
+        if not fuse_b_proj:
+            self.b_proj = ColumnParallelLinear(hidden_size, [num_heads], tp=tp, dtype=dtype)
+        # f_a | g_a, whole on every rank: a one-rank group makes the fused linear replicated.
+        self.fg_a_proj = self.f_a_proj = self.g_a_proj = None
+        if fuse_fg_a:
+            self.fg_a_proj = ColumnParallelLinear(
+                hidden_size, [head_dim] * 2, tp=LocalGroup(), dtype=dtype
+            )
+        else:
+            self.f_a_proj = ReplicatedLinear(hidden_size, head_dim, dtype=dtype)
+            self.g_a_proj = ReplicatedLinear(hidden_size, head_dim, dtype=dtype)
         self.conv1d = FusedShortConv(width, conv_kernel_size, tp, dtype)
-        self.f_a_proj = ReplicatedLinear(hidden_size, head_dim, dtype=dtype)
         self.f_b_proj = ColumnParallelLinear(head_dim, [width], tp=tp, dtype=dtype)
-        self.b_proj = ColumnParallelLinear(hidden_size, [num_heads], tp=tp, dtype=dtype)
-        self.g_a_proj = ReplicatedLinear(hidden_size, head_dim, dtype=dtype)
         self.g_b_proj = ColumnParallelLinear(head_dim, [width], tp=tp, dtype=dtype)
         self.o_norm = GatedRMSNorm(head_dim, rms_norm_eps, dtype)
         self.o_proj = RowParallelLinear(width, hidden_size, tp=tp, dtype=dtype)
@@ -169,10 +188,9 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
         num_tokens = hidden.shape[0]
         heads = (num_tokens, self.num_heads, self.head_dim)
         slots = batch.group_for(self.layer_index).state_indices
-        mixed = self.qkv_proj(hidden)
-        raw_gate = self.f_b_proj(self.f_a_proj(hidden)).view(heads)
-        g = kda_log_decay(raw_gate, self.A_log, self.dt_bias)
-        beta = torch.sigmoid(self.b_proj(hidden))
+        mixed, beta_logits, f_a, g_a = self._project(hidden)
+        g = kda_log_decay(self.f_b_proj(f_a).view(heads), self.A_log, self.dt_bias)
+        beta = torch.sigmoid(beta_logits)
 
         resume = uniform_resume_len(batch, num_tokens)
         if batch.decode_only:
@@ -183,9 +201,23 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
             core = hidden.new_zeros(heads)
             self._mixed_rows(mixed, g, beta, batch, slots, core)
 
-        gate = self.g_b_proj(self.g_a_proj(hidden)).view(heads)
+        gate = self.g_b_proj(g_a).view(heads)
         out = self.o_norm(core, gate).reshape(num_tokens, -1)
         return self.o_proj(out)
+
+    def _project(self, hidden: torch.Tensor):
+        """q | k | v (the convs' input), beta's logits and the forget and output gates'
+        low-rank inputs f_a, g_a: two GEMMs where fused. The parts are views of the fused
+        outputs (strided rows, which every consumer reads)."""
+        mixed = self.qkv_proj(hidden)
+        if self.b_proj is None:
+            mixed, beta_logits = mixed.split([3 * self.local_width, self.num_heads], dim=-1)
+        else:
+            beta_logits = self.b_proj(hidden)
+        if self.fg_a_proj is None:
+            return mixed, beta_logits, self.f_a_proj(hidden), self.g_a_proj(hidden)
+        f_a, g_a = self.fg_a_proj(hidden).split(self.head_dim, dim=-1)
+        return mixed, beta_logits, f_a, g_a
 
     def _mixed_rows(self, mixed, g, beta, batch: ForwardBatch, slots, core) -> None:
         split = batch.linear_rows(mixed.device)

@@ -12,9 +12,10 @@ read too. Layer kinds follow transformers' precedence: `layer_types`, then
 `linear_attn_config`, then its default (MLA at every 4th layer after the first).
 
 Checkpoint names are the released ones (what transformers' save_pretrained writes back):
-`self_attn.{q,k,v}_proj` and `{q,k,v}_conv1d` of KDA layers fuse into `qkv_proj` / `conv1d`;
-`block_sparse_moe.*` is our `mlp.*` (dense and MoE alike); experts are
-`experts.<e>.w1/w2/w3` (gate / down / up).
+KDA layers fuse `self_attn.{q,k,v,b}_proj` into `qkv_proj`, `{f,g}_a_proj` into `fg_a_proj`
+and `{q,k,v}_conv1d` into `conv1d` (`kda_fusions` keeps b_proj or f_a / g_a separate where the
+quantization_config gives the parts different schemes); `block_sparse_moe.*` is our `mlp.*`
+(dense and MoE alike); experts are `experts.<e>.w1/w2/w3` (gate / down / up).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from kvloom.workers.layers.mla import MultiHeadLatentAttention
 from kvloom.workers.layers.mlp import GatedMLP
 from kvloom.workers.layers.moe import FusedMoE, map_expert_weight, route_grouped_sigmoid_topk
 from kvloom.workers.layers.norm import RMSNorm
+from kvloom.workers.layers.quantization.config import (
+    QuantizationConfig,
+    parse_quantization_config,
+)
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
 from kvloom.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from kvloom.workers.weight_loader import resolve_name
@@ -41,18 +46,22 @@ STACKED_PARAMS = [
     ("gate_up_proj", "gate_proj", 0),
     ("gate_up_proj", "up_proj", 1),
 ]
-# KDA checkpoint tensors fused into one module: name -> (module, shard).
+# KDA checkpoint modules fused into one kvloom module: name -> (module, shard).
 KDA_FUSED = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
     "v_proj": ("qkv_proj", 2),
+    "b_proj": ("qkv_proj", 3),
+    "f_a_proj": ("fg_a_proj", 0),
+    "g_a_proj": ("fg_a_proj", 1),
     "q_conv1d": ("conv1d", 0),
     "k_conv1d": ("conv1d", 1),
     "v_conv1d": ("conv1d", 2),
 }
+# Any tensor of a projection (a quantized one has weight_packed, weight_scale, ...).
 _KDA_FUSED_NAME = re.compile(
-    r"^(?P<layer>model\.layers\.(?P<index>\d+)\.self_attn)\.(?P<proj>[qkv]_(?:proj|conv1d))"
-    r"\.weight$"
+    r"^(?P<layer>model\.layers\.(?P<index>\d+)\.self_attn)\."
+    r"(?P<part>[qkvb]_proj|[fg]_a_proj|[qkv]_conv1d)\.(?P<param>\w+)$"
 )
 _MISSING = object()
 
@@ -124,6 +133,27 @@ def attention_settings(config: dict) -> dict:
         "head_dim": linear.get("head_dim") or read(config, "linear_head_dim", default=128),
         "conv_kernel_size": linear.get("short_conv_kernel_size")
         or read(config, "linear_conv_kernel_dim", default=4),
+    }
+
+
+def kda_fusions(qconfig: QuantizationConfig | None, index: int) -> dict[str, bool]:
+    """Whether KDA layer `index` fuses b_proj into qkv_proj and f_a / g_a into fg_a_proj.
+    A fused linear runs one scheme, and checkpoints may leave a small projection (b_proj's
+    num_heads rows) float while quantizing q/k/v: parts the quantization_config treats
+    differently stay separate modules. The names asked about are the released spelling;
+    should a checkpoint's own names get different schemes after all, loading refuses the
+    fused layer by name (`QuantizationConfig.scheme_for`), as it refuses q/k/v quantized
+    differently (those always fuse: the conv runs over q | k | v)."""
+    if qconfig is None:
+        return {"fuse_b_proj": True, "fuse_fg_a": True}
+    attn = f"model.layers.{index}.self_attn"
+
+    def alike(*parts: str) -> bool:
+        return len({qconfig.scheme_for([f"{attn}.{p}"], p) for p in parts}) == 1
+
+    return {
+        "fuse_b_proj": alike("q_proj", "k_proj", "v_proj", "b_proj"),
+        "fuse_fg_a": alike("f_a_proj", "g_a_proj"),
     }
 
 
@@ -212,7 +242,14 @@ class KimiMoE(nn.Module):
 
 class KimiDecoderLayer(nn.Module):
     def __init__(
-        self, config: dict, index: int, kind: str, sparse: bool, tp: TPGroup, dtype: torch.dtype
+        self,
+        config: dict,
+        index: int,
+        kind: str,
+        sparse: bool,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        qconfig: QuantizationConfig | None = None,
     ):
         super().__init__()
         hidden = config["hidden_size"]
@@ -229,6 +266,7 @@ class KimiDecoderLayer(nn.Module):
                 activation=config.get("hidden_act", "silu"),
                 tp=tp,
                 dtype=dtype,
+                **kda_fusions(qconfig, index),
             )
         else:
             self.self_attn = MultiHeadLatentAttention(
@@ -275,8 +313,9 @@ class KimiLinearModel(nn.Module):
         hidden = config["hidden_size"]
         self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], hidden, tp, dtype)
         kinds, sparse = layer_types(config), mlp_is_sparse(config)
+        qconfig = parse_quantization_config(config.get("quantization_config"))
         self.layers = nn.ModuleList(
-            KimiDecoderLayer(config, i, kinds[i], sparse[i], tp, dtype)
+            KimiDecoderLayer(config, i, kinds[i], sparse[i], tp, dtype, qconfig)
             for i in range(config["num_hidden_layers"])
         )
         self.norm = RMSNorm(hidden, read(config, "rms_norm_eps", default=1e-5), dtype)
@@ -318,13 +357,12 @@ class KimiLinearForCausalLM(nn.Module):
             return expert
         match = _KDA_FUSED_NAME.match(name)
         layers = self.model.layers
-        if (
-            match
-            and int(match["index"]) < len(layers)
-            and isinstance(layers[int(match["index"])].self_attn, KimiDeltaAttention)
-        ):
-            module, shard = KDA_FUSED[match["proj"]]
-            return f"{match['layer']}.{module}", "weight", shard
+        if match and int(match["index"]) < len(layers):
+            attn = layers[int(match["index"])].self_attn
+            # A part the layer keeps as its own module (kda_fusions) loads there.
+            if isinstance(attn, KimiDeltaAttention) and getattr(attn, match["part"], None) is None:
+                module, shard = KDA_FUSED[match["part"]]
+                return f"{match['layer']}.{module}", match["param"], shard
         return resolve_name(name, STACKED_PARAMS)
 
     def cache_layers(self) -> list[nn.Module]:
