@@ -165,30 +165,26 @@ def mla_attention(
     query_start_loc,
     seq_lens,
     scale,
-    max_query_len: int | None = None,
     kv_scale: float = 1.0,
 ):
-    """Absorbed MLA attention -> o_latent [T, H, r]. On CUDA the paged attention kernel
-    over the latent cache seen as keys = values (`latent_cache_as_kv`): lengths stay on
-    the device (CUDA graphs); it also computes the k_pe part of the values, which is
-    dropped. Elsewhere the reference. kv_scale dequantizes an FP8 cache."""
+    """Absorbed MLA attention -> o_latent [T, H, r]. On CUDA the MLA kernel
+    (`mla_attention_triton`: c loaded once as key and value, r and dr as separate dots,
+    lengths on the device for CUDA graphs, one plan for every row). Elsewhere the
+    reference. kv_scale dequantizes an FP8 cache. MLA never runs under DCP (the model
+    runner refuses it), so there is no strided-shard path here."""
     if use_triton(q_latent) and _cache_readable(q_latent, latent_cache):
-        from kvloom.kernels.paged_attention_triton import paged_attention_triton
+        from kvloom.kernels.mla_attention_triton import mla_attention_triton
 
-        rank = q_latent.shape[-1]
-        query = torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1)
-        out, _ = paged_attention_triton(
-            query,
-            latent_cache_as_kv(latent_cache),
+        return mla_attention_triton(
+            q_latent,
+            q_pe,
+            latent_cache,
             block_tables,
             query_start_loc,
             seq_lens,
             scale,
-            max_query_len=max_query_len,
-            k_scale=kv_scale,
-            v_scale=kv_scale,
-        )
-        return out[..., :rank]
+            kv_scale,
+        )[0]
     return mla_attention_ref(
         q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq_lens, scale, kv_scale
     )[0]

@@ -380,7 +380,8 @@ def test_write_kv_cache(dtype, page):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mla_attention_through_the_paged_kernel(dtype):
-    """MLA's absorbed attention on the paged kernel (kernels/ops.mla_attention on CUDA): the
+    """MLA's absorbed attention on the generic paged kernel (ops.mla_attention's CUDA path
+    before kernels/mla_attention_triton.py; the cache write still uses this view): the
     latent cache seen as keys = values (stride 0), written through the KV-write kernel,
     equals the MLA reference on mixed rows; unused slots hold NaN and padding is skipped."""
     from kvloom.kernels.mla_attention import mla_attention_ref, write_mla_cache_ref

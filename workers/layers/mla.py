@@ -144,7 +144,6 @@ class MultiHeadLatentAttention(nn.Module):
             batch.query_start_loc,
             batch.seq_lens,
             self.scale,
-            max_query_len=1 if batch.decode_only else None,
             kv_scale=self.k_scale,
         )
         out = torch.einsum("thr,hvr->thv", o_latent, w_uv)

@@ -330,7 +330,7 @@ class KimiLinearModel(nn.Module):
 
 class KimiLinearForCausalLM(nn.Module):
     # A decode-only forward has no host sync on CUDA: KDA's single-step kernels over all
-    # rows, MLA on the paged attention kernel (kernels/ops.mla_attention), fused MoE.
+    # rows, MLA on its own paged kernel (kernels/ops.mla_attention), fused MoE.
     supports_cuda_graphs = True
     stacked_params = STACKED_PARAMS
     ignored_weight_prefixes: tuple[str, ...] = ()
