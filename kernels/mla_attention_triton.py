@@ -61,7 +61,13 @@ from kvloom.kernels.arg_checks_triton import (
     next_power_of_2,
 )
 from kvloom.kernels.kv_cache_write import check_scale, is_fp8
-from kvloom.kernels.paged_attention_triton import LOG2E, _dot, _find_row, _interpreted
+from kvloom.kernels.paged_attention_triton import (
+    LOG2E,
+    _dot,
+    _find_row,
+    _interpreted,
+    check_paging_args,
+)
 
 HEAD_BLOCK = 16  # query heads per program: the smallest M of a tensor-core dot
 
@@ -254,29 +260,7 @@ def _check_args(q_latent, q_pe, latent_cache, block_tables, query_start_loc, seq
             f"latent_cache: dtype {latent_cache.dtype} is neither q_latent's "
             f"{q_latent.dtype} nor float8_e4m3fn"
         )
-    if seq_lens.dim() != 1:
-        raise ValueError(f"seq_lens: expected [num_rows], got shape {tuple(seq_lens.shape)}")
-    num_rows = seq_lens.shape[0]
-    if query_start_loc.shape != (num_rows + 1,):
-        raise ValueError(
-            f"query_start_loc: expected shape ({num_rows + 1},), got {tuple(query_start_loc.shape)}"
-        )
-    if block_tables.dim() != 2 or block_tables.shape[0] < num_rows:
-        raise ValueError(
-            f"block_tables: expected [>= {num_rows}, max_blocks], got {tuple(block_tables.shape)}"
-        )
-    for name, t in (
-        ("block_tables", block_tables),
-        ("query_start_loc", query_start_loc),
-        ("seq_lens", seq_lens),
-    ):
-        if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name}: expected int32 or int64, got {t.dtype}")
-    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
-        raise ValueError("block_tables: rows must be contiguous")
-    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
-        if t.numel() > 1 and t.stride(0) != 1:
-            raise ValueError(f"{name}: must be contiguous")
+    check_paging_args(block_tables, query_start_loc, seq_lens)
     check_last_dim_contiguous("q_latent", q_latent)
     check_last_dim_contiguous("q_pe", q_pe)
     check_last_dim_contiguous("latent_cache", latent_cache)

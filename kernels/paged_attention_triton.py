@@ -340,26 +340,9 @@ def _check_shard(kv_stride, kv_offset):
         )
 
 
-def _check_args(q, kv_cache, block_tables, query_start_loc, seq_lens, sliding_window):
-    if q.dim() != 3:
-        raise ValueError(f"q: expected [T, Hq, D], got shape {tuple(q.shape)}")
-    num_tokens, num_q_heads, head_dim = q.shape
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[4] != head_dim:
-        raise ValueError(
-            f"kv_cache: expected [2, num_blocks, block_size, Hkv, {head_dim}], "
-            f"got {tuple(kv_cache.shape)}"
-        )
-    num_kv_heads = kv_cache.shape[3]
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"q: {num_q_heads} query heads is not a multiple of kv_cache's {num_kv_heads}"
-        )
-    check_dtype("q", q)
-    if not cache_readable(q.dtype, kv_cache.dtype):
-        raise ValueError(
-            f"kv_cache: dtype {kv_cache.dtype} is neither q's {q.dtype} nor float8_e4m3fn "
-            "(nor bfloat16 / float16 under a float32 q)"
-        )
+def check_paging_args(block_tables, query_start_loc, seq_lens) -> None:
+    """The row layout every paged kernel reads: seq_lens [R], query_start_loc [R + 1],
+    block_tables [>= R, max_blocks], integer, rows contiguous."""
     if seq_lens.dim() != 1:
         raise ValueError(f"seq_lens: expected [num_rows], got shape {tuple(seq_lens.shape)}")
     num_rows = seq_lens.shape[0]
@@ -383,6 +366,29 @@ def _check_args(q, kv_cache, block_tables, query_start_loc, seq_lens, sliding_wi
     for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
         if t.numel() > 1 and t.stride(0) != 1:
             raise ValueError(f"{name}: must be contiguous")
+
+
+def _check_args(q, kv_cache, block_tables, query_start_loc, seq_lens, sliding_window):
+    if q.dim() != 3:
+        raise ValueError(f"q: expected [T, Hq, D], got shape {tuple(q.shape)}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[4] != head_dim:
+        raise ValueError(
+            f"kv_cache: expected [2, num_blocks, block_size, Hkv, {head_dim}], "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    num_kv_heads = kv_cache.shape[3]
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"q: {num_q_heads} query heads is not a multiple of kv_cache's {num_kv_heads}"
+        )
+    check_dtype("q", q)
+    if not cache_readable(q.dtype, kv_cache.dtype):
+        raise ValueError(
+            f"kv_cache: dtype {kv_cache.dtype} is neither q's {q.dtype} nor float8_e4m3fn "
+            "(nor bfloat16 / float16 under a float32 q)"
+        )
+    check_paging_args(block_tables, query_start_loc, seq_lens)
     check_last_dim_contiguous("q", q)
     check_last_dim_contiguous("kv_cache", kv_cache)
     check_same_device(
