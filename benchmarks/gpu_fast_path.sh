@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu_fast_path.sh tests bench-dense|latency-dense [bench-hybrid] [plans]
 #     [profile-dense|profile-hybrid] [latency-hybrid] [plans] [pending-tests]
 #     [spec-profile] [spec-decode] [deterministic] [all-gpu-tests] [gdn-mixed]
-#     [trace-dense] [bench-kimi]
+#     [trace-dense] [bench-kimi] [fp8-plans] [mla] [host-256]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -23,7 +23,8 @@ export PYTHONPATH=/tmp/kvsite:$PWD GRPC_VERBOSITY=ERROR RAY_AUTH_MODE=disabled P
 FAST_PATH_TESTS="tests/test_cuda_graphs.py tests/test_async_scheduling.py tests/test_gdn_fla.py
   tests/test_linear_decode_triton.py tests/test_greedy_argmax.py tests/test_gemv.py
   tests/test_moe_router.py tests/test_moe_router_sigmoid.py tests/test_gdn_gates.py
-  tests/test_gated_rms_norm.py tests/test_fused_moe.py tests/test_qk_norm_rope.py"
+  tests/test_kda_gates.py tests/test_gated_rms_norm.py tests/test_fused_moe.py
+  tests/test_qk_norm_rope.py"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
 status=0
 for section in "$@"; do
@@ -89,8 +90,8 @@ for section in "$@"; do
       run_group G3 -m gpu tests/test_gdn_fla.py tests/test_linear_decode_triton.py \
         tests/test_causal_conv1d_varlen_triton.py tests/test_kda_fla.py \
         tests/test_greedy_argmax.py tests/test_gemv.py tests/test_moe_router.py \
-        tests/test_gdn_gates.py tests/test_gated_rms_norm.py tests/test_fused_moe.py \
-        tests/test_moe_router_sigmoid.py \
+        tests/test_gdn_gates.py tests/test_kda_gates.py tests/test_gated_rms_norm.py \
+        tests/test_fused_moe.py tests/test_moe_router_sigmoid.py \
         tests/test_qk_norm_rope.py tests/test_token_bitmask.py
       run_group G4 tests/triton_interpret/test_kv_cache_fp8_triton.py \
         tests/triton_interpret/test_paged_attention_dcp_triton.py
@@ -113,14 +114,28 @@ for section in "$@"; do
       done
       ;;
     pending-tests)  # gpu tests of code that landed without a GPU run (see the closing notes)
-      timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu \
-        tests/test_verification_graphs.py tests/test_spec_decode_mtp.py 2>&1 \
-        | tee "$OUT/pending_spec_tests.log" | tail -12 || status=1
-      timeout 280 python3 -m pytest -q -p no:cacheprovider \
-        tests/triton_interpret/test_kv_cache_fp8_triton.py \
-        tests/triton_interpret/test_paged_attention_dcp_triton.py \
-        tests/triton_interpret/test_batch_invariant_triton.py 2>&1 \
+      timeout 400 python3 -m pytest -q -p no:cacheprovider \
+        tests/triton_interpret/test_mla_attention_triton.py \
+        tests/triton_interpret/test_fp8_gemm_plans_triton.py 2>&1 \
         | tee "$OUT/pending_kernel_tests.log" | tail -12 || status=1
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -k gated_add \
+        tests/triton_interpret/test_kernels_triton_dense.py 2>&1 | tail -3 || status=1
+      timeout 500 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kda_gates.py \
+        tests/test_moe_router_sigmoid.py tests/test_cuda_graphs.py tests/test_kda_fla.py 2>&1 \
+        | tee "$OUT/pending_gpu_tests.log" | tail -12 || status=1
+      ;;
+    fp8-plans)  # FP8 GEMM plans, imprecise accumulation, torch._scaled_mm (quantization.md)
+      timeout 400 python3 benchmarks/quant_moe_plans.py --no-moe --fp8-plans \
+        --out "$OUT/quant_fp8_plans.json" 2>&1 | tail -3 || status=1
+      ;;
+    mla)  # the MLA kernel against the generic paged kernel (gpu_fast_path.md, Kimi section)
+      timeout 300 python3 benchmarks/mla_decode.py --out "$OUT/mla_decode_h200.json" 2>&1 \
+        | tail -14 || status=1
+      ;;
+    host-256)  # issue 23's host-overhead goal: GPU busy vs wall at 256 running requests
+      timeout 400 python3 benchmarks/throughput_profile.py --shape qwen3-8b --num-requests 256 \
+        --max-num-seqs 256 --profile-at 60 160 --out "$OUT/throughput_profile_256.json" 2>&1 \
+        | grep -v "it/s" | tail -30 || status=1
       ;;
     spec-profile)  # a speculative step's phases, graph replays and kernels (spec_decode.md)
       for p in "draft_1layer 1" "draft_1layer 64" "self_draft 1"; do set -- $p

@@ -16,6 +16,7 @@ from kvloom.kernels.dispatch import TRITON_DTYPES, batch_invariant, use_triton
 from kvloom.kernels.gated_rms_norm import gated_rms_norm_ref
 from kvloom.kernels.gdn_gates import gdn_gates_ref
 from kvloom.kernels.gemv import GEMV_DISPATCH_MAX_M
+from kvloom.kernels.kda_gates import kda_gates_ref
 from kvloom.kernels.kv_cache_write import is_fp8, write_kv_cache_ref
 from kvloom.kernels.mla_attention import mla_attention_ref, write_mla_cache_ref
 from kvloom.kernels.paged_attention import paged_attention_ref
@@ -267,6 +268,16 @@ def gdn_gates(ba, A_log, dt_bias, group_v_heads):
 
         return gdn_gates_triton(ba, A_log, dt_bias, group_v_heads)
     return gdn_gates_ref(ba, A_log, dt_bias, group_v_heads)
+
+
+def kda_gates(raw_gate, A_log, dt_bias, beta_logits):
+    """Kimi Delta Attention's log-decay g [T, H, Dk] (float32) and beta [T, H] (beta_logits'
+    dtype) in one launch on CUDA, reading the strided beta_logits view in place."""
+    if use_triton(raw_gate) and beta_logits.dtype in TRITON_DTYPES:
+        from kvloom.kernels.kda_gates_triton import kda_gates_triton
+
+        return kda_gates_triton(raw_gate, A_log, dt_bias, beta_logits)
+    return kda_gates_ref(raw_gate, A_log, dt_bias, beta_logits)
 
 
 def gated_rms_norm(x, gate, weight, eps):

@@ -29,8 +29,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvloom.kernels.kda import kda_log_decay
-from kvloom.kernels.ops import causal_conv1d_update, causal_conv1d_varlen, chunk_kda, recurrent_kda
+from kvloom.kernels.ops import (
+    causal_conv1d_update,
+    causal_conv1d_varlen,
+    chunk_kda,
+    kda_gates,
+    recurrent_kda,
+)
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.layers.linear import (
     ColumnParallelLinear,
@@ -189,8 +194,8 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
         heads = (num_tokens, self.num_heads, self.head_dim)
         slots = batch.group_for(self.layer_index).state_indices
         mixed, beta_logits, f_a, g_a = self._project(hidden)
-        g = kda_log_decay(self.f_b_proj(f_a).view(heads), self.A_log, self.dt_bias)
-        beta = torch.sigmoid(beta_logits)
+        # g float32 [T, H, Dk], beta in the activations' dtype: one launch on CUDA.
+        g, beta = kda_gates(self.f_b_proj(f_a).view(heads), self.A_log, self.dt_bias, beta_logits)
 
         resume = uniform_resume_len(batch, num_tokens)
         if batch.decode_only:
