@@ -221,8 +221,10 @@ def _start_local(num_cpus: int, init_kwargs: dict[str, Any]) -> None:
     before = {p.pid for p in me.children(recursive=True)}
 
     def init() -> None:
+        # address="local": a Ray of its own, even where another Ray runs on this host
+        # (without it, ray.init joins that one and refuses num_cpus).
         options = dict(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
-        ray.init(**{**options, **init_kwargs}, _node_ip_address=LOOPBACK)
+        ray.init("local", **{**options, **init_kwargs}, _node_ip_address=LOOPBACK)
 
     for attempt in range(1, START_ATTEMPTS + 1):
         host = _HostThread()

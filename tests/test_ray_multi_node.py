@@ -4,6 +4,9 @@ cannot hold fails start at once with the resources named."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -77,3 +80,21 @@ def test_a_grid_whose_devices_are_taken_fails_within_the_timeout(
         assert time.monotonic() - start < 30
     finally:
         remove_placement_group(held)
+
+
+def test_embedded_ray_starts_its_own_beside_another_ray(two_nodes):
+    """With RAY_ADDRESS unset, kvloom starts a Ray of its own even where another Ray runs
+    on this host: ray.init() alone would join that one and refuse num_cpus (seen when two
+    test runs shared a machine)."""
+    code = (
+        "import ray; from kvloom.cluster.ray_local import connect_ray, shutdown_ray; "
+        "connect_ray(1); print('GCS', ray.get_runtime_context().gcs_address); shutdown_ray()"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    gcs = next(line.split()[1] for line in run.stdout.splitlines() if line.startswith("GCS "))
+    assert gcs.startswith("127.0.0.1:")
+    assert gcs != two_nodes.get_runtime_context().gcs_address
