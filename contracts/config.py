@@ -119,12 +119,14 @@ class ModelConfig:
     @property
     def text_config(self) -> dict:
         """The language-model part (multimodal checkpoints nest it under text_config; a
-        tie_word_embeddings set only beside it applies to it)."""
+        tie_word_embeddings or quantization_config set only beside it applies to it: the
+        models read the latter to keep differently quantized parts out of one fused layer)."""
         nested = self.hf_config.get("text_config")
         if not nested:
             return self.hf_config
-        if "tie_word_embeddings" not in nested and "tie_word_embeddings" in self.hf_config:
-            nested = {**nested, "tie_word_embeddings": self.hf_config["tie_word_embeddings"]}
+        for key in ("tie_word_embeddings", "quantization_config"):
+            if key not in nested and key in self.hf_config:
+                nested = {**nested, key: self.hf_config[key]}
         return nested
 
     @property

@@ -14,7 +14,9 @@ skipped; a checkpoint that nests the decoder under `model.language_model.` (the
 multimodal layout) is read by stripping that prefix. Experts
 load from per-expert tensors (`experts.<e>.gate_proj.weight`, what transformers writes) or
 from the 3-D `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] tensors some
-published Qwen3.5-MoE checkpoints hold.
+published Qwen3.5-MoE checkpoints hold. Qwen3.5-MoE's router `mlp.gate` and
+`mlp.shared_expert_gate` load into one fused linear as Qwen3-Next's (qwen3_next.py), in
+either layout.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from torch import nn
 
 from kvloom.workers.layers.gated_deltanet_split import GatedDeltaNetSplit
 from kvloom.workers.layers.mlp import GatedMLP
-from kvloom.workers.layers.moe import map_expert_weight
+from kvloom.workers.layers.quantization.config import (
+    QuantizationConfig,
+    parse_quantization_config,
+)
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
 from kvloom.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 from kvloom.workers.models.qwen3_next import (
@@ -34,12 +39,16 @@ from kvloom.workers.models.qwen3_next import (
     Qwen3NextForCausalLM,
     Qwen3NextModel,
     Qwen3NextSparseMoe,
+    gate_fusion,
     layer_types,
     zero_centred_norm,
 )
 from kvloom.workers.weight_loader import resolve_name
 
 MULTIMODAL_PREFIX = "model.language_model."
+# Where a checkpoint's decoder layers sit (text and multimodal layouts): the names its
+# quantization_config may be written against.
+LAYER_PREFIXES = ("model.layers", MULTIMODAL_PREFIX + "layers")
 
 
 MOE_FIELDS = (
@@ -71,7 +80,15 @@ class Qwen3_5DecoderLayer(Qwen3NextDecoderLayer):
     """Qwen3-Next's layer (same forward and cache layer) with the split-projection Gated
     DeltaNet and a dense MLP or Qwen3-Next's sparse MoE (same router and shared expert)."""
 
-    def __init__(self, config: dict, index: int, kind: str, tp: TPGroup, dtype: torch.dtype):
+    def __init__(
+        self,
+        config: dict,
+        index: int,
+        kind: str,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        qconfig: QuantizationConfig | None = None,
+    ):
         # Built here rather than by Qwen3NextDecoderLayer.__init__, which would construct
         # Qwen3-Next's fused-projection token mixer first.
         nn.Module.__init__(self)
@@ -82,7 +99,8 @@ class Qwen3_5DecoderLayer(Qwen3NextDecoderLayer):
             self.self_attn = Qwen3NextAttention(config, index, tp, dtype)
         hidden = config["hidden_size"]
         if config.get("num_experts"):  # Qwen3.5-MoE: every layer is sparse
-            self.mlp = Qwen3NextSparseMoe(config, tp, dtype)
+            fuse = gate_fusion(qconfig, index, LAYER_PREFIXES)
+            self.mlp = Qwen3NextSparseMoe(config, tp, dtype, fuse)
         else:
             self.mlp = GatedMLP(
                 hidden,
@@ -101,8 +119,9 @@ class Qwen3_5Model(Qwen3NextModel):
         self.embed_tokens = VocabParallelEmbedding(
             config["vocab_size"], config["hidden_size"], tp, dtype
         )
+        qconfig = parse_quantization_config(config.get("quantization_config"))
         self.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(config, i, kind, tp, dtype)
+            Qwen3_5DecoderLayer(config, i, kind, tp, dtype, qconfig)
             for i, kind in enumerate(layer_types(config))
         )
         self.norm = zero_centred_norm(config["hidden_size"], config, dtype)
@@ -124,15 +143,14 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
         self.lm_head = ParallelLMHead(config["vocab_size"], config["hidden_size"], tp, dtype)
         self.tied = {"lm_head": "model.embed_tokens"} if config.get("tie_word_embeddings") else {}
 
-    @staticmethod
-    def map_weight_name(ckpt_name: str) -> tuple[str, str, int] | None:
+    def map_weight_name(self, ckpt_name: str) -> tuple[str, str, int] | None:
         """The multimodal layout's `model.language_model.X` is the text model's `model.X`;
-        per-expert tensors go into the stacked FusedMoE weights; every other name follows
-        the default rules."""
+        then Qwen3-Next's rules (experts, a shared expert gate kept separate); every other
+        name follows the default rules."""
         if ckpt_name.startswith(MULTIMODAL_PREFIX):
             ckpt_name = "model." + ckpt_name[len(MULTIMODAL_PREFIX) :]
-            return map_expert_weight(ckpt_name) or resolve_name(ckpt_name, STACKED_PARAMS)
-        return map_expert_weight(ckpt_name)
+            return super().map_weight_name(ckpt_name) or resolve_name(ckpt_name, STACKED_PARAMS)
+        return super().map_weight_name(ckpt_name)
 
     @staticmethod
     def unpack_weight(ckpt_name: str, tensor: torch.Tensor):

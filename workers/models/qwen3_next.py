@@ -7,9 +7,16 @@ query and an output gate per head (q_proj's rows interleave them head by head), 
 q/k per head and rotates only the first `partial_rotary_factor` of each head.
 Multi-token-prediction weights (`mtp.*`) are skipped here; the `mtp` drafter
 (workers/spec_decode/mtp.py) reads them.
+
+Checkpoint names are the released ones. A sparse MoE layer's router `mlp.gate` [E, H] and
+`mlp.shared_expert_gate` [1, H] both read x, and a batch-1 decode step is bound by launches,
+not bytes: they load as the two shards of one replicated linear `mlp.gate` [E + 1, H] (one
+GEMM), unless the quantization_config gives them different schemes (`gate_fusion`).
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
@@ -19,10 +26,19 @@ from kvloom.kernels.ops import gated_add
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.layers.attention import PagedAttention
 from kvloom.workers.layers.gated_deltanet import GatedDeltaNet
-from kvloom.workers.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from kvloom.workers.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from kvloom.workers.layers.mlp import GatedMLP
 from kvloom.workers.layers.moe import FusedMoE, map_expert_weight, route_softmax_topk
 from kvloom.workers.layers.norm import RMSNorm
+from kvloom.workers.layers.quantization.config import (
+    QuantizationConfig,
+    parse_quantization_config,
+)
 from kvloom.workers.layers.rotary import RotaryEmbedding, rope_parameters
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
 from kvloom.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -33,8 +49,15 @@ STACKED_PARAMS = [
     ("qkv_proj", "v_proj", 2),
     ("gate_up_proj", "gate_proj", 0),
     ("gate_up_proj", "up_proj", 1),
+    # The shared expert's gate is the last row of the MoE's fused `gate` (gate_fusion); the
+    # model maps it to a module of its own where a layer keeps the two separate.
+    ("gate", "shared_expert_gate", 1),
 ]
 LAYER_TYPES = ("linear_attention", "full_attention")
+# Any tensor of a shared expert gate (a quantized one has weight_packed, weight_scale, ...).
+_SHARED_GATE_NAME = re.compile(
+    r"^(?P<mlp>model\.layers\.(?P<index>\d+)\.mlp)\.shared_expert_gate\.(?P<param>\w+)$"
+)
 
 
 def zero_centred_norm(size: int, config: dict, dtype: torch.dtype) -> RMSNorm:
@@ -66,6 +89,26 @@ def is_sparse_layer(config: dict, index: int) -> bool:
         index not in (config.get("mlp_only_layers") or [])
         and config.get("num_experts", 0) > 0
         and (index + 1) % config.get("decoder_sparse_step", 1) == 0
+    )
+
+
+def gate_fusion(
+    qconfig: QuantizationConfig | None, index: int, layers: tuple[str, ...] = ("model.layers",)
+) -> bool:
+    """Whether MoE layer `index` fuses its router `gate` and `shared_expert_gate` into one
+    linear. A fused linear runs one scheme; published FP8 checkpoints leave both float, and
+    a config that quantizes one and not the other keeps them separate modules. Asked by the
+    checkpoint's module names under each of `layers` (the prefixes its decoder may sit
+    under): fused only where every spelling gives both the same scheme. Should the
+    checkpoint's own names get different schemes after all, loading refuses the fused layer
+    by name (`QuantizationConfig.scheme_for`)."""
+    if qconfig is None:
+        return True
+    mlps = [f"{prefix}.{index}.mlp" for prefix in layers]
+    return all(
+        qconfig.scheme_for([f"{mlp}.gate"], "gate")
+        == qconfig.scheme_for([f"{mlp}.shared_expert_gate"], "shared_expert_gate")
+        for mlp in mlps
     )
 
 
@@ -119,16 +162,27 @@ class Qwen3NextAttention(nn.Module):
 
 
 class Qwen3NextSparseMoe(nn.Module):
-    """Routed experts plus a shared expert scaled by sigmoid(shared_expert_gate(x))."""
+    """Routed experts plus a shared expert scaled by sigmoid(shared_expert_gate(x)).
 
-    def __init__(self, config: dict, tp: TPGroup, dtype: torch.dtype):
+    With `fuse_gates`, `gate` is one linear [E + 1, H] giving the router's E logits and then
+    the shared expert's gate logit, read as views of its output; else `gate` [E, H] and
+    `shared_expert_gate` [1, H] are separate (gate_fusion). Both are whole on every rank
+    (tensor parallelism splits the experts and the shared expert only)."""
+
+    def __init__(self, config: dict, tp: TPGroup, dtype: torch.dtype, fuse_gates: bool = True):
         super().__init__()
         hidden, num_experts = config["hidden_size"], config["num_experts"]
         self.tp = tp
+        self.num_experts = num_experts
         self.top_k = config["num_experts_per_tok"]
         self.renormalize = bool(config.get("norm_topk_prob", True))
+        self.fused_gates = fuse_gates
         act = config.get("hidden_act", "silu")
-        self.gate = ReplicatedLinear(hidden, num_experts, dtype=dtype)
+        if fuse_gates:  # a one-rank group makes the fused linear replicated
+            self.gate = ColumnParallelLinear(hidden, [num_experts, 1], tp=LocalGroup(), dtype=dtype)
+        else:
+            self.gate = ReplicatedLinear(hidden, num_experts, dtype=dtype)
+            self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype=dtype)
         self.experts = FusedMoE(
             num_experts,
             self.top_k,
@@ -147,20 +201,38 @@ class Qwen3NextSparseMoe(nn.Module):
             dtype=dtype,
             reduce_results=False,
         )
-        self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype=dtype)
+
+    @property
+    def shared_expert_gate(self) -> nn.Module:
+        """The linear giving the shared expert's gate logit: its own module where the gates
+        are kept separate (registered under this name), else the fused `gate`."""
+        return self._modules.get("shared_expert_gate", self.gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Both branches end in a row-parallel projection; their partial sums are reduced
         # once (the shared gate is a per-token scalar, so it commutes with the sum).
         shared = self.shared_expert(x)
-        weights, ids = route_softmax_topk(self.gate(x), self.top_k, self.renormalize)
+        logits = self.gate(x)  # in x's dtype, as transformers' router computes them
+        if self.fused_gates:  # strided views, which the router and gated_add read
+            logits, shared_gate = logits.split([self.num_experts, 1], dim=-1)
+        else:
+            shared_gate = self.shared_expert_gate(x)
+        weights, ids = route_softmax_topk(logits, self.top_k, self.renormalize)
         routed = self.experts(x, weights, ids)
-        out = gated_add(routed, self.shared_expert_gate(x), shared)  # one launch on CUDA
+        out = gated_add(routed, shared_gate, shared)  # one launch on CUDA
         return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
 
 
 class Qwen3NextDecoderLayer(nn.Module):
-    def __init__(self, config: dict, index: int, kind: str, tp: TPGroup, dtype: torch.dtype):
+    def __init__(
+        self,
+        config: dict,
+        index: int,
+        kind: str,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        qconfig: QuantizationConfig | None = None,
+    ):
         super().__init__()
         self.kind = kind
         if kind == "linear_attention":
@@ -168,7 +240,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         else:
             self.self_attn = Qwen3NextAttention(config, index, tp, dtype)
         if is_sparse_layer(config, index):
-            self.mlp = Qwen3NextSparseMoe(config, tp, dtype)
+            self.mlp = Qwen3NextSparseMoe(config, tp, dtype, gate_fusion(qconfig, index))
         else:
             self.mlp = GatedMLP(
                 config["hidden_size"],
@@ -204,8 +276,9 @@ class Qwen3NextModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             config["vocab_size"], config["hidden_size"], tp, dtype
         )
+        qconfig = parse_quantization_config(config.get("quantization_config"))
         self.layers = nn.ModuleList(
-            Qwen3NextDecoderLayer(config, i, kind, tp, dtype)
+            Qwen3NextDecoderLayer(config, i, kind, tp, dtype, qconfig)
             for i, kind in enumerate(layer_types(config))
         )
         self.norm = zero_centred_norm(config["hidden_size"], config, dtype)
@@ -233,10 +306,20 @@ class Qwen3NextForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config["vocab_size"], config["hidden_size"], tp, dtype)
         self.tied = {"lm_head": "model.embed_tokens"} if config.get("tie_word_embeddings") else {}
 
-    @staticmethod
-    def map_weight_name(ckpt_name: str) -> tuple[str, str, int] | None:
-        """Per-expert checkpoint tensors go into the stacked FusedMoE weights."""
-        return map_expert_weight(ckpt_name)
+    def map_weight_name(self, ckpt_name: str) -> tuple[str, str, int] | None:
+        """Per-expert checkpoint tensors go into the stacked FusedMoE weights; a shared
+        expert gate a layer keeps separate (gate_fusion) loads into its own module. None:
+        the default rules (STACKED_PARAMS, which fuse the shared expert gate into `gate`)."""
+        expert = map_expert_weight(ckpt_name)
+        if expert is not None:
+            return expert
+        match = _SHARED_GATE_NAME.match(ckpt_name)
+        layers = self.model.layers
+        if match and int(match["index"]) < len(layers):
+            mlp = layers[int(match["index"])].mlp
+            if isinstance(mlp, Qwen3NextSparseMoe) and not mlp.fused_gates:
+                return f"{match['mlp']}.shared_expert_gate", match["param"], 0
+        return None
 
     def cache_layers(self) -> list[nn.Module]:
         """Attention layers (KV pages) and Gated DeltaNet layers (state pages)."""
