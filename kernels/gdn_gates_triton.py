@@ -61,7 +61,7 @@ def exp_f32(x):
 
 
 @triton.jit
-def _softplus(x):
+def softplus_f32(x):
     """log(1 + exp(x)) as torch.nn.functional.softplus (beta 1, threshold 20), in float32."""
     e = exp_f32(-tl.abs(x))
     s = tl.math.div_rn(e, 2.0 + e)
@@ -108,7 +108,7 @@ def _gdn_gates_kernel(
     a = tl.load(b_ptrs + GROUP, mask=mask, other=0.0).to(tl.float32)
     a_log = tl.load(a_log_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
-    g = -exp_f32(a_log)[None, :] * _softplus(a + dt_bias[None, :])
+    g = -exp_f32(a_log)[None, :] * softplus_f32(a + dt_bias[None, :])
     beta = tl.math.div_rn(tl.full(b.shape, 1.0, tl.float32), 1.0 + exp_f32(-b))
     tl.store(g_ptr + rows * stride_g + heads[None, :], g, mask=mask)
     beta_out = beta.to(beta_ptr.dtype.element_ty)

@@ -30,7 +30,7 @@ from kvloom.kernels.arg_checks_triton import (
     check_same_device,
     next_power_of_2,
 )
-from kvloom.kernels.gdn_gates_triton import _softplus, exp_f32
+from kvloom.kernels.gdn_gates_triton import exp_f32, softplus_f32
 from kvloom.kernels.kda_gates import check_kda_gates_args
 
 BLOCK_ELEMENTS = 1024  # tokens x channels of g per program
@@ -68,7 +68,7 @@ def _kda_gates_kernel(
     raw = tl.load(raw_ptrs, mask=mask, other=0.0).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + head * head_k + channels, mask=channel_ok, other=0.0)
     a_log = tl.load(a_log_ptr + head).to(tl.float32)
-    g = -exp_f32(a_log) * _softplus(raw + dt_bias.to(tl.float32)[None, :])
+    g = -exp_f32(a_log) * softplus_f32(raw + dt_bias.to(tl.float32)[None, :])
     g_ptrs = g_ptr + rows[:, None] * stride_g_t + head * stride_g_h + channels[None, :]
     tl.store(g_ptrs, g, mask=mask)
 
