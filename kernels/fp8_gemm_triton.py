@@ -44,8 +44,8 @@ grid this kernel used before plans.
 
 Up to PREFILL_MIN_TOKENS tokens the plans are the tiles measured on the H200 before plans
 existed: 64 weight rows x 16, 32 or 64 tokens, 4 warps, 3 stages (decode tokens pad to a
-16-token tile). From there, 128 x 128 tiles on 8 warps in grouped order: NOT yet
-measured on a GPU (docs/benchmarks/quantization.md: `quant_moe_plans.py --fp8-plans`).
+16-token tile). From there, 128 weight rows x 64 tokens on 4 warps in grouped order, the
+fastest candidate measured on an H200 (docs/benchmarks/quantization.md).
 
 A group must be whole BLOCK_K tiles, or one group per row (per-channel weights): checked.
 No host sync; allocations are the quantized activations, their scales and the output
@@ -115,25 +115,24 @@ class Fp8GemmPlan:
 
 # Decode / small launches: the tiles measured before plans existed (unchanged).
 SMALL_PLANS = {m: Fp8GemmPlan(m, BLOCK_N, NUM_WARPS, NUM_STAGES) for m in (16, 32, 64)}
-# Prefill: 128 x 128 tiles (16 KB of e4m3 operands per stage; 48 KB of shared memory at
-# 4 stages, of the H200's 227 KB per block), 8 warps so the float32 tile (and the dot's
-# part) is 64 values per thread, grouped order for L2. Unmeasured. Compiled for sm_90 by
-# Triton 3.9 (not the GPU machines' 3.6): 240 registers a thread, no spills.
-PREFILL_PLAN = Fp8GemmPlan(128, 128, 8, 4, 8)
+# Prefill: 128 weight rows x 64 tokens on 4 warps, 4 stages, grouped order for L2. The
+# fastest of the candidates below at 1,024 and 4,096 tokens on every Qwen3-8B projection
+# (H200, 2026-12-05, 4,096 tokens: 202-239 TFLOP/s, against 173-203 for the 64 x 64 tile
+# and 142-165 for 128 x 128 on 8 warps; docs/benchmarks/quantization.md), bitwise equal
+# to every plan.
+PREFILL_PLAN = Fp8GemmPlan(64, 128, 4, 4, 8)
 # Every plan the tests and the benchmark cover: the table `choose_fp8_gemm_plan` picks
-# from, plus candidates timed beside it (a narrower prefill tile on 4 warps; the chosen
-# prefill tile without grouped order, to measure what grouping buys).
+# from, plus candidates timed beside it (a 128 x 128 tile on 8 warps, with and without
+# grouped order, to measure what grouping buys).
 FP8_GEMM_PLANS = (
     *SMALL_PLANS.values(),
     PREFILL_PLAN,
-    Fp8GemmPlan(64, 128, 4, 4, 8),
+    Fp8GemmPlan(128, 128, 8, 4, 8),
     Fp8GemmPlan(128, 128, 8, 4, 1),
 )
-# From here on the prefill plan: at Qwen3-8B's narrowest projection (N = 4096) a 1024-token
-# launch is 32 x 8 = 256 tiles of 128 x 128, about two waves of one program per SM on an
-# H200's 132 SMs, so the big tile loses no parallelism; at 512 tokens it would be under
-# one wave (and 192 tiles, 1.45 waves, at N = 6144). It is also above the default
-# CUDA-graph decode ladder (up to 256 rows), so captured decode launches keep small plans.
+# From here on the prefill plan (measured best at 1,024 tokens on all four projections; at
+# 256 tokens it won only on the widest). It is also above the default CUDA-graph decode
+# ladder (up to 256 rows), so captured decode launches keep small plans.
 PREFILL_MIN_TOKENS = 1024
 
 
@@ -398,8 +397,7 @@ def fp8_linear_triton(
     flat = x.reshape(-1, k)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
+    plan = _resolve_plan(flat.shape[0], plan, block_m)  # bad arguments fail before a launch
     x_q, x_s = per_token_group_quant_fp8_triton(flat, group_size)
-    out = fp8_matmul_triton(
-        x_q, x_s, w_q, w_s, group_size, bias, out_dtype or x.dtype, plan=plan, block_m=block_m
-    )
+    out = fp8_matmul_triton(x_q, x_s, w_q, w_s, group_size, bias, out_dtype or x.dtype, plan=plan)
     return out.view(*x.shape[:-1], n)
