@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu_fast_path.sh tests bench-dense|latency-dense [bench-hybrid] [plans]
 #     [profile-dense|profile-hybrid] [latency-hybrid] [plans] [pending-tests]
 #     [spec-profile] [spec-decode] [deterministic] [all-gpu-tests] [gdn-mixed]
-#     [trace-dense] [bench-kimi] [fp8-plans] [mla] [host-256]
+#     [trace-dense] [bench-kimi] [fp8-plans] [mla] [host-256] [gpu-gaps]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -96,7 +96,9 @@ for section in "$@"; do
       run_group G4 tests/triton_interpret/test_kv_cache_fp8_triton.py \
         tests/triton_interpret/test_paged_attention_dcp_triton.py
       run_group G5 tests/triton_interpret/test_batch_invariant_triton.py \
-        tests/triton_interpret/test_kernels_triton_dense.py
+        tests/triton_interpret/test_kernels_triton_dense.py \
+        tests/triton_interpret/test_mla_attention_triton.py \
+        tests/triton_interpret/test_fp8_gemm_plans_triton.py
       run_group G6 tests/triton_interpret/test_quant_kernels_triton.py
       run_group G7 -m gpu tests/test_ray_gpu.py tests/test_distributed_all_gatherv.py \
         tests/test_distributed_process_group.py tests/test_ray_async_scheduling.py \
@@ -136,6 +138,11 @@ for section in "$@"; do
       timeout 400 python3 benchmarks/throughput_profile.py --shape qwen3-8b --num-requests 256 \
         --max-num-seqs 256 --profile-at 60 160 --out "$OUT/throughput_profile_256.json" 2>&1 \
         | grep -v "it/s" | tail -30 || status=1
+      ;;
+    gpu-gaps)  # issue 23's host goal without a profiler: device waiting for the host, 256 rows
+      timeout 400 python3 benchmarks/throughput_profile.py --shape qwen3-8b --num-requests 1000 \
+        --max-num-seqs 256 --profile-at --gpu-gaps --out "$OUT/gpu_gaps_256.json" 2>&1 \
+        | grep RESULT || status=1
       ;;
     spec-profile)  # a speculative step's phases, graph replays and kernels (spec_decode.md)
       for p in "draft_1layer 1" "draft_1layer 64" "self_draft 1"; do set -- $p

@@ -7,6 +7,14 @@ GPU's busy time against the wall time of the window (host-bound or device-bound)
 kernels by GPU time. Host phases (schedule, submit, wait for the device, update, outputs)
 are timed on every step.
 
+`--gpu-gaps` measures the host's share without a profiler (which slows the host it
+measures): a CUDA event is recorded as each step's forward is enqueued and another after
+its sampling is enqueued. Their spans are the device's work per step; the time between one
+step's end event and the next step's start event is the device waiting for the host.
+
+    python benchmarks/throughput_profile.py --shape qwen3-8b --num-requests 1000 \
+        --max-num-seqs 256 --profile-at --gpu-gaps --out $OUT/gpu_gaps_256.json
+
     python benchmarks/throughput_profile.py --shape qwen3-8b --max-num-seqs 1024 \
         --max-num-batched-tokens 16384 --profile-at 40 400 --out $OUT/tp_profile.json
 
@@ -69,6 +77,55 @@ class PhaseTimer:
         self.wrap(executor, name, name, tagged=True)
 
 
+class GpuGaps:
+    """CUDA events around each submitted step: [forward enqueued, sampling enqueued]."""
+
+    def __init__(self, runner):
+        self.spans: list[list] = []
+        forward, submit = runner._forward, runner.submit
+
+        def recorded_forward(*args, **kwargs):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.spans.append([start, None])
+            return forward(*args, **kwargs)
+
+        def recorded_submit(sched):
+            pending = submit(sched)
+            if self.spans and self.spans[-1][1] is None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self.spans[-1][1] = end
+            return pending
+
+        runner._forward, runner.submit = recorded_forward, recorded_submit
+
+    def summary(self, shapes: list, min_rows: int) -> dict:
+        """Device busy and waiting ms, for decode-only and mixed steps of at least
+        `min_rows` rows (shapes: the scheduled (rows, tokens, decodes) per step)."""
+        torch.cuda.synchronize()
+        totals = defaultdict(lambda: [0.0, 0.0, 0])
+        for i, (start, end) in enumerate(self.spans[:-1]):
+            rows, tokens, decodes = shapes[i]
+            if end is None or rows < min_rows:
+                continue
+            kind = "decode" if tokens == decodes else "mixed"
+            busy = start.elapsed_time(end)
+            idle = max(0.0, end.elapsed_time(self.spans[i + 1][0]))
+            totals[kind][0] += busy
+            totals[kind][1] += idle
+            totals[kind][2] += 1
+        out = {}
+        for kind, (busy, idle, steps) in totals.items():
+            out[kind] = {
+                "steps": steps,
+                "gpu_busy_ms_per_step": round(busy / steps, 3),
+                "gpu_waiting_ms_per_step": round(idle / steps, 3),
+                "host_share_percent": round(100 * idle / (busy + idle), 2),
+            }
+        return out
+
+
 def kernel_summary(prof, steps: int, top: int) -> dict:
     """GPU kernel time per step, grouped by kernel name, and the busy time in total."""
     per_kernel = defaultdict(float)
@@ -125,6 +182,17 @@ def main() -> None:
         "(slows the host; for benchmarks/trace_gaps.py) into DIR/step<N>.json.gz",
     )
     parser.add_argument("--deterministic", action="store_true", help="batch-invariant kernels")
+    parser.add_argument(
+        "--gpu-gaps",
+        action="store_true",
+        help="CUDA events per step: device busy vs waiting for the host (no profiler)",
+    )
+    parser.add_argument(
+        "--gaps-min-rows",
+        type=int,
+        default=240,
+        help="--gpu-gaps reports steps with at least this many rows",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cfg = SimpleNamespace(**vars(args), load_format="dummy")
@@ -159,6 +227,7 @@ def main() -> None:
         timer.wrap_submit(engine.executor, "execute_model")
         timer.wrap(engine.scheduler, "update_from_output", "update_from_output")
         timer.wrap(engine.output_processor, "process", "output_processor.process")
+        gaps = GpuGaps(runner) if args.gpu_gaps and torch.cuda.is_available() else None
         step_ms, profiles = [], {}
         start = time.perf_counter()
         while engine.has_unfinished_requests():
@@ -209,6 +278,10 @@ def main() -> None:
         "max_rows": max(s[0] for s in shapes),
         "profiles": profiles,
     }
+    if gaps is not None:
+        result["gpu_gaps"] = gaps.summary(shapes, args.gaps_min_rows)
+        for kind, row in result["gpu_gaps"].items():
+            print(f"RESULT gpu_gaps_{kind}_rows>={args.gaps_min_rows} {row}")
     for key in (
         "seconds",
         "steps",
