@@ -26,7 +26,12 @@ every plan's output is bitwise the first's (invariant 7); and torch._scaled_mm w
 blockwise scales (1x128 activations, 128x128 weights) as a reference row where the
 running torch and GPU accept it (a failure is recorded, not raised). It also times the
 prefill plan with max_num_imprecise_acc=32 (FP8 wgmma instead of fp16 mma.sync) and
-gives its and the default's largest error against a float64 product.
+gives its and the default's largest error against a float64 product. Each row also
+times the serving path: `ops.fp8_linear` as a block-scaled layer calls it (activation
+quantization included), with the kernel it took (`serving_path_kernel`: gemv, triton,
+scaled_mm, or reference off CUDA; kernels/fp8_gemm_dispatch.py) and why not cuBLAS
+where it did not, beside the Triton linear alone (`ms_triton_linear`, quantization
+included).
 
     python3 benchmarks/quant_moe_plans.py --no-moe --fp8-plans --out $OUT/fp8_plans.json
 
@@ -219,6 +224,30 @@ def imprecise_acc_candidate(row, gemm, x_q, x_s, w8, s8, flop, repeats):
     row["tflops_imprecise32"] = flop / row["ms_imprecise32"] / 1e9
 
 
+def serving_path(row, x, w8, s8, s_blocks, flop, repeats):
+    """ops.fp8_linear with the layer's block scale, as Fp8Method.apply calls it: ms and
+    TFLOP/s, the kernel it took and why not cuBLAS; and the Triton linear beside it."""
+    from kvloom.kernels import dispatch, fp8_gemm_dispatch, ops
+    from kvloom.kernels.fp8_gemm_triton import fp8_linear_triton
+    from kvloom.kernels.quant_gemv import QUANT_GEMV_MAX_M
+
+    tokens = x.shape[0]
+    call = partial(ops.fp8_linear, x, w8, s8, 128, block_scale=s_blocks)
+    call()  # a refusal is remembered on the first call
+    blocker = fp8_gemm_dispatch.scaled_mm_blocker(x, w8, 128, s_blocks)
+    if not dispatch.use_triton(x):
+        kernel = "reference"
+    elif tokens <= QUANT_GEMV_MAX_M:
+        kernel = "gemv"
+    else:
+        kernel = "triton" if blocker else "scaled_mm"
+    row["serving_path_kernel"], row["serving_path_not_scaled_mm"] = kernel, blocker
+    row["ms_serving_path"] = timed(call, repeats)
+    row["tflops_serving_path"] = flop / row["ms_serving_path"] / 1e9
+    row["ms_triton_linear"] = timed(partial(fp8_linear_triton, x, w8, s8, 128), repeats)
+    row["tflops_triton_linear"] = flop / row["ms_triton_linear"] / 1e9
+
+
 def fp8_exact(x_q, x_s, w8, s8):
     """The FP8 GEMM's output in float64 (groups of 128 columns)."""
     out = torch.zeros(x_q.shape[0], w8.shape[0], dtype=torch.float64, device=x_q.device)
@@ -276,6 +305,7 @@ def fp8_plan_rows(args, device):
             row["best_plan"] = min(row["ms_plans"], key=row["ms_plans"].get)
             imprecise_acc_candidate(row, gemm, x_q, x_s, w8, s8, flop, args.repeats)
             scaled_mm_reference(row, x_q, x_s, w8, s_blocks, first, args.repeats)
+            serving_path(row, x, w8, s8, s_blocks, flop, args.repeats)
             rows.append(row)
             print(json.dumps(row))
     return rows

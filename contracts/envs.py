@@ -29,6 +29,11 @@ VARIABLES: dict[str, tuple[str, str]] = {
     ),
     "KVLOOM_DISABLE_TRITON": ("", "1: every kernel takes its pure-torch reference"),
     "KVLOOM_NO_GEMV": ("", "1: small-row linears (bf16, FP8, W4A16) skip the Triton GEMVs"),
+    "KVLOOM_NO_SCALED_MM": (
+        "",
+        "1: prefill-size FP8 block-scaled linears on Hopper skip cuBLAS's blockwise GEMM "
+        "(torch._scaled_mm) for kvloom's Triton GEMM",
+    ),
     "KVLOOM_NO_FLA": (
         "",
         "1: linear-attention prefill (Gated DeltaNet, KDA) on CUDA skips fla-core's kernels",

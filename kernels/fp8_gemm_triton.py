@@ -180,6 +180,7 @@ def _quant_kernel(
     stride_xt,
     stride_qt,
     stride_st,
+    stride_sg,
     CHUNK: tl.constexpr,
     FP8_MAX_C: tl.constexpr,
     EPS: tl.constexpr,
@@ -204,22 +205,30 @@ def _quant_kernel(
         q = tl.math.div_rn(x, tl.zeros_like(x) + scale)
         q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
         tl.store(q_ptr + row * stride_qt + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + row * stride_st + group, scale)
+    tl.store(s_ptr + row * stride_st + group.to(tl.int64) * stride_sg, scale)
 
 
-def per_token_group_quant_fp8_triton(x: torch.Tensor, group_size: int):
-    """x [T, K] -> (x_q [T, K] e4m3, x_s [T, K / group] float32), bitwise the reference's."""
+def per_token_group_quant_fp8_triton(
+    x: torch.Tensor, group_size: int, column_major_scales: bool = False
+):
+    """x [T, K] -> (x_q [T, K] e4m3, x_s [T, K / group] float32), bitwise the reference's.
+    `column_major_scales`: x_s with strides (1, T) (same values), the layout cuBLAS's
+    1x128 blockwise scaling reads (kernels/fp8_gemm_dispatch.py)."""
     if x.dim() != 2:
         raise ValueError(f"x: expected [T, K], got shape {list(x.shape)}")
     check_group_size(group_size, x.shape[1])
     check_last_dim_contiguous("x", x)
     t, k = x.shape
     x_q = torch.empty((t, k), dtype=FP8_DTYPE, device=x.device)
-    x_s = torch.empty((t, k // group_size), dtype=torch.float32, device=x.device)
+    groups = k // group_size
+    if column_major_scales:
+        x_s = torch.empty((groups, t), dtype=torch.float32, device=x.device).t()
+    else:
+        x_s = torch.empty((t, groups), dtype=torch.float32, device=x.device)
     if t == 0 or k == 0:
         return x_q, x_s
     chunk = min(MAX_QUANT_CHUNK, next_power_of_2(group_size))
-    _quant_kernel[(t, k // group_size)](
+    _quant_kernel[(t, groups)](
         x,
         x_q,
         x_s,
@@ -227,6 +236,7 @@ def per_token_group_quant_fp8_triton(x: torch.Tensor, group_size: int):
         x.stride(0),
         x_q.stride(0),
         x_s.stride(0),
+        x_s.stride(1),
         CHUNK=chunk,
         FP8_MAX_C=FP8_MAX,
         EPS=SCALE_EPS,

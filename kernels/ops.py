@@ -13,6 +13,7 @@ from kvloom.kernels import gated_delta_rule as gdn_ref
 from kvloom.kernels import kda as kda_ref
 from kvloom.kernels.activation import gated_add_ref, silu_and_mul_ref
 from kvloom.kernels.dispatch import TRITON_DTYPES, batch_invariant, use_triton
+from kvloom.kernels.fp8_gemm_dispatch import scaled_mm_blocker, try_fp8_linear_scaled_mm
 from kvloom.kernels.gated_rms_norm import gated_rms_norm_ref
 from kvloom.kernels.gdn_gates import gdn_gates_ref
 from kvloom.kernels.gemv import GEMV_DISPATCH_MAX_M
@@ -486,15 +487,24 @@ def _quant_gemv(x: torch.Tensor, group_size: int, packed: bool, *tensors: torch.
     )
 
 
-def fp8_linear(x, w_q, w_s, group_size, input_scale=None, bias=None, out_dtype=None):
+def fp8_linear(
+    x, w_q, w_s, group_size, input_scale=None, bias=None, out_dtype=None, block_scale=None
+):
     """y = x W^T for e4m3 W with per-row group scales (kernels/fp8_gemm.py). Triton on CUDA,
     else the reference. At decode sizes (`_quant_gemv`) a weight-only GEMV (activations
-    not quantized: kernels/quant_gemv.py); otherwise activations are quantized to e4m3."""
+    not quantized: kernels/quant_gemv.py); otherwise activations are quantized to e4m3.
+    `block_scale`: the weight's scale as [N / 128, K / 128] blocks, where the layer keeps
+    it; with it, prefill sizes on Hopper take cuBLAS's blockwise FP8 GEMM
+    (kernels/fp8_gemm_dispatch.py), the Triton GEMM where cuBLAS does not apply."""
     if use_triton(x) and input_scale is None:
         if _quant_gemv(x, group_size, False, w_q, w_s):
             from kvloom.kernels.quant_gemv_triton import fp8_gemv_triton
 
             return fp8_gemv_triton(x, w_q, w_s, group_size, bias, out_dtype)
+        if scaled_mm_blocker(x, w_q, group_size, block_scale, out_dtype) is None:
+            out = try_fp8_linear_scaled_mm(x, w_q, block_scale, bias, out_dtype)
+            if out is not None:
+                return out
         from kvloom.kernels.fp8_gemm_triton import fp8_linear_triton
 
         return fp8_linear_triton(x, w_q, w_s, group_size, bias, out_dtype)

@@ -12,6 +12,9 @@ Stored layouts (what the kernels read):
   per output row (block scales repeated over their block's rows, a per-tensor scale over
   its part's rows), so fused parts and tensor-parallel shards never split a block row;
   `input_scale` float32 [parts] (static activations: the largest is used, one input).
+  Where this rank's rows are whole blocks of the checkpoint (every fused part's kept rows
+  start and end on a block boundary), the method also keeps the block form
+  [rows / bn, in / bk] for cuBLAS's blockwise GEMM (`Fp8Method.block_scale`).
 * W4A16: `weight_packed` int32 [rows, in / 8], `weight_scale` [rows, in / group] in the
   model dtype, `weight_shape` int64 [parts, 2] (checked against the layer, then unused).
 Expert stacks carry a leading [E] on each.
@@ -138,6 +141,33 @@ class Fp8Method(QuantMethod):
                 f"{what}: static FP8 input scales are not supported for MoE experts yet "
                 "(input_activations.dynamic: false)"
             )
+        self.whole_blocks = self._rows_are_whole_blocks()
+        self._block_scale: torch.Tensor | None = None  # derived on first use (block_scale)
+
+    def _rows_are_whole_blocks(self) -> bool:
+        """Whether every bn rows of the stored scale (from row 0) repeat one checkpoint
+        block row: block-scaled, not an expert stack, and each fused part's kept rows
+        start and end on a block boundary (so no block mixes parts or shard edges).
+        Columns need no check: a rank keeps whole column blocks (`_cols`)."""
+        if self.scheme.block is None or self.geom.num_experts is not None:
+            return False
+        bn = self.scheme.block[0]
+        return all(start % bn == 0 and end % bn == 0 for start, end in self.geom.part_ranges)
+
+    def block_scale(self, layer) -> torch.Tensor | None:
+        """The checkpoint's block scale as this rank keeps it, float32 [rows / bn, in / bk]
+        contiguous (None unless `whole_blocks`): every bn-th row of the stored per-row
+        scale, copied on first use and again on the first use after a scale is loaded.
+        Derived rather than loaded so that weights filled without the loader (dummy
+        weights) have it too."""
+        if not self.whole_blocks:
+            return None
+        if self._block_scale is None:
+            scale = getattr(layer, self.scheme.scale_name)
+            if scale.is_cuda and torch.cuda.is_current_stream_capturing():
+                return None  # a copy captured in a graph would run only at replay
+            self._block_scale = scale.detach()[:: self.scheme.block[0]].contiguous()
+        return self._block_scale
 
     def param_shapes(self):
         rows, cols = self.geom.local_rows, self.geom.local_in
@@ -165,6 +195,7 @@ class Fp8Method(QuantMethod):
             self._store_rows(layer, param_name, self._cols(param_name, loaded, 1), shard)
         elif param_name == self.scheme.scale_name:
             self._store_rows(layer, param_name, self._scale_rows(loaded, part_rows), shard)
+            self._block_scale = None  # derived again from the new scale
         elif param_name == "input_scale" and self.scheme.static_input:
             if loaded.numel() != 1 or loaded.dtype not in FLOAT_DTYPES:
                 self._fail(
@@ -201,7 +232,14 @@ class Fp8Method(QuantMethod):
     def apply(self, layer, x, bias=None, out_dtype=None):
         scale = getattr(layer, self.scheme.scale_name)
         return fp8_linear(
-            x, layer.weight, scale, self.group, self._input_scale(layer), bias, out_dtype
+            x,
+            layer.weight,
+            scale,
+            self.group,
+            self._input_scale(layer),
+            bias,
+            out_dtype,
+            block_scale=self.block_scale(layer),
         )
 
     def moe_forward(self, moe, hidden, topk_weights, topk_ids):
