@@ -19,6 +19,16 @@ BLOCK = 1024
 
 
 @triton.jit
+def silu_mul(gate, up, DTYPE: tl.constexpr):
+    """silu(gate) * up rounded to DTYPE, from float32 gate and up holding DTYPE values:
+    silu rounded to DTYPE before the product, as torch's two ops round. The GEMV's fused
+    epilogue (gemv_triton, GATED) calls this too, so both give the same bits; launch
+    with enable_fp_fusion=False, as both do."""
+    silu = (gate / (1.0 + tl.exp(-gate))).to(DTYPE).to(tl.float32)
+    return (silu * up).to(DTYPE)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr,
     out_ptr,
@@ -32,8 +42,9 @@ def _silu_and_mul_kernel(
     mask = cols < N
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + N + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + row * stride_out + cols, silu_mul(gate, up, x_ptr.dtype.element_ty), mask=mask
+    )
 
 
 def silu_and_mul_triton(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

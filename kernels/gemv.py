@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kvloom.kernels.activation import silu_and_mul_ref
 from kvloom.kernels.paged_attention import compute_dtype
 
 GEMV_MAX_M = 8  # most rows the Triton GEMV serves; more rows use cuBLAS (F.linear)
@@ -38,3 +39,14 @@ def gemv_ref(
     if bias is not None:
         y = y + bias.to(acc)
     return y.to(x.dtype)
+
+
+def gemv_silu_and_mul_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """silu(gate) * up for the merged [gate; up] weight [2I, K] (bias [2I]) -> [M, I]: the
+    reference of gemv_triton.gemv_silu_and_mul_triton, with its roundings (gate and up
+    each rounded to x's dtype, then silu_and_mul_ref's)."""
+    if weight.dim() == 2 and weight.shape[0] % 2:
+        raise ValueError(f"weight: expected [gate; up] rows (an even count), got {weight.shape[0]}")
+    return silu_and_mul_ref(gemv_ref(x, weight, bias))

@@ -31,6 +31,13 @@ group scales; quant_gemv_triton.py is their entry): only the load and in-registe
 dequantization of each 64-column chunk change, so the summation order and the
 guarantees above are the same. FMT_PLAIN does the arithmetic it always did (its row
 stride is now an argument, equal to K).
+
+`gemv_silu_and_mul_triton` is the gated MLP's gate_up GEMV with silu(gate) * up applied
+at the store (GATED): a program's tile pairs gate row f with up row I + f, sums both
+exactly as the plain GEMV does, rounds each to x's dtype as the plain store does, and
+runs the activation kernel's arithmetic once per output element. The result is bitwise
+the plain GEMV followed by `activation_triton.silu_and_mul_triton`, in one launch
+(split_k > 1: the activation moves to the reduce launch).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvloom.kernels.activation_triton import silu_mul
 from kvloom.kernels.arg_checks_triton import check_dtype, check_same_device
 from kvloom.kernels.gemv import GEMV_MAX_M
 
@@ -352,13 +360,20 @@ def _store_row(
     BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     WFMT: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     if WFMT == FMT_INT4:
         acc = tl.reshape(acc, [BLOCK_N, _LANES])  # lane 8 * word + nibble, as _lane_offsets
     y = _lane_tree_sum(acc, BLOCK_N)
     if HAS_BIAS:
         y = y + bias
-    tl.store(out_row + n_offs, y.to(out_row.dtype.element_ty), mask=n_mask)
+    dtype = out_row.dtype.element_ty
+    if GATED:
+        # Tile rows 2f, 2f + 1 are feature f's gate and up sums. Each is rounded to the
+        # output dtype, as the plain GEMV stores it, before the activation reads it.
+        gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+        y = silu_mul(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype)
+    tl.store(out_row + n_offs, y.to(dtype), mask=n_mask)
 
 
 @triton.jit
@@ -384,20 +399,32 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     WFMT: tl.constexpr,
     GROUP: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     """Program (i, s): features [i * BLOCK_N, (i + 1) * BLOCK_N) of all ROWS rows over K
     range s. Rows are unrolled by hand (one accumulator each, ROWS <= 8) so every row
     runs the same arithmetic whatever ROWS is; rows past ROWS are compiled out. WFMT
-    says how the weight is stored (FMT_*); s_ptr holds its group scales (quantized)."""
+    says how the weight is stored (FMT_*); s_ptr holds its group scales (quantized).
+    GATED (split_k = 1 only): the weight is [gate; up] with 2N rows and the output
+    [ROWS, N] is silu(gate) * up; program i owns features [i * BLOCK_N / 2, ...) and its
+    tile interleaves their gate and up rows. Only which weight rows the tile reads and
+    the store change: every sum is the plain GEMV's, bit for bit."""
     tl.static_assert(_LANES == 64)  # _lane_tree_sum is written for 64 lanes
     tl.static_assert(ROWS <= 8)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
-    n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n_offs < N
-    # Tail features re-read feature N - 1 (in bounds, so weight loads need no mask); their
-    # results are never stored.
-    n_rows = tl.minimum(n_offs, N - 1).to(tl.int64)
+    if GATED:
+        n_offs = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        n_mask = n_offs < N
+        tile_row = tl.arange(0, BLOCK_N)
+        feature = tl.minimum(pid_n * (BLOCK_N // 2) + tile_row // 2, N - 1)
+        n_rows = (feature + (tile_row % 2) * N).to(tl.int64)  # gate row, then up row
+    else:
+        n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n_offs < N
+        # Tail features re-read feature N - 1 (in bounds, so weight loads need no mask);
+        # their results are never stored.
+        n_rows = tl.minimum(n_offs, N - 1).to(tl.int64)
     lanes = _lane_offsets(WFMT)
     if WFMT == FMT_INT4:  # pointers to each row's first 8 words (64 columns)
         w_tile = w_ptr + n_rows[:, None] * stride_wn + tl.arange(0, 8)[None, :]
@@ -409,7 +436,7 @@ def _gemv_kernel(
         row_scale = tl.load(s_rows).to(tl.float32)
     k_start = pid_s * split_len
     k_end = tl.minimum(k_start + split_len, K)
-    out_base = out_ptr + pid_s * stride_os
+    out0 = out_ptr + pid_s * stride_os  # row 0's output
 
     acc0 = _new_acc(BLOCK_N, WFMT)
     if ROWS > 1:
@@ -462,21 +489,34 @@ def _gemv_kernel(
     bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + n_rows).to(tl.float32)
-    _store_row(acc0, bias, out_base, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT)
+    _store_row(acc0, bias, out0, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT, GATED)
     if ROWS > 1:
-        _store_row(acc1, bias, out_base + stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT)
+        _store_row(acc1, bias, out0 + stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT, GATED)
     if ROWS > 2:
-        _store_row(acc2, bias, out_base + 2 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT)
+        _store_row(acc2, bias, out0 + 2 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT, GATED)
     if ROWS > 3:
-        _store_row(acc3, bias, out_base + 3 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT)
+        _store_row(acc3, bias, out0 + 3 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT, GATED)
     if ROWS > 4:
-        _store_row(acc4, bias, out_base + 4 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT)
+        _store_row(acc4, bias, out0 + 4 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT, GATED)
     if ROWS > 5:
-        _store_row(acc5, bias, out_base + 5 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT)
+        _store_row(acc5, bias, out0 + 5 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT, GATED)
     if ROWS > 6:
-        _store_row(acc6, bias, out_base + 6 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT)
+        _store_row(acc6, bias, out0 + 6 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT, GATED)
     if ROWS > 7:
-        _store_row(acc7, bias, out_base + 7 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT)
+        _store_row(acc7, bias, out0 + 7 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT, GATED)
+
+
+@triton.jit
+def _sum_partials(
+    part, bias_at, mask, stride_ws_split, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr
+):
+    """((p_0 + p_1) + ...) + p_{S-1} (+ bias), partials in order, in float32."""
+    y = tl.load(part, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        y = y + tl.load(part + s * stride_ws_split, mask=mask, other=0.0)
+    if HAS_BIAS:
+        y = y + tl.load(bias_at, mask=mask, other=0.0).to(tl.float32)
+    return y
 
 
 @triton.jit
@@ -485,23 +525,27 @@ def _split_k_reduce_kernel(
     b_ptr,
     out_ptr,
     N,
+    stride_ws_row,
     stride_ws_split,
     stride_om,
     SPLIT_K: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
 ):
-    """out[row, n] = round(((p_0 + p_1) + ...) + p_{S-1} (+ bias)), partials in order."""
+    """out[row, n] = round(((p_0 + p_1) + ...) + p_{S-1} (+ bias)), partials in order.
+    GATED: the workspace rows hold [gate | up] (2N wide); out = silu(gate) * up, each
+    sum rounded to the output dtype first, as the plain GEMV's store rounds it."""
     row = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
-    part = ws_ptr + row * N + cols
-    y = tl.load(part, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        y = y + tl.load(part + s * stride_ws_split, mask=mask, other=0.0)
-    if HAS_BIAS:
-        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    part = ws_ptr + row * stride_ws_row + cols
+    y = _sum_partials(part, b_ptr + cols, mask, stride_ws_split, SPLIT_K, HAS_BIAS)
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        up = _sum_partials(part + N, b_ptr + N + cols, mask, stride_ws_split, SPLIT_K, HAS_BIAS)
+        y = silu_mul(y.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype)
+    tl.store(out_ptr + row * stride_om + cols, y.to(dtype), mask=mask)
 
 
 def gemv_triton(
@@ -527,6 +571,36 @@ def gemv_triton(
     return launch_gemv(x, weight, bias, out, plan)
 
 
+def gemv_silu_and_mul_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    plan: GemvPlan | None = None,
+) -> torch.Tensor:
+    """silu_and_mul(gemv_triton(x, weight, bias)) in one launch: [M, I] in x's dtype.
+
+    weight: the merged [gate; up] projection, [2I, K] (bias [2I]); otherwise as
+    gemv_triton. Bitwise equal to the two launches with the same plan (or any plan of
+    the same split_k): each sum is the GEMV's, rounded to x's dtype, then the activation
+    kernel's arithmetic (activation_triton.silu_mul) runs once per output element. The
+    plan is the [2I, K] GEMV's (`choose_gemv_plan`): its block_n / 2 features per
+    program read block_n weight rows, so programs and bytes per program are the gate_up
+    GEMV's. Allocates only the output (split_k = 1) or, with split_k > 1, the GEMV's
+    float32 workspace too.
+    """
+    _check_args(x, weight, bias)
+    m, k = x.shape
+    if m > GEMV_MAX_M:
+        raise ValueError(f"x: {m} rows exceed GEMV_MAX_M={GEMV_MAX_M}; use F.linear")
+    if weight.shape[0] % 2:
+        raise ValueError(f"weight: expected [gate; up] rows (an even count), got {weight.shape[0]}")
+    if plan is None:
+        plan = choose_gemv_plan(max(m, 1), weight.shape[0], k, x.dtype)
+    out = torch.empty((m, weight.shape[0] // 2), dtype=x.dtype, device=x.device)
+    return launch_gemv(x, weight, bias, out, plan, silu_and_mul=True)
+
+
 def launch_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -537,21 +611,25 @@ def launch_gemv(
     fmt: int = FMT_PLAIN.value,
     scales: torch.Tensor | None = None,
     group: int = 0,
+    silu_and_mul: bool = False,
 ) -> torch.Tensor:
     """Fills out [M, N] (any float dtype) with x @ W^T (+ bias) and returns it; W is
-    `weight` stored as `fmt` with `scales` [N, K / group] (group 0: one per row). Callers
-    check the arguments; this only launches."""
+    `weight` stored as `fmt` with `scales` [N, K / group] (group 0: one per row). With
+    `silu_and_mul`, W is [gate; up] (2N rows) and out [M, N] (x's dtype) gets
+    silu(gate) * up. Callers check the arguments; this only launches."""
     if not isinstance(plan, GemvPlan):
         raise ValueError(f"plan: expected a GemvPlan or None, got {type(plan).__name__}")
     m, k = x.shape
     n = out.shape[1]
     if m == 0 or n == 0:
         return out
+    width = 2 * n if silu_and_mul else n  # GEMV features (weight rows)
+    # The activation's launches compile as activation_triton's (no mul-add contraction);
+    # the K loop's FMAs are explicit, so its sums are the same either way.
+    act_options = dict(enable_fp_fusion=False) if silu_and_mul else {}
     split_len = split_k_len(k, plan.split_k)
-    grid = (triton.cdiv(n, plan.block_n), plan.split_k)
     common = dict(
         ROWS=m,
-        BLOCK_N=plan.block_n,
         CHUNKS=plan.block_k // LANES,
         NUM_STAGES=plan.num_stages,
         EVEN_K=is_even_k(k, plan),
@@ -564,7 +642,9 @@ def launch_gemv(
     b = bias if bias is not None else weight
     stride_sn = scales.stride(0) if scales is not None else 0
     if plan.split_k == 1:
-        _gemv_kernel[grid](
+        # Fused: a tile holds one gate and one up row at least (speed only, not bits).
+        block_n = max(plan.block_n, 2) if silu_and_mul else plan.block_n
+        _gemv_kernel[(triton.cdiv(width, block_n), 1)](
             x,
             weight,
             s,
@@ -578,26 +658,33 @@ def launch_gemv(
             out.stride(0),
             0,
             split_len,
+            BLOCK_N=block_n,
             HAS_BIAS=bias is not None,
+            GATED=silu_and_mul,
             **common,
+            **act_options,
         )
         return out
-    ws = torch.empty((plan.split_k, m, n), dtype=torch.float32, device=x.device)
-    _gemv_kernel[grid](
+    # Split-K: the plain GEMV's partial sums of all `width` features; the reduce launch
+    # adds them (and applies the activation, fused).
+    ws = torch.empty((plan.split_k, m, width), dtype=torch.float32, device=x.device)
+    _gemv_kernel[(triton.cdiv(width, plan.block_n), plan.split_k)](
         x,
         weight,
         s,
         b,
         ws,
-        n,
+        width,
         k,
         x.stride(0),
         weight.stride(0),
         stride_sn,
-        n,
-        m * n,
+        width,
+        m * width,
         split_len,
+        BLOCK_N=plan.block_n,
         HAS_BIAS=False,
+        GATED=False,
         **common,
     )
     _split_k_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
@@ -605,12 +692,15 @@ def launch_gemv(
         b,
         out,
         n,
-        m * n,
+        width,
+        m * width,
         out.stride(0),
         SPLIT_K=plan.split_k,
         BLOCK=_REDUCE_BLOCK,
         HAS_BIAS=bias is not None,
+        GATED=silu_and_mul,
         num_warps=4,
+        **act_options,
     )
     return out
 

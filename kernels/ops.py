@@ -237,6 +237,19 @@ def recurrent_gated_delta_rule(
     )
 
 
+def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` (outside the deterministic mode) runs the Triton GEMV."""
+    return (
+        x.dtype in (torch.bfloat16, torch.float16)
+        and use_triton(x)
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+        and x.stride(-1) == 1
+        and 1 <= x.numel() // max(x.shape[-1], 1) <= GEMV_DISPATCH_MAX_M
+        and not envs.flag("KVLOOM_NO_GEMV")
+    )
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """y = x W^T (+ bias). Half-precision inputs of at most GEMV_DISPATCH_MAX_M rows on CUDA
     take the weight-streaming Triton GEMV, which reads the weight in one launch where
@@ -246,20 +259,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from kvloom.kernels import batch_invariant as bi
 
         return bi.linear(x, weight, bias)
-    if (
-        x.dtype in (torch.bfloat16, torch.float16)
-        and use_triton(x)
-        and weight.dtype == x.dtype
-        and weight.is_contiguous()
-        and x.stride(-1) == 1
-        and 1 <= x.numel() // max(x.shape[-1], 1) <= GEMV_DISPATCH_MAX_M
-        and not envs.flag("KVLOOM_NO_GEMV")
-    ):
+    if _takes_gemv(x, weight):
         from kvloom.kernels.gemv_triton import gemv_triton
 
         out = gemv_triton(x.reshape(-1, x.shape[-1]), weight, bias)
         return out.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """silu_and_mul(linear(x, weight, bias)) for a merged [gate; up] weight [2I, K]. Where
+    `linear` takes the Triton GEMV, one launch applies the activation at the GEMV's store
+    (bitwise the same result, no [.., 2I] intermediate); elsewhere, the two calls."""
+    if not batch_invariant() and _takes_gemv(x, weight):
+        from kvloom.kernels.gemv_triton import gemv_silu_and_mul_triton
+
+        out = gemv_silu_and_mul_triton(x.reshape(-1, x.shape[-1]), weight, bias)
+        return out.view(*x.shape[:-1], out.shape[-1])
+    return silu_and_mul(linear(x, weight, bias))
 
 
 def gdn_gates(ba, A_log, dt_bias, group_v_heads):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvloom.kernels.ops import silu_and_mul
+from kvloom.kernels.ops import linear_silu_and_mul, silu_and_mul
 from kvloom.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kvloom.workers.layers.tp_group import TPGroup
 
@@ -41,4 +41,10 @@ class GatedMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if gate_up.quant_method is None and not gate_up.gather_output:
+            # What gate_up(x) computes, with the activation fused into the decode GEMV.
+            act = linear_silu_and_mul(x, gate_up.weight, gate_up.bias)
+        else:
+            act = silu_and_mul(gate_up(x))
+        return self.down_proj(act)
