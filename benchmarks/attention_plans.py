@@ -3,9 +3,16 @@ plan change is chosen by measurement (issue 7's next step), in one device call:
 
 - prefill: rows of 128–1024 fresh tokens (the offline workload's prompts), Qwen3-8B heads
   (32 query / 8 KV, head 128, bf16): TFLOP/s of each candidate long-row plan;
-- decode at batch 1 and 8 with 128–4096 keys: µs per launch, one pass against split-KV.
+- decode at batch 1 and 8 with 128–4096 keys: µs per launch, one pass against split-KV;
+- the batch-invariant split-KV decode the serving path runs for decode steps
+  (`paged_attention_decode_split_triton`, fixed-size key splits) beside the one-pass
+  kernel, at batch 1/8/64/256 x context 128/640/4096, for split sizes of 128, 256 (the
+  plan constant) and 512 keys, its grid sized from the real lengths and from a CUDA
+  graph's bound (`--graph-bound`, max_model_len). Each is timed inside a CUDA graph of
+  `--repeats` launches (no host overhead; CUDA events), as the decode graphs run it.
 
     python benchmarks/attention_plans.py --out $OUT/attention_plans.json
+    python benchmarks/attention_plans.py --split-decode-only --out $OUT/split_decode.json
 
 Each variant is checked against the default plan's output first (the same function must
 be computed); `--tiny` runs small shapes (also under TRITON_INTERPRET=1 on a CPU).
@@ -15,12 +22,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from functools import partial
 from pathlib import Path
 
-import torch
+if "--tiny" in sys.argv:  # the interpreter is chosen when triton is first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kvloom.kernels.paged_attention_triton import paged_attention_triton
+import torch  # noqa: E402
+
+from kvloom.kernels.paged_attention_triton import (  # noqa: E402
+    DECODE_KEYS_PER_SPLIT,
+    decode_split_slots,
+    paged_attention_decode_split_triton,
+    paged_attention_triton,
+)
 
 LONG_PLANS = {
     "default": None,
@@ -70,10 +87,99 @@ def time_ms(fn, repeat: int) -> float:
     return start.elapsed_time(end) / repeat
 
 
+def graph_time_us(fn, repeats: int) -> float:
+    """µs per call: one CUDA graph of `repeats` calls, replayed once after a warm-up
+    replay, timed by CUDA events. On the CPU (--tiny): one call, NaN."""
+    if not torch.cuda.is_available():
+        fn()
+        return float("nan")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / repeats
+
+
+def split_decode_cases(args, device, dtype, shape, results) -> None:
+    """The fixed-keys split decode beside the one-pass kernel, µs per launch in graphs."""
+    hq, hkv, dim, block = shape
+    batches, contexts = ([1, 3], [40, 100]) if args.tiny else (args.batch, args.context)
+    key_sizes = [64] if args.tiny else args.split_keys
+    for batch in batches:
+        for keys in contexts:
+            kv, table, qsl, lens, tokens = make_batch(
+                [keys] * batch, hkv, dim, block, dtype, device, True
+            )
+            # A graph's block table: as wide as max_model_len (the split slots follow it).
+            width = -(-args.graph_bound // block) + 1
+            wide = torch.zeros(batch, width, dtype=table.dtype, device=device)
+            wide[:, : table.shape[1]] = table
+            q = torch.randn(tokens, hq, dim, device=device).to(dtype)
+            out = torch.empty_like(q)
+            lse = torch.empty(tokens, hq, device=device)
+            base, _ = paged_attention_triton(q, kv, wide, qsl, lens, dim**-0.5, max_query_len=1)
+
+            args_ = (q, kv, wide, qsl, lens, dim**-0.5)
+            one_pass = partial(paged_attention_triton, *args_, max_query_len=1, out=out, lse=lse)
+            kv_bytes = 2 * batch * keys * hkv * dim * kv.element_size()
+            variants = {"one_pass": one_pass}
+            for split_keys in key_sizes:
+                slots = decode_split_slots(wide, kv, split_keys)
+                parts = torch.empty(slots, tokens, hq, dim, device=device)
+                part_lses = torch.empty(slots, tokens, hq, device=device)
+                for bound_name, bound in (("real", keys), ("graph", args.graph_bound)):
+                    variants[f"split{split_keys}_{bound_name}"] = partial(
+                        paged_attention_decode_split_triton,
+                        *args_,
+                        max_seq_len=bound,
+                        parts=parts,
+                        part_lses=part_lses,
+                        out=out,
+                        lse=lse,
+                        keys_per_split=split_keys,
+                    )
+            row = {"batch": batch, "context": keys}
+            for name, fn in variants.items():
+                fn()
+                err = ((out.float() - base.float()).norm() / base.float().norm()).item()
+                us = graph_time_us(fn, args.repeats)
+                row[name] = {"us": us, "GBps": kv_bytes / us / 1e3, "rel_err_vs_one_pass": err}
+            one = row["one_pass"]["us"]
+            times = [
+                f"{n} {v['us']:.1f}us ({one / v['us']:.2f}x)"
+                for n, v in row.items()
+                if isinstance(v, dict)
+            ]
+            results.setdefault("split_decode", []).append(row)
+            print(f"RESULT split_decode b{batch} k{keys}: {' '.join(times)}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU interpreter)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--split-decode-only", action="store_true", help="only the split-KV decode section"
+    )
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--context", type=int, nargs="+", default=[128, 640, 4096])
+    parser.add_argument(
+        "--split-keys", type=int, nargs="+", default=sorted({128, DECODE_KEYS_PER_SPLIT, 512})
+    )
+    parser.add_argument("--graph-bound", type=int, default=4096, help="max_model_len")
+    parser.add_argument("--repeats", type=int, default=50, help="launches per timed graph")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
@@ -81,6 +187,13 @@ def main() -> None:
     group = hq // hkv
     repeat = 1 if args.tiny else 20
     results = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"}
+    if args.tiny:
+        args.graph_bound, args.repeats = 128, 1
+    split_decode_cases(args, device, dtype, (hq, hkv, dim, block), results)
+    if args.split_decode_only:
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=2))
+        return
     prefill_lengths = [40, 17] if args.tiny else [128, 256, 512, 768, 1024, 640, 384, 896]
     kv, table, qsl, lens, tokens = make_batch(
         prefill_lengths, hkv, dim, block, dtype, device, False

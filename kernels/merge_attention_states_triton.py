@@ -7,7 +7,8 @@ nothing and a row with no keys anywhere gets output 0 and lse -inf. Arithmetic i
 One program merges one (token, head): it reads every part's row before it writes, so the
 output may alias an input (`out=outputs[0]`, `out_lse=lses[0]`, as a DCP merge into the
 local result does). The output may have another dtype than the parts (float32 partials
-merged straight into a bfloat16 output).
+merged straight into a bfloat16 output). `merge_parts` is the merge itself, shared with the
+split-KV decode's merge (paged_attention_triton), so both sum in the same order.
 """
 
 from __future__ import annotations
@@ -22,6 +23,42 @@ from kvloom.kernels.arg_checks_triton import (
     check_same_device,
     next_power_of_2,
 )
+
+
+@triton.jit
+def merge_parts(
+    lse_base,
+    part_base,
+    stride_lp,
+    stride_pp,
+    first,
+    last,
+    dims,
+    dim_mask,
+    DIM_PAD: tl.constexpr,
+):
+    """Merges parts first..last-1 of one (token, head), in that order: returns (output,
+    lse) in float32. A part with lse = -inf (no keys) is not read and changes nothing:
+    the max ignores it and it adds exactly 0 to the sum. No parts with keys: output 0,
+    lse -inf (never (-inf) - (-inf))."""
+    top = float("-inf")
+    for p in range(first, last):
+        top = tl.maximum(top, tl.load(lse_base + p * stride_lp).to(tl.float32))
+    finite = top > float("-inf")
+    shift = tl.where(finite, top, 0.0)
+    total = 0.0
+    acc = tl.zeros([DIM_PAD], dtype=tl.float32)
+    for p in range(first, last):
+        lse = tl.load(lse_base + p * stride_lp).to(tl.float32)
+        weight = tl.exp(lse - shift)
+        total += weight
+        # A part without keys (weight 0) is not read: its output may be garbage.
+        if weight > 0.0:
+            part = tl.load(part_base + p * stride_pp + dims, mask=dim_mask, other=0.0)
+            acc += weight * part.to(tl.float32)
+    total = tl.where(finite, total, 1.0)  # no keys anywhere: acc is 0
+    merged_lse = tl.where(finite, shift + tl.log(total), float("-inf"))
+    return acc / total, merged_lse
 
 
 @triton.jit
@@ -46,29 +83,19 @@ def _merge_attention_states_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    lse_base = lses_ptr + token * stride_lt + head * stride_lh
-    part_base = parts_ptr + token * stride_pt + head * stride_ph
     dims = tl.arange(0, DIM_PAD)
     dim_mask = dims < HEAD_DIM
-
-    top = float("-inf")
-    for p in range(num_parts):
-        top = tl.maximum(top, tl.load(lse_base + p * stride_lp).to(tl.float32))
-    finite = top > float("-inf")
-    shift = tl.where(finite, top, 0.0)
-    total = 0.0
-    acc = tl.zeros([DIM_PAD], dtype=tl.float32)
-    for p in range(num_parts):
-        lse = tl.load(lse_base + p * stride_lp).to(tl.float32)
-        weight = tl.exp(lse - shift)
-        total += weight
-        # A part without keys (weight 0) is not read: its output may be garbage.
-        if weight > 0.0:
-            part = tl.load(part_base + p * stride_pp + dims, mask=dim_mask, other=0.0)
-            acc += weight * part.to(tl.float32)
-    total = tl.where(finite, total, 1.0)  # no keys anywhere: acc is 0
-    merged_lse = tl.where(finite, shift + tl.log(total), float("-inf"))
-    out = acc / total
+    out, merged_lse = merge_parts(
+        lses_ptr + token * stride_lt + head * stride_lh,
+        parts_ptr + token * stride_pt + head * stride_ph,
+        stride_lp,
+        stride_pp,
+        0,
+        num_parts,
+        dims,
+        dim_mask,
+        DIM_PAD,
+    )
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out, mask=dim_mask)
     tl.store(out_lse_ptr + token * stride_olt + head * stride_olh, merged_lse)
 

@@ -86,17 +86,36 @@ def paged_attention(
     max_query_len: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    split_decode=None,
 ):
     """The Triton kernel serves the whole cache and a DCP shard (kv_stride > 1) alike, with
     lengths on the device (CUDA graphs). A shard's float32 q over a half cache (its float32
     partials) reads the cache widened exactly. `max_query_len` (a true host-side bound,
     e.g. 1 for a decode-only step) lets the Triton path skip the launch for long rows.
     k_scale / v_scale dequantize an FP8 cache.
-    The deterministic mode gives every row one plan (kernels/batch_invariant.py)."""
+    The deterministic mode gives every row one plan (kernels/batch_invariant.py).
+    `split_decode` (a ForwardBatch's DecodeSplit, set only for uniform-decode steps outside
+    the deterministic mode) takes the batch-invariant split-KV decode kernel; the torch
+    reference computes the same function either way."""
     widened = q.dtype == torch.float32 and kv_cache.dtype in (torch.bfloat16, torch.float16)
     if use_triton(q) and (_cache_readable(q, kv_cache) or widened):
         from kvloom.kernels.paged_attention_triton import paged_attention_triton
 
+        if split_decode is not None:
+            return _paged_attention_decode_split(
+                q,
+                kv_cache,
+                block_tables,
+                query_start_loc,
+                seq_lens,
+                scale,
+                sliding_window,
+                kv_stride,
+                kv_offset,
+                k_scale,
+                v_scale,
+                split_decode,
+            )
         plan = None
         if batch_invariant():
             from kvloom.kernels.batch_invariant import attention_plan
@@ -130,6 +149,47 @@ def paged_attention(
         kv_offset=kv_offset,
         k_scale=k_scale,
         v_scale=v_scale,
+    )
+
+
+def _paged_attention_decode_split(
+    q,
+    kv_cache,
+    block_tables,
+    query_start_loc,
+    seq_lens,
+    scale,
+    sliding_window,
+    kv_stride,
+    kv_offset,
+    k_scale,
+    v_scale,
+    split_decode,
+):
+    """The split-KV decode, its partials in the step's scratch (a CUDA graph's) if any."""
+    from kvloom.kernels import paged_attention_triton as kernel
+
+    keys = kernel.DECODE_KEYS_PER_SPLIT  # read per call: tests shrink it
+    parts = part_lses = None
+    if split_decode.scratch is not None:
+        slots = kernel.decode_split_slots(block_tables, kv_cache, keys)
+        parts, part_lses = split_decode.scratch.buffers(slots, q)
+    return kernel.paged_attention_decode_split_triton(
+        q,
+        kv_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        sliding_window,
+        max_seq_len=split_decode.max_seq_len,
+        parts=parts,
+        part_lses=part_lses,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        kv_stride=kv_stride,
+        kv_offset=kv_offset,
+        keys_per_split=keys,
     )
 
 

@@ -43,11 +43,21 @@ off for the whole cache, so that path compiles exactly as before.
 
 Split-KV (`num_kv_splits > 1`): each program's tile range is cut into that many
 contiguous pieces, each written as a float32 partial result with its lse, and the pieces
-are merged by the log-sum-exp merge (`merge_attention_states_triton`). Meant for decode
-at small batch and long context, where one program per (row, KV head) leaves the GPU
-idle. The answer equals the one-pass kernel's up to float32 rounding, not bitwise; keep
-`num_kv_splits` a function of the launch shape only (not of the batch's contents) where
-batch invariance matters.
+are merged by the log-sum-exp merge (`merge_attention_states_triton`). The pieces' bounds
+move with num_kv_splits, so the answer equals the one-pass kernel's up to float32
+rounding, not bitwise; `paged_attention_split_kv_triton` picks the count from the batch
+size, so a row's answer would depend on its batch. Kept for benchmarks; not served.
+
+Split-KV decode (`paged_attention_decode_split_triton`, what decode steps run outside the
+deterministic mode): splits of a fixed DECODE_KEYS_PER_SPLIT keys, split s of a row
+holding its keys [s * KEYS, (s + 1) * KEYS), each a float32 partial at slot s, merged per
+row in slot order by `_merge_decode_splits_kernel` (the same `merge_parts` as the general
+merge). At batch 1 it spreads a row's keys over up to #SMs programs instead of 8. A
+program loops over its row's splits s = split, split + grid, ..., so the grid (sized from
+the batch and a host-side bound on the lengths, or fixed in a CUDA graph) spreads work
+and never changes a sum: a row's bits depend on its own keys only (tested bitwise against
+other batches, grids and buffer sizes). Splits a row does not have are neither written
+nor read, so no program is launched only to write an empty partial.
 """
 
 from __future__ import annotations
@@ -65,10 +75,23 @@ from kvloom.kernels.arg_checks_triton import (
     next_power_of_2,
 )
 from kvloom.kernels.kv_cache_write import check_scale, is_fp8
-from kvloom.kernels.merge_attention_states_triton import merge_attention_states_triton
+from kvloom.kernels.merge_attention_states_triton import (
+    merge_attention_states_triton,
+    merge_parts,
+)
 
 LOG2E = 1.4426950408889634
 MAX_KV_SPLITS = 64
+# The split-KV decode's split size, in keys (cache indices, local on a DCP shard). A
+# multiple of every plan's key tile (64, 32, 16), so a split is whole tiles. The answer
+# depends on it (the merge regroups the sums), so it is one constant, never a function of
+# the batch. 256 keys: four 64-key tiles, enough work to amortize a split's q load and
+# partial store; 4096 keys at batch 1 become 16 splits x 8 KV heads = 128 programs (about
+# one per H200 SM). Timed against 128 and 512 by benchmarks/attention_plans.py.
+DECODE_KEYS_PER_SPLIT = 256
+# The split-KV decode's grid aims at this many programs per SM (more splits than that run
+# one after another in a program; the grid never changes a result).
+DECODE_PROGRAMS_PER_SM = 2
 ROWS_ALL, ROWS_SHORT, ROWS_LONG = 0, 1, 2  # which rows a launch serves
 
 
@@ -115,9 +138,169 @@ def _local_index(pos, kv_stride, kv_offset):
     return (tl.maximum(pos - kv_offset, 0) + kv_stride - 1) // kv_stride
 
 
+@triton.jit
+def _key_range(
+    ctx,
+    q_len,
+    first_tok,
+    last_tok,
+    window,
+    kv_stride,
+    kv_offset,
+    HAS_WINDOW: tl.constexpr,
+    STRIDED: tl.constexpr,
+):
+    """[kv_start, kv_end): the cache indices (local on a DCP shard) that query tokens
+    first_tok..last_tok of a row with `q_len` query tokens and `ctx` keys can see: up to
+    the last one's position, from the first one's window start."""
+    kv_end = tl.maximum(ctx - q_len + last_tok + 1, 0)
+    if HAS_WINDOW:
+        kv_start = tl.maximum(ctx - q_len + first_tok - window + 1, 0)
+    else:
+        kv_start = kv_end * 0
+    if STRIDED:
+        kv_start = _local_index(kv_start, kv_stride, kv_offset)
+        kv_end = _local_index(kv_end, kv_stride, kv_offset)
+    return kv_start, kv_end
+
+
+@triton.jit
+def _split_range(kv_start, kv_end, num_slots, KEYS: tl.constexpr):
+    """[s_lo, s_hi): the fixed-size key splits (split s holds cache indices
+    [s * KEYS, (s + 1) * KEYS)) that meet [kv_start, kv_end), at most `num_slots`.
+    Every split in the range holds at least one of the keys; no keys, no splits."""
+    s_lo = kv_start // KEYS
+    s_hi = tl.minimum((kv_end + KEYS - 1) // KEYS, num_slots)
+    s_hi = tl.where(kv_end > kv_start, s_hi, s_lo)
+    return s_lo, s_hi
+
+
+@triton.jit
+def _attend(
+    q,
+    q_pos,
+    kv_ptr,
+    table_row,
+    tile_lo,
+    tile_hi,
+    kv_start,
+    kv_end,
+    kv_head,
+    dims,
+    dim_ok,
+    scale_log2,
+    window,
+    kv_stride,
+    kv_offset,
+    stride_ckv,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    BLOCK_M: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    TILE: tl.constexpr,
+    PAGE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_INTERPRETED: tl.constexpr,
+    KV_WIDEN: tl.constexpr,
+    STRIDED: tl.constexpr,
+):
+    """Online softmax (float32, base 2) of q over the key tiles [tile_lo, tile_hi), keys
+    outside [kv_start, kv_end) masked: returns (acc, running max, running sum)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
+    for t in range(tile_lo, tile_hi):
+        k_idx = t * TILE + tl.arange(0, TILE)  # cache index (local on a DCP shard)
+        k_ok = (k_idx >= kv_start) & (k_idx < kv_end)
+        page = tl.load(table_row + k_idx // PAGE, mask=k_ok, other=0).to(tl.int64)
+        k_off = page * stride_cb + (k_idx % PAGE) * stride_co + kv_head * stride_ch
+        k = tl.load(
+            kv_ptr + k_off[None, :] + dims[:, None],
+            mask=k_ok[None, :] & dim_ok[:, None],
+            other=0.0,
+        )
+        # A cache tile of a narrower dtype (FP8, or half under a float32 q) in the
+        # query's dtype, exactly (through float32). Inline under a constexpr: Triton 3.6
+        # compiles both returns of a helper's constexpr branch and refuses their
+        # different types.
+        if KV_WIDEN:
+            k = k.to(tl.float32).to(q.dtype)
+        if STRIDED:
+            k_pos = kv_offset + k_idx * kv_stride
+        else:
+            k_pos = k_idx
+        s = _dot(q, k, DOT_PRECISION, DOT_INTERPRETED) * scale_log2
+        visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing visible yet keeps m = -inf; shift by 0 to avoid inf - inf.
+        m_shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            kv_ptr + stride_ckv + k_off[:, None] + dims[None, :],
+            mask=k_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        if KV_WIDEN:
+            v = v.to(tl.float32).to(q.dtype)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_INTERPRETED)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _store_result(
+    acc,
+    m_i,
+    l_i,
+    v_scale,
+    out_ptr,
+    lse_ptr,
+    slot,
+    token,
+    head,
+    dims,
+    dim_ok,
+    row_ok,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    stride_ls,
+    stride_lt,
+    stride_lh,
+    KV_FP8: tl.constexpr,
+):
+    """Normalizes and stores one result (or one split's partial, at `slot`) with its
+    natural-log lse; rows that saw no key get output 0 and lse -inf."""
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if KV_FP8:
+        out = out * v_scale
+    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    slot64 = tl.cast(slot, tl.int64)  # a loop index is a Python int when interpreted
+    out_ptrs = out_ptr + slot64 * stride_os + token[:, None] * stride_ot
+    out_ptrs = out_ptrs + head[:, None] * stride_oh + dims[None, :]
+    tl.store(
+        out_ptrs,
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
+    lse_ptrs = lse_ptr + slot64 * stride_ls + token * stride_lt + head * stride_lh
+    tl.store(lse_ptrs, lse, mask=row_ok)
+
+
 # Lengths change every step: no recompiles for their values (e.g. 1 or multiples of 16);
 # nor for the DCP rank (offset 0 would otherwise compile apart, as a multiple of 16).
-@triton.jit(do_not_specialize=["num_rows", "num_tokens", "window", "kv_stride", "kv_offset"])
+@triton.jit(
+    do_not_specialize=["num_rows", "num_tokens", "window", "kv_stride", "kv_offset", "num_slots"]
+)
 def _paged_attention_kernel(
     q_ptr,
     kv_ptr,
@@ -133,6 +316,7 @@ def _paged_attention_kernel(
     window,
     kv_stride,
     kv_offset,
+    num_slots,
     stride_qt,
     stride_qh,
     stride_ckv,
@@ -155,6 +339,7 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    KEYS_PER_SPLIT: tl.constexpr,
     ROWS: tl.constexpr,
     SHORT_ROW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -197,86 +382,187 @@ def _paged_attention_kernel(
             other=0.0,
         )
 
-        # Keys this block can see: up to its last query's position, from its first
-        # query's window start. Global positions; a DCP shard walks the local indices
-        # of its keys in that range.
+        # Keys this block can see (global positions; a DCP shard walks the local indices
+        # of its keys in that range).
         last_tok = tl.minimum(first_tok + BLOCK_Q, q_len) - 1
-        kv_end = tl.maximum(ctx - q_len + last_tok + 1, 0)
-        if HAS_WINDOW:
-            kv_start = tl.maximum(ctx - q_len + first_tok - window + 1, 0)
-        else:
-            kv_start = kv_end * 0
-        if STRIDED:
-            kv_start = _local_index(kv_start, kv_stride, kv_offset)
-            kv_end = _local_index(kv_end, kv_stride, kv_offset)
+        kv_start, kv_end = _key_range(
+            ctx, q_len, first_tok, last_tok, window, kv_stride, kv_offset, HAS_WINDOW, STRIDED
+        )
         tile_lo = kv_start // TILE
         tile_hi = tl.maximum((kv_end + TILE - 1) // TILE, tile_lo)
-        if NUM_SPLITS > 1:
-            per_split = (tile_hi - tile_lo + NUM_SPLITS - 1) // NUM_SPLITS
-            tile_lo = tl.minimum(tile_lo + split * per_split, tile_hi)
-            tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
-
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
         table_row = block_tables_ptr + row.to(tl.int64) * stride_bt
-        for t in range(tile_lo, tile_hi):
-            k_idx = t * TILE + tl.arange(0, TILE)  # cache index (local on a DCP shard)
-            k_ok = (k_idx >= kv_start) & (k_idx < kv_end)
-            page = tl.load(table_row + k_idx // PAGE, mask=k_ok, other=0).to(tl.int64)
-            k_off = page * stride_cb + (k_idx % PAGE) * stride_co + kv_head * stride_ch
-            k = tl.load(
-                kv_ptr + k_off[None, :] + dims[:, None],
-                mask=k_ok[None, :] & dim_ok[:, None],
-                other=0.0,
+        if KEYS_PER_SPLIT == 0:
+            if NUM_SPLITS > 1:
+                per_split = (tile_hi - tile_lo + NUM_SPLITS - 1) // NUM_SPLITS
+                tile_lo = tl.minimum(tile_lo + split * per_split, tile_hi)
+                tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
+            acc, m_i, l_i = _attend(
+                q,
+                q_pos,
+                kv_ptr,
+                table_row,
+                tile_lo,
+                tile_hi,
+                kv_start,
+                kv_end,
+                kv_head,
+                dims,
+                dim_ok,
+                scale_log2,
+                window,
+                kv_stride,
+                kv_offset,
+                stride_ckv,
+                stride_cb,
+                stride_co,
+                stride_ch,
+                BLOCK_M,
+                DIM_PAD,
+                TILE,
+                PAGE,
+                HAS_WINDOW,
+                DOT_PRECISION,
+                DOT_INTERPRETED,
+                KV_WIDEN,
+                STRIDED,
             )
-            # A cache tile of a narrower dtype (FP8, or half under a float32 q) in the
-            # query's dtype, exactly (through float32). Inline under the kernel's own
-            # constexpr: Triton 3.6 compiles both returns of a helper's constexpr branch
-            # and refuses their different types.
-            if KV_WIDEN:
-                k = k.to(tl.float32).to(q.dtype)
-            if STRIDED:
-                k_pos = kv_offset + k_idx * kv_stride
-            else:
-                k_pos = k_idx
-            s = _dot(q, k, DOT_PRECISION, DOT_INTERPRETED) * scale_log2
-            visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-            if HAS_WINDOW:
-                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # A row with nothing visible yet keeps m = -inf; shift by 0 to avoid inf - inf.
-            m_shift = tl.where(m_new > float("-inf"), m_new, 0.0)
-            p = tl.exp2(s - m_shift[:, None])
-            alpha = tl.exp2(m_i - m_shift)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                kv_ptr + stride_ckv + k_off[:, None] + dims[None, :],
-                mask=k_ok[:, None] & dim_ok[None, :],
-                other=0.0,
+            _store_result(
+                acc,
+                m_i,
+                l_i,
+                v_scale,
+                out_ptr,
+                lse_ptr,
+                split,
+                token,
+                head,
+                dims,
+                dim_ok,
+                row_ok,
+                stride_os,
+                stride_ot,
+                stride_oh,
+                stride_ls,
+                stride_lt,
+                stride_lh,
+                KV_FP8,
             )
-            if KV_WIDEN:
-                v = v.to(tl.float32).to(q.dtype)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_INTERPRETED)
-            m_i = m_new
+        else:
+            # Fixed-size splits: split s covers cache indices [s * KEYS, (s + 1) * KEYS),
+            # whatever the grid, and is written at slot s. This program takes splits
+            # split, split + grid, ... of its row: the grid changes the work per program,
+            # never a split's sums.
+            s_lo, s_hi = _split_range(kv_start, kv_end, num_slots, KEYS_PER_SPLIT)
+            for s in range(s_lo + split, s_hi, tl.num_programs(2)):
+                acc, m_i, l_i = _attend(
+                    q,
+                    q_pos,
+                    kv_ptr,
+                    table_row,
+                    tl.maximum(tile_lo, s * (KEYS_PER_SPLIT // TILE)),
+                    tl.minimum(tile_hi, (s + 1) * (KEYS_PER_SPLIT // TILE)),
+                    kv_start,
+                    kv_end,
+                    kv_head,
+                    dims,
+                    dim_ok,
+                    scale_log2,
+                    window,
+                    kv_stride,
+                    kv_offset,
+                    stride_ckv,
+                    stride_cb,
+                    stride_co,
+                    stride_ch,
+                    BLOCK_M,
+                    DIM_PAD,
+                    TILE,
+                    PAGE,
+                    HAS_WINDOW,
+                    DOT_PRECISION,
+                    DOT_INTERPRETED,
+                    KV_WIDEN,
+                    STRIDED,
+                )
+                _store_result(
+                    acc,
+                    m_i,
+                    l_i,
+                    v_scale,
+                    out_ptr,
+                    lse_ptr,
+                    s,
+                    token,
+                    head,
+                    dims,
+                    dim_ok,
+                    row_ok,
+                    stride_os,
+                    stride_ot,
+                    stride_oh,
+                    stride_ls,
+                    stride_lt,
+                    stride_lh,
+                    KV_FP8,
+                )
 
-        has_keys = l_i > 0.0
-        l_safe = tl.where(has_keys, l_i, 1.0)
-        out = acc / l_safe[:, None]
-        if KV_FP8:
-            out = out * v_scale
-        lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        split64 = split.to(tl.int64)
-        out_ptrs = out_ptr + split64 * stride_os + token[:, None] * stride_ot
-        out_ptrs = out_ptrs + head[:, None] * stride_oh + dims[None, :]
-        tl.store(
-            out_ptrs,
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & dim_ok[None, :],
-        )
-        lse_ptrs = lse_ptr + split64 * stride_ls + token * stride_lt + head * stride_lh
-        tl.store(lse_ptrs, lse, mask=row_ok)
+
+@triton.jit(do_not_specialize=["window", "kv_stride", "kv_offset", "num_slots"])
+def _merge_decode_splits_kernel(
+    parts_ptr,
+    lses_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    out_lse_ptr,
+    window,
+    kv_stride,
+    kv_offset,
+    num_slots,
+    stride_pp,
+    stride_pt,
+    stride_ph,
+    stride_lp,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    stride_olt,
+    stride_olh,
+    KEYS_PER_SPLIT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    STRIDED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+):
+    """Merges one (token, head)'s fixed-size splits, in split order. Token t is row t's
+    one query token (decode layout); a token that is not (padding past the real rows)
+    gets no splits: output 0, lse -inf. The split range is the attention kernel's, from
+    the same helpers, so exactly the slots it wrote are read."""
+    token = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    q_start = tl.load(qsl_ptr + token)
+    q_end = tl.load(qsl_ptr + token + 1)
+    is_decode = (q_start == token) & (q_end == token + 1)
+    ctx = tl.load(seq_lens_ptr + token, mask=is_decode, other=0).to(tl.int32)
+    kv_start, kv_end = _key_range(ctx, 1, 0, 0, window, kv_stride, kv_offset, HAS_WINDOW, STRIDED)
+    s_lo, s_hi = _split_range(kv_start, kv_end, num_slots, KEYS_PER_SPLIT)
+    token64 = token.to(tl.int64)
+    dims = tl.arange(0, DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    out, lse = merge_parts(
+        lses_ptr + token64 * stride_lt + head * stride_lh,
+        parts_ptr + token64 * stride_pt + head * stride_ph,
+        stride_lp,
+        stride_pp,
+        s_lo,
+        s_hi,
+        dims,
+        dim_ok,
+        DIM_PAD,
+    )
+    tl.store(out_ptr + token64 * stride_ot + head * stride_oh + dims, out, mask=dim_ok)
+    tl.store(out_lse_ptr + token64 * stride_olt + head * stride_olh, lse)
 
 
 def _interpreted(kernel) -> bool:
@@ -424,15 +710,22 @@ def _launch(
     v_scale=1.0,
     kv_stride=1,
     kv_offset=0,
+    keys_per_split=0,
+    num_slots=1,
 ):
+    """One launch. `num_splits`: the grid's split dimension. With `keys_per_split` > 0
+    (the fixed-size splits of the decode path) out / lse are the [num_slots, T, ...]
+    partials and each program loops over its row's splits; else num_splits > 1 cuts
+    every program's keys into that many pieces, one per grid index."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
     group = num_q_heads // num_kv_heads
     num_rows = seq_lens.shape[0]
     fp8 = is_fp8(kv_cache.dtype)
-    split_stride_out = out.stride(0) if num_splits > 1 else 0
-    split_stride_lse = lse.stride(0) if num_splits > 1 else 0
-    out_t, lse_t = (out[0], lse[0]) if num_splits > 1 else (out, lse)
+    partials = num_splits > 1 or keys_per_split > 0
+    split_stride_out = out.stride(0) if partials else 0
+    split_stride_lse = lse.stride(0) if partials else 0
+    out_t, lse_t = (out[0], lse[0]) if partials else (out, lse)
     grid = (num_tokens // plan["BLOCK_Q"] + num_rows + 1, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         q,
@@ -449,6 +742,7 @@ def _launch(
         sliding_window or 0,
         kv_stride,
         kv_offset,
+        num_slots,
         q.stride(0),
         q.stride(1),
         kv_cache.stride(0),
@@ -470,7 +764,8 @@ def _launch(
         TILE=plan["TILE"],
         PAGE=page,
         HAS_WINDOW=sliding_window is not None,
-        NUM_SPLITS=num_splits,
+        NUM_SPLITS=1 if keys_per_split else num_splits,
+        KEYS_PER_SPLIT=keys_per_split,
         ROWS=rows,
         SHORT_ROW=short_row,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -481,6 +776,27 @@ def _launch(
         num_warps=plan["num_warps"],
         num_stages=plan["num_stages"],
     )
+
+
+def _outputs(q, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
+    """The result buffers: the given ones, checked, or new ones."""
+    num_tokens, num_q_heads, _ = q.shape
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(
+            f"out: expected {q.dtype} of shape {tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}"
+        )
+    check_last_dim_contiguous("out", out)
+    if lse is None:
+        lse = torch.empty((num_tokens, num_q_heads), dtype=torch.float32, device=q.device)
+    if lse.shape != (num_tokens, num_q_heads) or lse.dtype != torch.float32:
+        raise ValueError(
+            f"lse: expected float32 of shape ({num_tokens}, {num_q_heads}), got {lse.dtype} "
+            f"{tuple(lse.shape)}"
+        )
+    check_same_device(q=q, out=out, lse=lse)
+    return out, lse
 
 
 def paged_attention_triton(
@@ -528,21 +844,7 @@ def paged_attention_triton(
     if not 1 <= num_kv_splits <= MAX_KV_SPLITS:
         raise ValueError(f"num_kv_splits: must be in [1, {MAX_KV_SPLITS}], got {num_kv_splits}")
     num_tokens, num_q_heads, head_dim = q.shape
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if out.shape != q.shape or out.dtype != q.dtype:
-        raise ValueError(
-            f"out: expected {q.dtype} of shape {tuple(q.shape)}, got {out.dtype} {tuple(out.shape)}"
-        )
-    check_last_dim_contiguous("out", out)
-    if lse is None:
-        lse = torch.empty((num_tokens, num_q_heads), dtype=torch.float32, device=q.device)
-    if lse.shape != (num_tokens, num_q_heads) or lse.dtype != torch.float32:
-        raise ValueError(
-            f"lse: expected float32 of shape ({num_tokens}, {num_q_heads}), got {lse.dtype} "
-            f"{tuple(lse.shape)}"
-        )
-    check_same_device(q=q, out=out, lse=lse)
+    out, lse = _outputs(q, out, lse)
     if num_tokens == 0 or num_q_heads == 0:
         return out, lse
     if num_kv_splits == 1:
@@ -606,7 +908,9 @@ def paged_attention_split_kv_triton(
     kv_stride: int = 1,
     kv_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-KV paged attention for long-context decode at small batch.
+    """Split-KV paged attention for long-context decode at small batch, its split count
+    from the batch size (not batch invariant: the serving path runs
+    `paged_attention_decode_split_triton`).
 
     `max_seq_len` (a host-side bound on `seq_lens`, e.g. the model's max length for CUDA
     graphs) sizes the split count when `num_kv_splits` is None; a DCP shard
@@ -637,3 +941,189 @@ def paged_attention_split_kv_triton(
         kv_stride=kv_stride,
         kv_offset=kv_offset,
     )
+
+
+# -- split-KV decode, batch invariant --------------------------------------------------------
+
+
+def decode_split_slots(
+    block_tables: torch.Tensor, kv_cache: torch.Tensor, keys_per_split: int = DECODE_KEYS_PER_SPLIT
+) -> int:
+    """The most fixed-size splits a row can have: its block table's capacity in keys (local
+    keys on a DCP shard, whose pages are local) over the split size. Sizes the partials."""
+    return max(1, -(-block_tables.shape[1] * kv_cache.shape[2] // keys_per_split))
+
+
+def decode_split_grid(num_rows: int, num_kv_heads: int, max_splits: int, num_sms: int) -> int:
+    """The grid's split dimension: DECODE_PROGRAMS_PER_SM programs per SM, no more than
+    the splits a row may have. It sets how the work is spread, never a result."""
+    want = -(-DECODE_PROGRAMS_PER_SM * num_sms // max(1, num_rows * num_kv_heads))
+    return max(1, min(want, max_splits))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # the interpreter: small grids, several splits per program still tested
+
+
+def _split_buffers(parts, part_lses, slots, q):
+    """Float32 partials [slots, T, Hq, D] and their lse [slots, T, Hq]: views of the given
+    buffers (at least that large, e.g. a CUDA graph's scratch) or new ones."""
+    num_tokens, num_heads, head_dim = q.shape
+    device = q.device
+    if parts is None or part_lses is None:
+        if parts is not None or part_lses is not None:
+            raise ValueError("parts / part_lses: give both or neither")
+        parts = torch.empty(
+            (slots, num_tokens, num_heads, head_dim), dtype=torch.float32, device=device
+        )
+        part_lses = torch.empty((slots, num_tokens, num_heads), dtype=torch.float32, device=device)
+        return parts, part_lses
+    for name, t, tail in (
+        ("parts", parts, (num_heads, head_dim)),
+        ("part_lses", part_lses, (num_heads,)),
+    ):
+        if (
+            t.dtype != torch.float32
+            or t.dim() != 2 + len(tail)
+            or tuple(t.shape[2:]) != tail
+            or t.shape[0] < slots
+            or t.shape[1] < num_tokens
+        ):
+            raise ValueError(
+                f"{name}: expected float32 [>= {slots}, >= {num_tokens}, "
+                f"{', '.join(map(str, tail))}], got {t.dtype} {tuple(t.shape)}"
+            )
+    check_last_dim_contiguous("parts", parts)
+    check_same_device(parts=parts, part_lses=part_lses, q=q)
+    return parts[:slots, :num_tokens], part_lses[:slots, :num_tokens]
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+def paged_attention_decode_split_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    max_seq_len: int | None = None,
+    parts: torch.Tensor | None = None,
+    part_lses: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    kv_stride: int = 1,
+    kv_offset: int = 0,
+    keys_per_split: int = DECODE_KEYS_PER_SPLIT,
+    grid_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV paged attention of a decode batch, batch invariant. Arguments and results
+    as `paged_attention_triton`'s; the batch must have the decode layout: token i is row
+    i's only query token (T = rows; rows past the real ones may be zero-length with
+    seq_len 0, as CUDA-graph padding is).
+
+    Split s of a row holds its cache indices [s * keys_per_split, (s + 1) *
+    keys_per_split) (local indices on a DCP shard; the splits its window leaves out are
+    skipped). Each split is attended with the decode plan's key tiles into a float32
+    partial at slot s, then one launch merges the row's splits in slot order. A row's
+    result therefore depends on its own keys and `keys_per_split` only: not on the other
+    rows, the batch size, `max_seq_len`, `grid_splits` or the partial buffers' size
+    (tested bitwise). It equals the one-pass kernel's up to float32 rounding.
+
+    `max_seq_len`: a host-side bound on seq_lens (e.g. the model's max length in a CUDA
+    graph) that sizes the grid; only speed depends on it (None: the block table's
+    capacity). `parts` / `part_lses`: float32 buffers of at least [slots, T, Hq, D] /
+    [slots, T, Hq] to reuse (a CUDA graph's scratch; slots = `decode_split_slots`), else
+    allocated per call. `grid_splits` overrides the grid's split dimension (tests).
+    """
+    _check_args(q, kv_cache, block_tables, query_start_loc, seq_lens, sliding_window)
+    _check_shard(kv_stride, kv_offset)
+    check_scale("k_scale", k_scale)
+    check_scale("v_scale", v_scale)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_rows, num_kv_heads = seq_lens.shape[0], kv_cache.shape[3]
+    if num_tokens != num_rows:
+        raise ValueError(
+            f"q: the decode layout has one query token per row: {num_tokens} tokens for "
+            f"{num_rows} rows"
+        )
+    short, _ = _plans(num_q_heads // num_kv_heads, head_dim, q.dtype)
+    _positive_int("keys_per_split", keys_per_split)
+    if keys_per_split % short["TILE"]:
+        raise ValueError(
+            f"keys_per_split: must be a multiple of the key tile {short['TILE']}, got "
+            f"{keys_per_split}"
+        )
+    if grid_splits is not None:
+        _positive_int("grid_splits", grid_splits)
+    if max_seq_len is not None:
+        _positive_int("max_seq_len", max_seq_len)
+    out, lse = _outputs(q, out, lse)
+    if num_tokens == 0 or num_q_heads == 0:
+        return out, lse
+    slots = decode_split_slots(block_tables, kv_cache, keys_per_split)
+    parts, part_lses = _split_buffers(parts, part_lses, slots, q)
+    if grid_splits is None:
+        most = slots
+        if max_seq_len is not None:
+            local_len = -(-max_seq_len // kv_stride)
+            most = min(most, -(-local_len // keys_per_split))
+        grid_splits = decode_split_grid(num_rows, num_kv_heads, most, _num_sms(q.device))
+    _launch(
+        ROWS_SHORT,
+        short["BLOCK_Q"],
+        q,
+        kv_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        sliding_window,
+        grid_splits,
+        parts,
+        part_lses,
+        short,
+        k_scale,
+        v_scale,
+        kv_stride,
+        kv_offset,
+        keys_per_split,
+        slots,
+    )
+    _merge_decode_splits_kernel[(num_tokens, num_q_heads)](
+        parts,
+        part_lses,
+        query_start_loc,
+        seq_lens,
+        out,
+        lse,
+        sliding_window or 0,
+        kv_stride,
+        kv_offset,
+        slots,
+        parts.stride(0),
+        parts.stride(1),
+        parts.stride(2),
+        part_lses.stride(0),
+        part_lses.stride(1),
+        part_lses.stride(2),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        lse.stride(1),
+        KEYS_PER_SPLIT=keys_per_split,
+        HAS_WINDOW=sliding_window is not None,
+        STRIDED=kv_stride > 1,
+        HEAD_DIM=head_dim,
+        DIM_PAD=next_power_of_2(head_dim),
+    )
+    return out, lse

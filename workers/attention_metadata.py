@@ -3,7 +3,8 @@
 `ForwardBatch` is built once per step by the model runner and passed explicitly down
 the model (no global context). It holds, per KV-cache group, the block table and slot
 mapping, and for the whole batch the row layout and the one row classification
-(invariant 1).
+(invariant 1). It also carries the one decision of which paged-attention kernel the step's
+attention layers run (`split_decode`), made from that classification.
 """
 
 from __future__ import annotations
@@ -12,8 +13,53 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvloom.kernels.dispatch import batch_invariant
 from kvloom.workers.linear_rows import LinearRows, build_linear_rows
 from kvloom.workers.row_kinds import RowClasses
+
+# Uniform-decode steps of at most this many rows take the split-KV decode. On the H200
+# (benchmarks/attention_plans.py --split-decode-only, Qwen3-8B heads, in CUDA graphs) it
+# ran 1.4x the one-pass kernel at 1 row and 640 keys, 6.1x at 4,096 keys, 1.1-2.0x at 8
+# rows; 0.66x at 128 keys (its merge launch); and 0.57-0.85x at 64 and 256 rows, where
+# the one-pass grid already fills the GPU. Outside the deterministic mode a decode row's
+# bits may differ between steps of <= 8 rows and larger ones, as the GEMV's (1-2 rows).
+SPLIT_DECODE_MAX_ROWS = 8
+
+
+class DecodeSplitScratch:
+    """The split-KV decode's float32 partials for up to `max_rows` one-token rows: one
+    pair of buffers per (splits, heads, head dim, device), made on first use and then
+    reused by every attention layer (they run one after another) and every replay. A
+    captured CUDA graph keeps their addresses, so they are never remade; first use is a
+    warm-up run before capture (CudaStepGraph), never inside it."""
+
+    def __init__(self, max_rows: int):
+        self.max_rows = max_rows
+        self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def buffers(self, slots: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partials [slots, T, Hq, D] and their lse [slots, T, Hq] for q [T, Hq, D]."""
+        num_tokens, heads, dim = q.shape
+        if num_tokens > self.max_rows:
+            raise ValueError(f"split-KV scratch: {num_tokens} rows, made for {self.max_rows}")
+        key = (slots, heads, dim, str(q.device))
+        if key not in self._buffers:
+            shape = (slots, self.max_rows, heads)
+            self._buffers[key] = (
+                torch.empty((*shape, dim), dtype=torch.float32, device=q.device),
+                torch.empty(shape, dtype=torch.float32, device=q.device),
+            )
+        parts, lses = self._buffers[key]
+        return parts[:, :num_tokens], lses[:, :num_tokens]
+
+
+@dataclass(frozen=True)
+class DecodeSplit:
+    """What a uniform-decode step's attention layers need for the split-KV decode kernel
+    (kernels/paged_attention_triton.paged_attention_decode_split_triton)."""
+
+    max_seq_len: int  # a host-side bound on seq_lens: sizes the grid (speed only)
+    scratch: DecodeSplitScratch | None = None  # None: partials allocated per call (eager)
 
 
 @dataclass
@@ -42,6 +88,25 @@ class ForwardBatch:
     # rows past the real ones may be padding (seq_len 0, no write slot, state index -1).
     # Layers then take their host-sync-free decode path (the one CUDA graphs capture).
     decode_only: bool = False
+    # A CUDA graph's batch: a host-side bound on seq_lens over every replay (its host
+    # layout is made up) and the graph's split-KV scratch. Eager steps leave both None.
+    seq_len_bound: int | None = None
+    split_scratch: DecodeSplitScratch | None = None
+    # Set from the fields above, once: see __post_init__.
+    split_decode: DecodeSplit | None = field(init=False, default=None)
+
+    def __post_init__(self):
+        # Paged attention of a uniform-decode step (every row a true one-token decode by
+        # the one classification: what decode graphs capture) runs the split-KV decode,
+        # whose result per row depends on that row only, unless the deterministic mode
+        # is on: its mixed steps run decode rows through the one-pass kernel, and it
+        # promises the same tokens whatever the step, so its decodes stay there too.
+        # Only small steps split: SPLIT_DECODE_MAX_ROWS.
+        if self.decode_only and self.num_rows <= SPLIT_DECODE_MAX_ROWS and not batch_invariant():
+            bound = self.seq_len_bound
+            if bound is None:
+                bound = max(self.seq_lens_list, default=1)
+            self.split_decode = DecodeSplit(max(bound, 1), self.split_scratch)
 
     @property
     def num_rows(self) -> int:

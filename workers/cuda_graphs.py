@@ -43,7 +43,12 @@ from collections.abc import Callable
 import torch
 
 from kvloom.contracts.kv_cache_spec import LinearStateSpec
-from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
+from kvloom.workers.attention_metadata import (
+    SPLIT_DECODE_MAX_ROWS,
+    DecodeSplitScratch,
+    ForwardBatch,
+    GroupMetadata,
+)
 from kvloom.workers.graph_capture import CudaStepGraph
 from kvloom.workers.row_kinds import RowClasses, RowKind
 
@@ -126,6 +131,10 @@ class StaticBatch:
         self.layer_to_group = layer_to_group
         self.device = device
         self.pad_state = pad_state
+        self.max_model_len = max_model_len
+        # The split-KV decode's partials, made at the first warm-up run and kept by every
+        # graph of this batch (decode graphs of at most SPLIT_DECODE_MAX_ROWS rows).
+        self.split_scratch = DecodeSplitScratch(min(max_rows, SPLIT_DECODE_MAX_ROWS))
         tokens = max_rows * query_len
 
         def zeros(*shape, dtype=torch.int64):
@@ -169,6 +178,8 @@ class StaticBatch:
             groups=groups,
             layer_to_group=self.layer_to_group,
             decode_only=q == 1,
+            seq_len_bound=self.max_model_len,
+            split_scratch=self.split_scratch,
         )
 
     def fill_for_capture(self, size: int) -> None:

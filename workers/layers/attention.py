@@ -89,6 +89,7 @@ class PagedAttention(nn.Module):
             max_query_len=1 if batch.decode_only else None,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            split_decode=batch.split_decode,  # the step's one kernel decision
         )
         if self.dcp_size > 1:
             outs = self.dcp.all_gather(out.unsqueeze(0), dim=0)
