@@ -29,6 +29,11 @@ Defined edge cases (the reference's NaN ordering is torch.topk's and unspecified
     real expert that was not picked yet (k <= E), and the id is clamped besides.
   * +inf logits make the row's softmax NaN, as in torch; -inf logits are probability 0.
 
+Shared expert route (`shared_expert_weight`, see `moe_router`): both kernels can append it
+as slot k in the same launch, id E, weight 1 or sigmoid(the row's last logit) computed as
+the sigmoid router computes its scores (1 / (1 + exp_f32(-x)), correctly rounded division)
+and cast to the output dtype. The routed slots are exactly those of a launch without it.
+
 No host synchronisation: the launch is CUDA-graph capturable.
 """
 
@@ -44,6 +49,8 @@ from kvloom.kernels.moe_router import check_router_args
 
 MAX_EXPERTS = 8192  # one program holds a whole row of logits (and its keys) in registers
 KNOCKED_OUT = tl.constexpr(-(2**63))  # below every real key: picked lanes and padding
+# The kernels' SHARED constexpr for each `shared_expert_weight`.
+SHARED_MODES = {None: 0, "sigmoid_last_logit": 1, "one": 2}
 
 
 @triton.jit
@@ -61,6 +68,41 @@ def _key_value(key):
 
 
 @triton.jit
+def _sigmoid_f32(x):
+    return tl.math.div_rn(1.0, 1.0 + exp_f32(-x))
+
+
+@triton.jit
+def _append_shared_route(
+    out_w, out_id, slots, row_ptr, stride_le, num_experts, TOP_K: tl.constexpr, SHARED: tl.constexpr
+):
+    """Slot TOP_K becomes the shared expert's route (id E = num_experts): weight 1 (SHARED
+    2) or sigmoid of the logit in column E (SHARED 1); no change for SHARED 0."""
+    if SHARED != 0:
+        if SHARED == 1:
+            gate = tl.load(row_ptr + num_experts * stride_le).to(tl.float32)
+            shared = _sigmoid_f32(gate)
+        else:
+            shared = 1.0
+        out_w = tl.where(slots == TOP_K, shared, out_w)
+        out_id = tl.where(slots == TOP_K, num_experts, out_id)
+    return out_w, out_id
+
+
+def _shared_mode(shared_expert_weight) -> int:
+    """The SHARED constexpr (the value was checked by `check_router_args`)."""
+    return SHARED_MODES[shared_expert_weight]
+
+
+def _routes_out(num_tokens, top_k, shared_expert_weight, dtype, device):
+    """Output buffers: k columns, k + 1 with a shared route."""
+    width = top_k + (shared_expert_weight is not None)
+    weights = torch.empty((num_tokens, width), dtype=dtype, device=device)
+    ids = torch.empty((num_tokens, width), dtype=torch.int64, device=device)
+    return weights, ids
+
+
+@triton.jit
 def _softmax_topk_kernel(
     logits_ptr,
     weights_ptr,
@@ -74,13 +116,13 @@ def _softmax_topk_kernel(
     K_PAD: tl.constexpr,
     E_PAD: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, E_PAD)
     real = experts < num_experts
-    logits = tl.load(
-        logits_ptr + token * stride_lt + experts * stride_le, mask=real, other=float("-inf")
-    ).to(tl.float32)
+    row_ptr = logits_ptr + token * stride_lt
+    logits = tl.load(row_ptr + experts * stride_le, mask=real, other=float("-inf")).to(tl.float32)
     is_nan = logits != logits
     has_nan = tl.max(is_nan.to(tl.int32), axis=0) > 0
     # NaN ranks above everything (torch.topk's order); weights of such rows become NaN below.
@@ -105,7 +147,11 @@ def _softmax_topk_kernel(
     if RENORMALIZE:
         out_w = tl.math.div_rn(out_w, tl.sum(out_w, axis=0))  # unused slots hold 0
     out_w = tl.where(has_nan, float("nan"), out_w)
-    used = slots < TOP_K
+    # After the renormalisation and the NaN rule: they concern the routed slots only.
+    out_w, out_id = _append_shared_route(
+        out_w, out_id, slots, row_ptr, stride_le, num_experts, TOP_K, SHARED
+    )
+    used = slots < TOP_K + (SHARED != 0)
     tl.store(
         weights_ptr + token * stride_wt + slots, out_w.to(weights_ptr.dtype.element_ty), mask=used
     )
@@ -113,11 +159,15 @@ def _softmax_topk_kernel(
 
 
 def softmax_topk_triton(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    shared_expert_weight: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] (float16/bfloat16/float32, any strides, E <= MAX_EXPERTS) ->
-    (weights [T, k] in the logits' dtype, ids [T, k] int64), both contiguous."""
-    num_experts = check_router_args(router_logits, top_k)
+    """router_logits [T, E] (float16/bfloat16/float32, any strides, E <= MAX_EXPERTS; one
+    more column with "sigmoid_last_logit") -> (weights [T, k] in the logits' dtype, ids
+    [T, k] int64), both contiguous; k + 1 columns with a shared route."""
+    num_experts = check_router_args(router_logits, top_k, shared_expert_weight)
     check_dtype("router_logits", router_logits)
     if num_experts > MAX_EXPERTS:
         raise ValueError(
@@ -126,9 +176,9 @@ def softmax_topk_triton(
     if not isinstance(renormalize, bool):
         raise ValueError(f"renormalize must be a bool, got {renormalize!r}")
     num_tokens = router_logits.shape[0]
-    device = router_logits.device
-    weights = torch.empty((num_tokens, top_k), dtype=router_logits.dtype, device=device)
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
+    weights, ids = _routes_out(
+        num_tokens, top_k, shared_expert_weight, router_logits.dtype, router_logits.device
+    )
     if num_tokens == 0:
         return weights, ids
     e_pad = next_power_of_2(num_experts)
@@ -142,9 +192,10 @@ def softmax_topk_triton(
         weights.stride(0),
         ids.stride(0),
         TOP_K=top_k,
-        K_PAD=next_power_of_2(top_k),
+        K_PAD=next_power_of_2(weights.shape[1]),
         E_PAD=e_pad,
         RENORMALIZE=renormalize,
+        SHARED=_shared_mode(shared_expert_weight),
         # A warp per 1024 experts: small rows reduce with warp shuffles alone.
         num_warps=max(1, min(8, e_pad // 1024)),
         enable_fp_fusion=False,  # round as torch does: no fused multiply-adds
@@ -169,14 +220,14 @@ def _sigmoid_topk_kernel(
     E_PAD: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, E_PAD)
     real = experts < num_experts
-    logits = tl.load(logits_ptr + token * stride_lt + experts * stride_le, mask=real, other=0.0).to(
-        tl.float32
-    )
-    scores = tl.math.div_rn(1.0, 1.0 + exp_f32(-logits))
+    row_ptr = logits_ptr + token * stride_lt
+    logits = tl.load(row_ptr + experts * stride_le, mask=real, other=0.0).to(tl.float32)
+    scores = _sigmoid_f32(logits)
     choice = scores
     if HAS_BIAS:
         choice = scores + tl.load(bias_ptr + experts, mask=real, other=0.0).to(tl.float32)
@@ -199,7 +250,11 @@ def _sigmoid_topk_kernel(
     if RENORMALIZE:
         out_w = tl.math.div_rn(out_w, tl.sum(out_w, axis=0) + 1e-20)  # unused slots hold 0
     out_w = out_w * scaling
-    used = slots < TOP_K
+    # After the renormalisation and scaling: they concern the routed slots only.
+    out_w, out_id = _append_shared_route(
+        out_w, out_id, slots, row_ptr, stride_le, num_experts, TOP_K, SHARED
+    )
+    used = slots < TOP_K + (SHARED != 0)
     tl.store(weights_ptr + token * stride_wt + slots, out_w, mask=used)
     tl.store(ids_ptr + token * stride_it + slots, out_id, mask=used)
 
@@ -210,6 +265,7 @@ def sigmoid_topk_triton(
     top_k: int,
     renormalize: bool,
     routed_scaling_factor: float = 1.0,
+    shared_expert_weight: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 / Kimi-Linear routing with every expert group eligible (one group, or
     topk_groups == num_groups), one launch: scores = sigmoid(logits), the top-k of scores +
@@ -217,9 +273,10 @@ def sigmoid_topk_triton(
     the unbiased scores, over their sum + 1e-20 when `renormalize`, times the scaling, in
     float32 as `workers.layers.moe.route_grouped_sigmoid_topk` computes them (sigmoid
     within a few ulps of torch's). router_logits [T, E] (float16/bfloat16/float32, any
-    strides), correction_bias [E] or None -> (weights [T, k] float32, ids [T, k] int64).
+    strides), correction_bias [E] or None -> (weights [T, k] float32, ids [T, k] int64);
+    k + 1 columns with a shared route (its weight unscaled, `moe_router`).
     Replaces some fifteen torch launches per MoE layer; CUDA-graph capturable."""
-    num_experts = check_router_args(router_logits, top_k)
+    num_experts = check_router_args(router_logits, top_k, shared_expert_weight)
     check_dtype("router_logits", router_logits)
     if num_experts > MAX_EXPERTS:
         raise ValueError(
@@ -236,9 +293,9 @@ def sigmoid_topk_triton(
     if not isinstance(renormalize, bool):
         raise ValueError(f"renormalize must be a bool, got {renormalize!r}")
     num_tokens = router_logits.shape[0]
-    device = router_logits.device
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
+    weights, ids = _routes_out(
+        num_tokens, top_k, shared_expert_weight, torch.float32, router_logits.device
+    )
     if num_tokens == 0:
         return weights, ids
     e_pad = next_power_of_2(num_experts)
@@ -254,10 +311,11 @@ def sigmoid_topk_triton(
         weights.stride(0),
         ids.stride(0),
         TOP_K=top_k,
-        K_PAD=next_power_of_2(top_k),
+        K_PAD=next_power_of_2(weights.shape[1]),
         E_PAD=e_pad,
         HAS_BIAS=correction_bias is not None,
         RENORMALIZE=renormalize,
+        SHARED=_shared_mode(shared_expert_weight),
         num_warps=max(1, min(8, e_pad // 1024)),
         enable_fp_fusion=False,  # round as torch does: no fused multiply-adds
     )

@@ -15,6 +15,17 @@ caller to reduce with its shared expert when `reduce_results=False`).
 Checkpoints store one tensor per expert and projection (transformers writes them so even
 though its modules hold them fused). The two stacks are child modules that the weight loader
 fills shard by shard; `map_expert_weight` maps checkpoint names onto them.
+
+Shared expert folded in (`FusedMoE(shared_expert=True)`): a shared expert of the routed
+experts' size, float like them, is expert E of the stacks (E + 1 experts), its checkpoint
+tensors (`<mlp>.shared_expert(s).{gate,up,down}_proj`) loading straight there
+(`map_shared_expert_weight`), split over ranks on the intermediate dim as the routed
+experts are (and as its own gate/up column-parallel, down row-parallel linears were). The
+routers then append route k = expert E to every token (`shared_expert_weight`), so a
+sparse-MoE layer is router GEMM + router + fused MoE: at batch-1 decode, where launches
+bound the step, the shared expert's three launches and the add that joined the two
+branches are gone. The fused MoE sums the k + 1 contributions in float32 in slot order
+and rounds once (the two-branch path rounded each branch, then their sum).
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ from torch import nn
 
 from kvloom.kernels.activation import silu_and_mul_ref
 from kvloom.kernels.dispatch import TRITON_DTYPES, use_triton
-from kvloom.kernels.moe_router import check_router_args, softmax_topk_ref
+from kvloom.kernels.moe_router import append_shared_route, check_router_args, softmax_topk_ref
 from kvloom.kernels.ops import fused_moe
 from kvloom.workers.layers.linear import check_float_tensor, check_shape
 from kvloom.workers.layers.quantization.geometry import Geometry
@@ -54,6 +65,11 @@ EXPERT_PARAMS = "weight|weight_scale_inv|weight_scale|weight_packed|weight_shape
 _EXPERT_NAME = re.compile(
     rf"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<param>{EXPERT_PARAMS})$"
 )
+# A shared expert's tensor: `<mlp>.<shared name>.<gate|up|down>_proj.<param>`.
+_SHARED_EXPERT_NAME = re.compile(
+    r"^(?P<mlp>.+)\.(?P<shared>\w+)\.(?P<proj>gate_proj|up_proj|down_proj)"
+    rf"\.(?P<param>{EXPERT_PARAMS})$"
+)
 
 
 def _check_input(field: str, tensor: torch.Tensor, shape: tuple) -> None:
@@ -69,20 +85,25 @@ def _routing_dtype(logits: torch.Tensor) -> torch.dtype:
 
 
 def route_softmax_topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    shared_expert_weight: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts (float32, or float64 for float64 logits), the top-k
     probabilities, renormalised to sum to 1 when `renormalize` (norm_topk_prob).
     Weights come back in the logits' dtype, as transformers' Qwen3-Next router returns them;
-    ids are int64. On CUDA one Triton launch (`kernels.moe_router_triton`, same answer;
-    read its docstring for ties and NaN), else `kernels.moe_router.softmax_topk_ref`."""
-    num_experts = check_router_args(router_logits, top_k)
+    ids are int64. With `shared_expert_weight`, route k is a folded shared expert's
+    (`kernels.moe_router`; "sigmoid_last_logit" reads its gate logit from the last column).
+    On CUDA one Triton launch (`kernels.moe_router_triton`, same answer; read its docstring
+    for ties and NaN), else `kernels.moe_router.softmax_topk_ref`."""
+    num_experts = check_router_args(router_logits, top_k, shared_expert_weight)
     if use_triton(router_logits) and num_experts <= MAX_ROUTER_EXPERTS:
         # One fused launch (no host sync) for the ~6 torch kernels of the reference.
         from kvloom.kernels.moe_router_triton import softmax_topk_triton
 
-        return softmax_topk_triton(router_logits, top_k, bool(renormalize))
-    return softmax_topk_ref(router_logits, top_k, renormalize)
+        return softmax_topk_triton(router_logits, top_k, bool(renormalize), shared_expert_weight)
+    return softmax_topk_ref(router_logits, top_k, renormalize, shared_expert_weight)
 
 
 def route_grouped_sigmoid_topk(
@@ -93,14 +114,16 @@ def route_grouped_sigmoid_topk(
     topk_groups: int,
     renormalize: bool,
     routed_scaling_factor: float = 1.0,
+    shared_expert_weight: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 routing. scores = sigmoid(logits); the choice uses scores + bias: each
     group is rated by the sum of its two best biased scores, the best `topk_groups` groups
     stay eligible, and the top-k biased scores among them pick the experts. The weights are
     the *unbiased* scores of those experts, renormalised (+1e-20) when `renormalize`, then
     times `routed_scaling_factor`. Computed and returned in float32 (float64 for float64
-    logits), as transformers' Kimi-Linear router does."""
-    num_experts = check_router_args(router_logits, top_k)
+    logits), as transformers' Kimi-Linear router does. With `shared_expert_weight`, route k
+    is a folded shared expert's (`kernels.moe_router`), its weight not scaled."""
+    num_experts = check_router_args(router_logits, top_k, shared_expert_weight)
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
         raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
     if num_experts % num_groups:
@@ -125,10 +148,15 @@ def route_grouped_sigmoid_topk(
         from kvloom.kernels.moe_router_triton import sigmoid_topk_triton
 
         return sigmoid_topk_triton(
-            router_logits, correction_bias, top_k, bool(renormalize), routed_scaling_factor
+            router_logits,
+            correction_bias,
+            top_k,
+            bool(renormalize),
+            routed_scaling_factor,
+            shared_expert_weight,
         )
     dtype = _routing_dtype(router_logits)
-    scores = router_logits.to(dtype).sigmoid()
+    scores = router_logits[:, :num_experts].to(dtype).sigmoid()
     choice = scores
     if correction_bias is not None:
         choice = scores + correction_bias.to(dtype)
@@ -146,7 +174,8 @@ def route_grouped_sigmoid_topk(
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, ids
+    weights = weights * routed_scaling_factor
+    return append_shared_route(weights, ids, router_logits, shared_expert_weight, num_experts)
 
 
 class StackedExpertWeight(nn.Module):
@@ -214,7 +243,10 @@ class StackedExpertWeight(nn.Module):
 
 
 class FusedMoE(nn.Module):
-    """Routed experts: out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])."""
+    """Routed experts: out[t] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]).
+
+    `shared_expert`: the stacks hold one more expert, id `num_experts` (`shared_expert_id`),
+    the layer's shared expert, which its router routes every token to (module docstring)."""
 
     def __init__(
         self,
@@ -226,6 +258,7 @@ class FusedMoE(nn.Module):
         dtype: torch.dtype = torch.float32,
         hidden_act: str = "silu",
         reduce_results: bool = True,
+        shared_expert: bool = False,
     ):
         super().__init__()
         if hidden_act not in SUPPORTED_ACTIVATIONS:
@@ -243,22 +276,28 @@ class FusedMoE(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.reduce_results = reduce_results
+        self.shared_expert = bool(shared_expert)
+        stacked = num_experts + self.shared_expert
         parts = [intermediate_size, intermediate_size]
-        self.gate_up = StackedExpertWeight(
-            num_experts, parts, hidden_size, "output", self.tp, dtype
-        )
+        self.gate_up = StackedExpertWeight(stacked, parts, hidden_size, "output", self.tp, dtype)
         self.down = StackedExpertWeight(
-            num_experts, [hidden_size], intermediate_size, "input", self.tp, dtype
+            stacked, [hidden_size], intermediate_size, "input", self.tp, dtype
         )
 
     @property
+    def shared_expert_id(self) -> int | None:
+        """The folded shared expert's id (after the routed ones), None without one."""
+        return self.num_experts if self.shared_expert else None
+
+    @property
     def w13(self) -> torch.Tensor:
-        """[E, 2 * I_local, H]: gate rows then up rows of this rank's intermediate slice."""
+        """[E (+ 1), 2 * I_local, H]: gate rows then up rows of this rank's intermediate
+        slice."""
         return self.gate_up.weight
 
     @property
     def w2(self) -> torch.Tensor:
-        """[E, H, I_local]."""
+        """[E (+ 1), H, I_local]."""
         return self.down.weight
 
     def forward(
@@ -286,12 +325,14 @@ class FusedMoE(nn.Module):
     def _expert_loop(self, hidden, topk_weights, topk_ids) -> torch.Tensor:
         """The reference path: validates expert ids (a host sync), then loops experts."""
         out = torch.zeros_like(hidden)
+        stacked = self.w13.shape[0]
         if topk_ids.numel():
             lo, hi = int(topk_ids.min()), int(topk_ids.max())
-            if lo < 0 or hi >= self.num_experts:
-                raise ValueError(f"topk_ids: expert ids must be in [0, {self.num_experts})")
+            if lo < 0 or hi >= stacked:
+                raise ValueError(f"topk_ids: expert ids must be in [0, {stacked})")
         # Experts in ascending order, each over the tokens routed to it, as transformers
-        # loops, so fp32 sums accumulate in the same order.
+        # loops, so fp32 sums accumulate in the same order (a folded shared expert, the
+        # highest id, comes last: where the two-branch path added it).
         for expert in torch.unique(topk_ids).tolist():
             tokens, slot = torch.nonzero(topk_ids == expert, as_tuple=True)
             x = hidden[tokens]
@@ -312,3 +353,25 @@ def map_expert_weight(ckpt_name: str) -> tuple[str, str, int] | None:
     num_parts = 2 if child == "gate_up" else 1
     shard = int(match["expert"]) * num_parts + part
     return f"{match['prefix']}.{child}", match["param"], shard
+
+
+def map_shared_expert_weight(
+    model: nn.Module, ckpt_name: str, shared_name: str
+) -> tuple[str, str, int] | None:
+    """`<mlp>.<shared_name>.<gate|up|down>_proj.<param>` -> the FusedMoE `<mlp>.experts`
+    entry of its expert E, where that FusedMoE folds its shared expert in (looked up in
+    `model`, whose module paths are the checkpoint's names as the model maps them); None
+    for any other name, or where the layer keeps its shared expert apart."""
+    match = _SHARED_EXPERT_NAME.match(ckpt_name)
+    if match is None or match["shared"] != shared_name:
+        return None
+    try:
+        experts = model.get_submodule(f"{match['mlp']}.experts")
+    except AttributeError:
+        return None
+    if not isinstance(experts, FusedMoE) or experts.shared_expert_id is None:
+        return None
+    child, part = EXPERT_PROJECTIONS[match["proj"]]
+    num_parts = 2 if child == "gate_up" else 1
+    shard = experts.shared_expert_id * num_parts + part
+    return f"{match['mlp']}.experts.{child}", match["param"], shard

@@ -15,7 +15,11 @@ Checkpoint names are the released ones (what transformers' save_pretrained write
 KDA layers fuse `self_attn.{q,k,v,b}_proj` into `qkv_proj`, `{f,g}_a_proj` into `fg_a_proj`
 and `{q,k,v}_conv1d` into `conv1d` (`kda_fusions` keeps b_proj or f_a / g_a separate where the
 quantization_config gives the parts different schemes); `block_sparse_moe.*` is our `mlp.*`
-(dense and MoE alike); experts are `experts.<e>.w1/w2/w3` (gate / down / up).
+(dense and MoE alike); experts are `experts.<e>.w1/w2/w3` (gate / down / up). One shared
+expert (Kimi-Linear-48B-A3B: `num_shared_experts` 1, so it is as wide as a routed expert,
+1024), float like the routed ones, is folded into the fused MoE as expert E
+(`shared_experts_folding`): `shared_experts.*` load there and the router appends it to every
+token with weight 1 (workers/layers/moe.py).
 """
 
 from __future__ import annotations
@@ -32,7 +36,12 @@ from kvloom.workers.layers.kda_layer import KimiDeltaAttention
 from kvloom.workers.layers.linear import check_shape
 from kvloom.workers.layers.mla import MultiHeadLatentAttention
 from kvloom.workers.layers.mlp import GatedMLP
-from kvloom.workers.layers.moe import FusedMoE, map_expert_weight, route_grouped_sigmoid_topk
+from kvloom.workers.layers.moe import (
+    FusedMoE,
+    map_expert_weight,
+    map_shared_expert_weight,
+    route_grouped_sigmoid_topk,
+)
 from kvloom.workers.layers.norm import RMSNorm
 from kvloom.workers.layers.quantization.config import (
     QuantizationConfig,
@@ -157,12 +166,42 @@ def kda_fusions(qconfig: QuantizationConfig | None, index: int) -> dict[str, boo
     }
 
 
+def shared_experts_folding(config: dict, qconfig: QuantizationConfig | None, index: int) -> bool:
+    """Whether MoE layer `index` folds its shared experts into the fused MoE as expert E:
+    there is exactly one (moe_intermediate_size x num_shared_experts is then a routed
+    expert's width) and the quantization_config leaves it and the routed experts float
+    (quantized layers keep the two branches; the FusedMoE's experts share one scheme, so
+    expert 0 speaks for them). Asked under the released `block_sparse_moe` spelling and
+    kvloom's `mlp`."""
+    if read(config, "num_shared_experts", "n_shared_experts", default=1) != 1:
+        return False
+    if qconfig is None:
+        return True
+    parts = [f"experts.0.{p}" for p in ("w1", "w2", "w3")]
+    parts += [f"shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    names = [
+        f"model.layers.{index}.{mlp}.{part}"
+        for mlp in ("block_sparse_moe", "mlp")
+        for part in parts
+    ]
+    return all(qconfig.scheme_for([name], name) is None for name in names)
+
+
 class KimiRouter(nn.Module):
     """DeepSeek-V3 router (checkpoint: `gate.weight`, `gate.e_score_correction_bias`); logits
-    and routing in float32 (float64 for float64 models), as transformers computes them."""
+    and routing in float32 (float64 for float64 models), as transformers computes them.
+    `shared_expert_weight="one"` appends a folded shared expert's route (weight 1)."""
 
-    def __init__(self, config: dict, hidden_size: int, num_experts: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        config: dict,
+        hidden_size: int,
+        num_experts: int,
+        dtype: torch.dtype,
+        shared_expert_weight: str | None = None,
+    ):
         super().__init__()
+        self.shared_expert_weight = shared_expert_weight
         self.acc = torch.float64 if dtype == torch.float64 else torch.float32
         self.top_k = read(config, "num_experts_per_token", "num_experts_per_tok")
         self.num_groups = read(config, "num_expert_group", "n_group", default=1)
@@ -195,19 +234,32 @@ class KimiRouter(nn.Module):
             self.topk_groups,
             self.renormalize,
             self.scaling,
+            self.shared_expert_weight,
         )
 
 
 class KimiMoE(nn.Module):
-    """Routed experts plus shared experts, reduced across ranks once."""
+    """Routed experts plus shared experts, reduced across ranks once.
 
-    def __init__(self, config: dict, tp: TPGroup, dtype: torch.dtype):
+    With `fold_shared_experts` (one shared expert; `shared_experts_folding` decides) the
+    shared expert is expert E of `experts` and there is no `shared_experts` module: the
+    router gives every token k + 1 routes, the last to E with weight 1."""
+
+    def __init__(
+        self, config: dict, tp: TPGroup, dtype: torch.dtype, fold_shared_experts: bool = False
+    ):
         super().__init__()
         self.tp = tp
         hidden = config["hidden_size"]
         num_experts = read(config, "num_experts", "num_local_experts", "n_routed_experts")
         intermediate = config["moe_intermediate_size"]
-        self.gate = KimiRouter(config, hidden, num_experts, dtype)
+        num_shared = read(config, "num_shared_experts", "n_shared_experts", default=1)
+        if fold_shared_experts and num_shared != 1:
+            raise ValueError(
+                f"fold_shared_experts needs exactly one shared expert, got {num_shared}"
+            )
+        shared_weight = "one" if fold_shared_experts else None
+        self.gate = KimiRouter(config, hidden, num_experts, dtype, shared_weight)
         self.experts = FusedMoE(
             num_experts,
             self.gate.top_k,
@@ -217,8 +269,8 @@ class KimiMoE(nn.Module):
             dtype=dtype,
             hidden_act=config.get("hidden_act", "silu"),
             reduce_results=False,
+            shared_expert=fold_shared_experts,
         )
-        num_shared = read(config, "num_shared_experts", "n_shared_experts", default=1)
         self.shared_experts = (
             GatedMLP(
                 hidden,
@@ -228,7 +280,7 @@ class KimiMoE(nn.Module):
                 dtype=dtype,
                 reduce_results=False,
             )
-            if num_shared
+            if num_shared and not fold_shared_experts
             else None
         )
 
@@ -283,7 +335,7 @@ class KimiDecoderLayer(nn.Module):
                 dtype=dtype,
             )
         self.mlp = (
-            KimiMoE(config, tp, dtype)
+            KimiMoE(config, tp, dtype, shared_experts_folding(config, qconfig, index))
             if sparse
             else GatedMLP(
                 hidden,
@@ -352,7 +404,7 @@ class KimiLinearForCausalLM(nn.Module):
         """Released checkpoint names -> (module path, parameter, shard)."""
         name = ckpt_name.replace(".block_sparse_moe.", ".mlp.")
         name = name.replace(".self_attn.forget_gate.", ".self_attn.")  # transformers' own names
-        expert = map_expert_weight(name)
+        expert = map_expert_weight(name) or map_shared_expert_weight(self, name, "shared_experts")
         if expert is not None:
             return expert
         match = _KDA_FUSED_NAME.match(name)

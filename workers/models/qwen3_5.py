@@ -16,7 +16,8 @@ load from per-expert tensors (`experts.<e>.gate_proj.weight`, what transformers 
 from the 3-D `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] tensors some
 published Qwen3.5-MoE checkpoints hold. Qwen3.5-MoE's router `mlp.gate` and
 `mlp.shared_expert_gate` load into one fused linear as Qwen3-Next's (qwen3_next.py), in
-either layout.
+either layout, and its shared expert folds into the fused MoE on the same terms
+(`shared_expert_folding`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from kvloom.workers.models.qwen3_next import (
     Qwen3NextSparseMoe,
     gate_fusion,
     layer_types,
+    shared_expert_folding,
     zero_centred_norm,
 )
 from kvloom.workers.weight_loader import resolve_name
@@ -100,7 +102,8 @@ class Qwen3_5DecoderLayer(Qwen3NextDecoderLayer):
         hidden = config["hidden_size"]
         if config.get("num_experts"):  # Qwen3.5-MoE: every layer is sparse
             fuse = gate_fusion(qconfig, index, LAYER_PREFIXES)
-            self.mlp = Qwen3NextSparseMoe(config, tp, dtype, fuse)
+            fold = fuse and shared_expert_folding(config, qconfig, index, LAYER_PREFIXES)
+            self.mlp = Qwen3NextSparseMoe(config, tp, dtype, fuse, fold)
         else:
             self.mlp = GatedMLP(
                 hidden,

@@ -11,7 +11,11 @@ Multi-token-prediction weights (`mtp.*`) are skipped here; the `mtp` drafter
 Checkpoint names are the released ones. A sparse MoE layer's router `mlp.gate` [E, H] and
 `mlp.shared_expert_gate` [1, H] both read x, and a batch-1 decode step is bound by launches,
 not bytes: they load as the two shards of one replicated linear `mlp.gate` [E + 1, H] (one
-GEMM), unless the quantization_config gives them different schemes (`gate_fusion`).
+GEMM), unless the quantization_config gives them different schemes (`gate_fusion`). Where
+the shared expert is as wide as a routed one and neither is quantized (Qwen3-Next-80B:
+512 and 512), it is folded into the fused MoE as expert E (`shared_expert_folding`): its
+`mlp.shared_expert.*` tensors load into `mlp.experts` and the router appends it to every
+token with weight sigmoid(the gate GEMM's last column) (workers/layers/moe.py).
 """
 
 from __future__ import annotations
@@ -33,7 +37,12 @@ from kvloom.workers.layers.linear import (
     RowParallelLinear,
 )
 from kvloom.workers.layers.mlp import GatedMLP
-from kvloom.workers.layers.moe import FusedMoE, map_expert_weight, route_softmax_topk
+from kvloom.workers.layers.moe import (
+    FusedMoE,
+    map_expert_weight,
+    map_shared_expert_weight,
+    route_softmax_topk,
+)
 from kvloom.workers.layers.norm import RMSNorm
 from kvloom.workers.layers.quantization.config import (
     QuantizationConfig,
@@ -112,6 +121,28 @@ def gate_fusion(
     )
 
 
+def shared_expert_folding(
+    config: dict,
+    qconfig: QuantizationConfig | None,
+    index: int,
+    layers: tuple[str, ...] = ("model.layers",),
+) -> bool:
+    """Whether MoE layer `index` folds its shared expert into the fused MoE as expert E:
+    the shared expert is as wide as a routed one, and the quantization_config leaves both
+    float under every checkpoint spelling in `layers` (quantized layers keep the two
+    branches; the FusedMoE's experts share one scheme, so expert 0 speaks for them all).
+    The caller also needs the gates fused (`gate_fusion`): the shared gate's logit is read
+    from the fused router GEMM."""
+    if config["shared_expert_intermediate_size"] != config["moe_intermediate_size"]:
+        return False
+    if qconfig is None:
+        return True
+    parts = [f"experts.0.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    parts += [f"shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    names = [f"{prefix}.{index}.mlp.{part}" for prefix in layers for part in parts]
+    return all(qconfig.scheme_for([name], name) is None for name in names)
+
+
 class Qwen3NextAttention(nn.Module):
     """Full attention with a per-head sigmoid output gate and partial rotary."""
 
@@ -167,9 +198,22 @@ class Qwen3NextSparseMoe(nn.Module):
     With `fuse_gates`, `gate` is one linear [E + 1, H] giving the router's E logits and then
     the shared expert's gate logit, read as views of its output; else `gate` [E, H] and
     `shared_expert_gate` [1, H] are separate (gate_fusion). Both are whole on every rank
-    (tensor parallelism splits the experts and the shared expert only)."""
+    (tensor parallelism splits the experts and the shared expert only).
 
-    def __init__(self, config: dict, tp: TPGroup, dtype: torch.dtype, fuse_gates: bool = True):
+    With `fold_shared_expert` (needs `fuse_gates` and equal expert widths;
+    `shared_expert_folding` decides) the shared expert is expert E of `experts` and there is
+    no `shared_expert` module: the router gives every token k + 1 routes, the last to E
+    weighted sigmoid(gate logit), and the fused MoE computes both branches in one pass.
+    Without it, the two branches run apart and are joined by `gated_add`."""
+
+    def __init__(
+        self,
+        config: dict,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        fuse_gates: bool = True,
+        fold_shared_expert: bool = False,
+    ):
         super().__init__()
         hidden, num_experts = config["hidden_size"], config["num_experts"]
         self.tp = tp
@@ -177,6 +221,14 @@ class Qwen3NextSparseMoe(nn.Module):
         self.top_k = config["num_experts_per_tok"]
         self.renormalize = bool(config.get("norm_topk_prob", True))
         self.fused_gates = fuse_gates
+        self.folded_shared_expert = fold_shared_expert
+        inter = config["moe_intermediate_size"]
+        shared_inter = config["shared_expert_intermediate_size"]
+        if fold_shared_expert and (not fuse_gates or shared_inter != inter):
+            raise ValueError(
+                "fold_shared_expert needs fused gates and shared_expert_intermediate_size "
+                f"({shared_inter}) equal to moe_intermediate_size ({inter})"
+            )
         act = config.get("hidden_act", "silu")
         if fuse_gates:  # a one-rank group makes the fused linear replicated
             self.gate = ColumnParallelLinear(hidden, [num_experts, 1], tp=LocalGroup(), dtype=dtype)
@@ -187,20 +239,17 @@ class Qwen3NextSparseMoe(nn.Module):
             num_experts,
             self.top_k,
             hidden,
-            config["moe_intermediate_size"],
+            inter,
             tp=tp,
             dtype=dtype,
             hidden_act=act,
             reduce_results=False,
+            shared_expert=fold_shared_expert,
         )
-        self.shared_expert = GatedMLP(
-            hidden,
-            config["shared_expert_intermediate_size"],
-            act,
-            tp=tp,
-            dtype=dtype,
-            reduce_results=False,
-        )
+        if not fold_shared_expert:
+            self.shared_expert = GatedMLP(
+                hidden, shared_inter, act, tp=tp, dtype=dtype, reduce_results=False
+            )
 
     @property
     def shared_expert_gate(self) -> nn.Module:
@@ -211,6 +260,18 @@ class Qwen3NextSparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Both branches end in a row-parallel projection; their partial sums are reduced
         # once (the shared gate is a per-token scalar, so it commutes with the sum).
+        out = self._folded(x) if self.folded_shared_expert else self._two_branches(x)
+        return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
+
+    def _folded(self, x: torch.Tensor) -> torch.Tensor:
+        """Router GEMM, router (k + 1 routes), fused MoE: three steps."""
+        logits = self.gate(x)  # [T, E + 1]: the router's logits, then the shared gate's
+        weights, ids = route_softmax_topk(
+            logits, self.top_k, self.renormalize, shared_expert_weight="sigmoid_last_logit"
+        )
+        return self.experts(x, weights, ids)
+
+    def _two_branches(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(x)
         logits = self.gate(x)  # in x's dtype, as transformers' router computes them
         if self.fused_gates:  # strided views, which the router and gated_add read
@@ -219,8 +280,7 @@ class Qwen3NextSparseMoe(nn.Module):
             shared_gate = self.shared_expert_gate(x)
         weights, ids = route_softmax_topk(logits, self.top_k, self.renormalize)
         routed = self.experts(x, weights, ids)
-        out = gated_add(routed, shared_gate, shared)  # one launch on CUDA
-        return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
+        return gated_add(routed, shared_gate, shared)  # one launch on CUDA
 
 
 class Qwen3NextDecoderLayer(nn.Module):
@@ -240,7 +300,9 @@ class Qwen3NextDecoderLayer(nn.Module):
         else:
             self.self_attn = Qwen3NextAttention(config, index, tp, dtype)
         if is_sparse_layer(config, index):
-            self.mlp = Qwen3NextSparseMoe(config, tp, dtype, gate_fusion(qconfig, index))
+            fuse = gate_fusion(qconfig, index)
+            fold = fuse and shared_expert_folding(config, qconfig, index)
+            self.mlp = Qwen3NextSparseMoe(config, tp, dtype, fuse, fold)
         else:
             self.mlp = GatedMLP(
                 config["hidden_size"],
@@ -307,10 +369,13 @@ class Qwen3NextForCausalLM(nn.Module):
         self.tied = {"lm_head": "model.embed_tokens"} if config.get("tie_word_embeddings") else {}
 
     def map_weight_name(self, ckpt_name: str) -> tuple[str, str, int] | None:
-        """Per-expert checkpoint tensors go into the stacked FusedMoE weights; a shared
-        expert gate a layer keeps separate (gate_fusion) loads into its own module. None:
-        the default rules (STACKED_PARAMS, which fuse the shared expert gate into `gate`)."""
-        expert = map_expert_weight(ckpt_name)
+        """Per-expert checkpoint tensors go into the stacked FusedMoE weights, and so do a
+        folded shared expert's (as expert E); a shared expert gate a layer keeps separate
+        (gate_fusion) loads into its own module. None: the default rules (STACKED_PARAMS,
+        which fuse the shared expert gate into `gate`)."""
+        expert = map_expert_weight(ckpt_name) or map_shared_expert_weight(
+            self, ckpt_name, "shared_expert"
+        )
         if expert is not None:
             return expert
         match = _SHARED_GATE_NAME.match(ckpt_name)

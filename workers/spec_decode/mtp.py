@@ -38,7 +38,7 @@ from torch import nn
 
 from kvloom.workers.device_copy import to_device
 from kvloom.workers.layers.linear import ReplicatedLinear
-from kvloom.workers.layers.moe import map_expert_weight
+from kvloom.workers.layers.moe import map_expert_weight, map_shared_expert_weight
 from kvloom.workers.models.qwen3_5 import Qwen3_5ForCausalLM
 from kvloom.workers.models.qwen3_next import (
     STACKED_PARAMS,
@@ -268,7 +268,12 @@ class MtpWeights(nn.Module):
         super().__init__()
         self.mtp = head
 
-    map_weight_name = staticmethod(map_expert_weight)
+    def map_weight_name(self, ckpt_name: str):
+        # A shared expert folded into the fused MoE loads there (Qwen3NextSparseMoe).
+        return map_expert_weight(ckpt_name) or map_shared_expert_weight(
+            self, ckpt_name, "shared_expert"
+        )
+
     unpack_weight = staticmethod(Qwen3_5ForCausalLM.unpack_weight)
 
 

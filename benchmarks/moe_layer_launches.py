@@ -1,0 +1,248 @@
+"""Launches (and, on a GPU, time) of one sparse-MoE layer's forward at batch-1 decode: the
+shared expert folded into the fused MoE (issue 23) against the two-branch layer, at
+Qwen3-Next's widths (hidden 2048, 512 experts, top-10, intermediate 512 for both) and
+Kimi-Linear's (hidden 2304, 256 experts, top-8, intermediate 1024, one shared expert),
+bfloat16, random weights. The all-reduce of TP > 1 is not in it (TP = 1).
+
+How launches are counted:
+  * CUDA: torch.profiler's CUDA activity over one eager forward after a warm-up; every
+    device kernel counts once (Triton, cuBLAS, torch elementwise), memcpy / memset apart.
+    Then one CUDA graph of `--repeats` forwards is replayed: µs per layer.
+  * `--interpret` (CPU): Triton's interpreter at tiny widths with the CUDA dispatch forced
+    (`use_triton` answers as on a GPU for CPU tensors, in every kvloom module); each Triton
+    launch counts (`kernel[grid](...)`), and so does each torch op a GPU would run as a
+    kernel (aten ops other than views and allocations, seen by a TorchDispatchMode outside
+    the Triton launches).
+
+    python benchmarks/moe_layer_launches.py [--tokens 1] [--repeats 200] [--out FILE.json]
+    python benchmarks/moe_layer_launches.py --interpret
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+if "--interpret" in sys.argv:  # the interpreter is chosen when triton is first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from kvloom.workers.layers.tp_group import LocalGroup  # noqa: E402
+from kvloom.workers.models.kimi_linear import KimiMoE  # noqa: E402
+from kvloom.workers.models.qwen3_next import Qwen3NextSparseMoe  # noqa: E402
+
+SHAPES = {
+    "qwen3-next": dict(kind="qwen3_next", hidden=2048, experts=512, top_k=10, inter=512),
+    "kimi-linear": dict(kind="kimi", hidden=2304, experts=256, top_k=8, inter=1024),
+}
+TINY = dict(hidden=64, experts=8, top_k=2, inter=32)
+# aten ops that launch nothing on a GPU (views, metadata, allocations).
+NO_KERNEL = {
+    "empty",
+    "empty_strided",
+    "empty_like",
+    "view",
+    "_unsafe_view",
+    "t",
+    "transpose",
+    "split",
+    "split_with_sizes",
+    "slice",
+    "select",
+    "as_strided",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "detach",
+    "alias",
+    "permute",
+    "lift_fresh",
+}
+
+
+def build_layer(shape: dict, fold: bool, device: str) -> torch.nn.Module:
+    dtype = torch.bfloat16
+    if shape["kind"] == "qwen3_next":
+        config = dict(
+            hidden_size=shape["hidden"],
+            num_experts=shape["experts"],
+            num_experts_per_tok=shape["top_k"],
+            moe_intermediate_size=shape["inter"],
+            shared_expert_intermediate_size=shape["inter"],
+            norm_topk_prob=True,
+        )
+        with torch.device(device):
+            layer = Qwen3NextSparseMoe(config, LocalGroup(), dtype, True, fold)
+    else:
+        config = dict(
+            hidden_size=shape["hidden"],
+            num_experts=shape["experts"],
+            num_experts_per_token=shape["top_k"],
+            moe_intermediate_size=shape["inter"],
+            num_shared_experts=1,
+            routed_scaling_factor=2.446,
+        )
+        with torch.device(device):
+            layer = KimiMoE(config, LocalGroup(), dtype, fold)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for param in layer.parameters():
+            scale = param.shape[-1] ** -0.5 if param.dim() > 1 else 0.1
+            param.copy_(torch.randn(param.shape, generator=gen, device=device) * scale)
+    return layer.eval()
+
+
+class OpCounter(TorchDispatchMode):
+    """Torch ops that would be GPU kernels, outside the Triton launches."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+        self.in_triton = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not self.in_triton and name not in NO_KERNEL:
+            self.ops.append(f"aten.{name}")
+        return func(*args, **(kwargs or {}))
+
+
+def force_cuda_dispatch() -> None:
+    """`use_triton` answers as on a GPU for CPU tensors, wherever kvloom imported it."""
+    from kvloom.kernels import dispatch
+
+    original = dispatch.use_triton
+
+    def forced(tensor):
+        return tensor.dtype in dispatch.TRITON_DTYPES
+
+    dispatch.use_triton = forced
+    for module in list(sys.modules.values()):
+        if getattr(module, "use_triton", None) is original:
+            module.use_triton = forced
+
+
+def interpreted_launches(layer, x) -> list[str]:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    counter = OpCounter()
+    original = InterpretedFunction.__getitem__
+
+    def counted(kernel, grid):
+        launch = original(kernel, grid)
+
+        def run(*args, **kwargs):
+            counter.ops.append(f"triton.{kernel.fn.__name__}")
+            counter.in_triton = True
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                counter.in_triton = False
+
+        return run
+
+    InterpretedFunction.__getitem__ = counted
+    try:
+        with torch.no_grad(), counter:
+            layer(x)
+    finally:
+        InterpretedFunction.__getitem__ = original
+    return counter.ops  # in call order, Triton launches and torch ops alike
+
+
+def cuda_launches(layer, x) -> tuple[list[str], list[str]]:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        layer(x)  # compile and warm up
+    torch.cuda.synchronize()
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        layer(x)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+    copies = [n for n in names if n.startswith(("Memcpy", "Memset"))]
+    return [n for n in names if n not in copies], copies
+
+
+def graph_us(layer, x, repeats: int) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        layer(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        for _ in range(repeats):
+            layer(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / repeats)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--interpret", action="store_true", help="CPU, tiny widths")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    cuda = not args.interpret
+    if cuda and not torch.cuda.is_available():
+        sys.exit("no CUDA device: pass --interpret to count on the CPU")
+    if args.interpret:
+        force_cuda_dispatch()
+    device = "cuda" if cuda else "cpu"
+    results = []
+    for name, full in SHAPES.items():
+        shape = {**full, **TINY} if args.interpret else full
+        for fold in (False, True):
+            layer = build_layer(shape, fold, device)
+            gen = torch.Generator(device=device).manual_seed(1)
+            x = torch.randn(args.tokens, shape["hidden"], generator=gen, device=device)
+            x = x.to(torch.bfloat16)
+            row = dict(model=name, folded=fold, tokens=args.tokens, **shape)
+            started = time.perf_counter()
+            if cuda:
+                kernels, copies = cuda_launches(layer, x)
+                row.update(
+                    kernels=kernels, copies=copies, us_per_layer=graph_us(layer, x, args.repeats)
+                )
+            else:
+                kernels = interpreted_launches(layer, x)
+                row.update(kernels=kernels)
+            row["launches"] = len(kernels)
+            row["seconds"] = round(time.perf_counter() - started, 2)
+            results.append(row)
+            timing = f", {row['us_per_layer']:.2f} us/layer (graph)" if cuda else ""
+            print(
+                f"{name:12s} {'folded' if fold else 'two-branch':10s} "
+                f"{row['launches']:2d} launches{timing}: {', '.join(kernels)}"
+            )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name() if cuda else "cpu (interpreted)",
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
