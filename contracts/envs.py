@@ -29,10 +29,10 @@ VARIABLES: dict[str, tuple[str, str]] = {
     ),
     "KVLOOM_DISABLE_TRITON": ("", "1: every kernel takes its pure-torch reference"),
     "KVLOOM_NO_GEMV": ("", "1: small-row linears (bf16, FP8, W4A16) skip the Triton GEMVs"),
-    "KVLOOM_NO_SCALED_MM": (
+    "KVLOOM_SCALED_MM": (
         "",
-        "1: prefill-size FP8 block-scaled linears on Hopper skip cuBLAS's blockwise GEMM "
-        "(torch._scaled_mm) for kvloom's Triton GEMM",
+        "1: prefill-size FP8 block-scaled linears on Hopper take cuBLAS's blockwise GEMM "
+        "(torch._scaled_mm) instead of kvloom's Triton GEMM (opt-in: its accuracy is open)",
     ),
     "KVLOOM_NO_FLA": (
         "",

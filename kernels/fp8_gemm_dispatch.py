@@ -9,7 +9,14 @@ it ran 4-5x the Triton GEMM at 4,096 tokens and agreed within about one bf16 ulp
 
 `scaled_mm_blocker` names the first reason a call cannot take cuBLAS (None: it can):
 
-- `KVLOOM_NO_SCALED_MM=1` turns it off;
+- it is off unless `KVLOOM_SCALED_MM=1`: on the H200 (2026-12-05) its float32 output was
+  4.4e-3 to 8.7e-3 of the output's largest magnitude away from the float64 product of the
+  same quantized operands (Triton's GEMM: 2e-7 to 5e-7), at every Qwen3-8B projection and
+  64-4,096 tokens, with weights near e4m3's range and block scales spread 20x. A probe
+  with narrower weights and scales gave 1.2e-4. Until that is understood it is opt-in;
+- rows are padded to a multiple of 4: cuBLAS refused 65 tokens (torch checks the
+  activation scales' stride is exactly the row count, so the scales cannot be padded
+  alone, and cuBLAS needs their 16-byte alignment);
 - the deterministic mode keeps the Triton GEMM: cuBLAS picks its algorithm (so its
   summation order) by shape, so a row's result could depend on its batch;
 - a GPU of compute capability 9.0: torch runs cuBLAS's 1x128 / 128x128 scaling on Hopper
@@ -40,7 +47,8 @@ from kvloom.kernels import dispatch
 
 logger = logging.getLogger(__name__)
 
-DISABLE_ENV = "KVLOOM_NO_SCALED_MM"
+ENABLE_ENV = "KVLOOM_SCALED_MM"
+ROW_ALIGN = 4  # cuBLAS's alignment of the column-major activation scales (module doc)
 BLOCK = 128  # cuBLAS's block: 1x128 activation groups, 128x128 weight blocks
 K_BLOCKS_MULTIPLE = 4  # cuBLAS's row padding of the weight's block scales (module doc)
 # Fewest tokens that take cuBLAS. It was faster than the Triton GEMM from 16 tokens up
@@ -77,8 +85,8 @@ def scaled_mm_blocker(
     n, k = w_q.shape
     tokens = x.numel() // max(k, 1)
     out_dtype = out_dtype or x.dtype
-    if envs.flag(DISABLE_ENV):
-        return f"{DISABLE_ENV}=1"
+    if not envs.flag(ENABLE_ENV):
+        return f"off unless {ENABLE_ENV}=1 (its accuracy: module doc)"
     if dispatch.batch_invariant():
         return "the deterministic mode keeps the batch-invariant Triton GEMM"
     if block_scale is None:
@@ -125,11 +133,16 @@ def fp8_linear_scaled_mm(
     flat = x.reshape(-1, k)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
+    rows = flat.shape[0]
+    pad = -rows % ROW_ALIGN
+    if pad:  # zero rows, sliced off below
+        flat = torch.nn.functional.pad(flat, (0, 0, 0, pad))
     x_q, x_s = quantize_activations(flat)
     # w_q.t() is column-major [K, N]; block_scale.t() is the [K / 128, N / 128] view
     # torch's 128x128 check wants (strides (1, K / 128)).
     mm_dtype = out_dtype if bias is None else torch.float32
     out = torch._scaled_mm(x_q, w_q.t(), x_s, block_scale.t(), out_dtype=mm_dtype)
+    out = out[:rows]
     if bias is not None:
         out = (out + bias.float()).to(out_dtype)
     return out.view(*x.shape[:-1], n)

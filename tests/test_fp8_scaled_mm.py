@@ -4,7 +4,7 @@
 * what `ops.fp8_linear` then runs: cuBLAS (a fake `torch._scaled_mm` that enforces the
   operand and scale layouts torch's `_scaled_mm` checks for 1x128 / 128x128 scaling and
   computes the blockwise product in float64), the Triton GEMM (a spy) in the
-  deterministic mode, under KVLOOM_NO_SCALED_MM=1 and after a refusal, which is
+  deterministic mode, without KVLOOM_SCALED_MM=1 and after a refusal, which is
   remembered for the shape and logged once; the result against `fp8_linear_ref`;
 * the block scale an FP8 layer keeps (`Fp8Method.block_scale`) against the checkpoint's
   own [N / 128, K / 128] tensor, on tensor-parallel ranks (fused QKV with and without
@@ -59,8 +59,9 @@ class FakeCublas:
     torch's `_scaled_mm` checks for that recipe (aten/src/ATen/native/cuda/ScaledBlas.cpp:
     row-major mat1, column-major mat2, scale_a [M, K/128] with strides (1, M), scale_b.t()
     [N/128, K/128] with strides (K/128, 1); a stride of a size-1 dimension is free), then
-    computes the product in float64. `refuse`: raise as cuBLAS does for a shape it has no
-    kernel for."""
+    computes the product in float64. Like cuBLAS on the H200, it refuses a row count that
+    is not a multiple of 4 (the column-major scales' 16-byte alignment); `refuse`: refuse
+    every shape."""
 
     def __init__(self, refuse: bool = False):
         self.refuse = refuse
@@ -71,6 +72,8 @@ class FakeCublas:
         if self.refuse:
             raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `...`")
         (m, k), n = a.shape, b.shape[1]
+        if m % 4:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED (unaligned scales)")
         kb, nb = k // 128, n // 128
         assert a.dtype == b.dtype == FP8_DTYPE and bias is None
         assert a.stride(1) == 1 and b.stride(0) == 1, "mat1 row-major, mat2 column-major"
@@ -121,7 +124,7 @@ def fakes(monkeypatch):
     monkeypatch.setattr(fp8_gemm_dispatch, "device_capability", lambda device: (9, 0))
     monkeypatch.setattr(fp8_gemm_dispatch, "_refused", set())
     monkeypatch.setattr(fp8_gemm_dispatch, "_logged", set())
-    monkeypatch.delenv("KVLOOM_NO_SCALED_MM", raising=False)
+    monkeypatch.setenv("KVLOOM_SCALED_MM", "1")
     cublas = FakeCublas()
     monkeypatch.setattr(torch, "_scaled_mm", cublas)
     return cublas, triton_calls
@@ -227,9 +230,11 @@ def test_the_deterministic_mode_and_the_switch_keep_the_triton_gemm(fakes, monke
     finally:
         dispatch.set_batch_invariant(before)
     assert fp8_gemm_dispatch.scaled_mm_blocker(**call) is None
-    monkeypatch.setenv("KVLOOM_NO_SCALED_MM", "1")
-    assert "KVLOOM_NO_SCALED_MM" in fp8_gemm_dispatch.scaled_mm_blocker(**call)
-    monkeypatch.setenv("KVLOOM_NO_SCALED_MM", "0")
+    monkeypatch.setenv("KVLOOM_SCALED_MM", "0")
+    assert "KVLOOM_SCALED_MM" in fp8_gemm_dispatch.scaled_mm_blocker(**call)
+    monkeypatch.delenv("KVLOOM_SCALED_MM")
+    assert "KVLOOM_SCALED_MM" in fp8_gemm_dispatch.scaled_mm_blocker(**call)  # opt-in
+    monkeypatch.setenv("KVLOOM_SCALED_MM", "1")
     assert fp8_gemm_dispatch.scaled_mm_blocker(**call) is None
 
 
@@ -244,11 +249,12 @@ def run_linear(tokens, out_dtype=None, bias=False, seed=0):
     return out, fp8_linear_ref(x, w_q, w_s, 128, None, b, out_dtype)
 
 
-@pytest.mark.parametrize(("tokens", "bias"), [(64, False), (65, True), (130, False)])
+@pytest.mark.parametrize(("tokens", "bias"), [(64, False), (65, True), (130, False), (67, False)])
 def test_prefill_sizes_take_cublas_with_the_reference_semantics(fakes, tokens, bias):
     cublas, triton_calls = fakes
     out, ref = run_linear(tokens, torch.float32, bias)
     assert len(cublas.calls) == 1 and not triton_calls
+    assert cublas.calls[0][0][0] == tokens + (-tokens % 4)  # rows padded for cuBLAS
     assert out.dtype == torch.float32 and out.shape == ref.shape
     # float64 against float32 sums of the same products: summation order only.
     assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
@@ -293,7 +299,7 @@ def test_the_deterministic_mode_runs_the_triton_gemm(fakes, deterministic_mode):
 
 def test_the_switch_runs_the_triton_gemm(fakes, monkeypatch):
     cublas, triton_calls = fakes
-    monkeypatch.setenv("KVLOOM_NO_SCALED_MM", "1")
+    monkeypatch.delenv("KVLOOM_SCALED_MM")
     run_linear(128)
     assert triton_calls == ["gemm"] and not cublas.calls
 

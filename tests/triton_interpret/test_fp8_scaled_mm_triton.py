@@ -97,7 +97,7 @@ def scaled_mm_calls(monkeypatch):
 
     monkeypatch.setattr(torch, "_scaled_mm", spy)
     monkeypatch.setattr(fp8_gemm_dispatch, "_refused", set())
-    monkeypatch.delenv("KVLOOM_NO_SCALED_MM", raising=False)
+    monkeypatch.setenv("KVLOOM_SCALED_MM", "1")
     return calls
 
 
