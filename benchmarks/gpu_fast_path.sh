@@ -92,13 +92,17 @@ for section in "$@"; do
         tests/test_greedy_argmax.py tests/test_gemv.py tests/test_moe_router.py \
         tests/test_gdn_gates.py tests/test_kda_gates.py tests/test_gated_rms_norm.py \
         tests/test_fused_moe.py tests/test_moe_router_sigmoid.py \
-        tests/test_qk_norm_rope.py tests/test_token_bitmask.py
+        tests/test_qk_norm_rope.py tests/test_token_bitmask.py \
+        tests/test_moe_router_shared_expert.py tests/test_moe_shared_expert_fold.py \
+        tests/test_gemv_silu_and_mul.py
       run_group G4 tests/triton_interpret/test_kv_cache_fp8_triton.py \
         tests/triton_interpret/test_paged_attention_dcp_triton.py
       run_group G5 tests/triton_interpret/test_batch_invariant_triton.py \
         tests/triton_interpret/test_kernels_triton_dense.py \
         tests/triton_interpret/test_mla_attention_triton.py \
-        tests/triton_interpret/test_fp8_gemm_plans_triton.py
+        tests/triton_interpret/test_fp8_gemm_plans_triton.py \
+        tests/triton_interpret/test_paged_attention_decode_split_triton.py \
+        tests/triton_interpret/test_fp8_scaled_mm_triton.py
       run_group G6 tests/triton_interpret/test_quant_kernels_triton.py
       run_group G7 -m gpu tests/test_ray_gpu.py tests/test_distributed_all_gatherv.py \
         tests/test_distributed_process_group.py tests/test_ray_async_scheduling.py \
