@@ -148,6 +148,14 @@ GEMV_PLAN_TABLE: dict[tuple[int, int], dict[int, GemvPlan]] = {
         4: GemvPlan(16, 256, 4, 4, 1),  # 10.4 us, 1610 GB/s, 0.90x cuBLAS
         8: GemvPlan(16, 256, 4, 4, 1),  # 15.4 us, 1088 GB/s, 0.61x cuBLAS
     },
+    # Qwen3-Next's fused GDN input projection (in_proj_qkvz + in_proj_ba: 64 more rows than
+    # the entry above): the (12288, 2048) plans reused, not yet measured at this shape.
+    (12352, 2048): {  # N, K
+        1: GemvPlan(16, 128, 4, 4, 1),
+        2: GemvPlan(32, 128, 4, 6, 1),
+        4: GemvPlan(32, 128, 4, 6, 1),
+        8: GemvPlan(32, 128, 4, 6, 1),
+    },
     (9216, 2048): {  # N, K
         1: GemvPlan(16, 128, 4, 4, 1),  # 11.1 us, 3411 GB/s, 1.06x cuBLAS
         2: GemvPlan(16, 128, 4, 4, 1),  # 12.1 us, 3118 GB/s, 0.96x cuBLAS

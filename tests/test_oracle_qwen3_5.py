@@ -270,7 +270,8 @@ def test_tensor_parallel_two_ranks_match_one(model_dir):
     ranks = [load_rank(model_dir, ThreadTPGroup(r, 2, shared)) for r in range(2)]
     gdn = ranks[1].model.layers[0].linear_attn
     assert (gdn.num_k_heads, gdn.num_v_heads) == (1, 2)  # half of each
-    assert gdn.in_proj_qkv.weight.shape[0] == 16 + 16 + 16  # q, k: 1 head of 16; v: 2 of 8
+    # in_proj_qkv's parts in the fused in_proj: q, k: 1 head of 16; v: 2 of 8
+    assert gdn.in_proj.local_sizes[:3] == [16, 16, 16]
     results: list = [None, None]
 
     def work(r):

@@ -32,6 +32,14 @@ tokens and 28% higher at 64 requests of 1,500-2,000 (docs/benchmarks/determinist
 A few long rows keep the chunked kernels, whose work is parallel over a row's tokens.
 
 Tensor parallelism splits key-head groups (and with them their value heads) over ranks.
+
+A batch-1 decode step is bound by launches, so where both projections are float the layer
+holds them as ONE linear `in_proj` (`FusedInputProjection`) whose output, on each rank, is
+[q | k | v | z | b,a] for that rank's key-head groups: in_proj_qkvz's per-group rows are
+regrouped at load time, in_proj_ba's rows appended as they are. `mixed` (the conv input),
+z and ba are then column views of one GEMM's output: one launch and no cat. A quantized
+checkpoint keeps the two released linears and the cat (`fuse_projections=False`; the
+model decides with `gdn_fusion`).
 """
 
 from __future__ import annotations
@@ -128,13 +136,58 @@ class ShardedDepthwiseConv(nn.Module):
         self.weight.data.copy_(torch.cat(pieces))
 
 
+class FusedInputProjection(ColumnParallelLinear):
+    """One column-parallel linear over parts loaded from several checkpoint tensors.
+
+    `sources[i]` = (part sizes, groups): checkpoint tensor i fills those consecutive parts.
+    Its rows are `groups` equal blocks, each holding every part's share in order (groups = 1:
+    the parts are stacked whole; groups = Hk: in_proj_qkvz's per-key-head [q, k, v, z]).
+    Loading regroups the rows into one block per part; each part is then split over ranks
+    like any ColumnParallelLinear part, so a rank's output is [part 0 | part 1 | ...] of its
+    own heads. Float weights only (quantized checkpoints keep the released linears)."""
+
+    def __init__(self, input_size, sources, tp=None, dtype=torch.float32):
+        self.sources = [(list(sizes), groups) for sizes, groups in sources]
+        for sizes, groups in self.sources:
+            for size in sizes:
+                if size % groups:
+                    raise ValueError(f"part of {size} rows is not split in {groups} groups")
+        super().__init__(
+            input_size, [s for sizes, _ in self.sources for s in sizes], tp=tp, dtype=dtype
+        )
+        self.num_shards = len(self.sources)  # checkpoint tensors (weight_loader)
+
+    def load_shard(self, param_name: str, loaded: torch.Tensor, shard: int = 0) -> None:
+        if self.quant_method is not None:
+            raise ValueError(f"weight {param_name}: a fused input projection is float only")
+        if not 0 <= shard < len(self.sources):
+            raise ValueError(f"weight {param_name}: unexpected shard {shard}")
+        sizes, groups = self.sources[shard]
+        check_shape(param_name, loaded, (sum(sizes), self.input_size))
+        first = sum(len(s) for s, _ in self.sources[:shard])
+        blocks = loaded.unflatten(0, (groups, -1)).split([s // groups for s in sizes], dim=1)
+        for part, block in enumerate(blocks):
+            super().load_shard(param_name, block.flatten(0, 1), first + part)
+
+
 class GatedDeltaNet(LinearStatePages, nn.Module):
     """Qwen3-Next's linear-attention layer; also a cache layer (allocate/poison/copy)."""
 
-    def __init__(self, config: dict, layer_index: int, tp: TPGroup | None, dtype: torch.dtype):
+    # The checkpoint's input projections, in the fused linear's shard order.
+    checkpoint_projections = ("in_proj_qkvz", "in_proj_ba")
+
+    def __init__(
+        self,
+        config: dict,
+        layer_index: int,
+        tp: TPGroup | None,
+        dtype: torch.dtype,
+        fuse_projections: bool = True,
+    ):
         super().__init__()
         tp = tp or LocalGroup()
         self.layer_index = layer_index
+        self.fused = fuse_projections
         self.dtype = dtype
         hidden = config["hidden_size"]
         num_k, num_v = config["linear_num_key_heads"], config["linear_num_value_heads"]
@@ -158,13 +211,7 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
         if self.activation not in ("silu", "swish"):
             raise ValueError(f"hidden_act must be silu for Gated DeltaNet, got {self.activation!r}")
         key_dim, value_dim = num_k * self.head_k_dim, num_v * self.head_v_dim
-        group_width = 2 * self.head_k_dim + 2 * self.group_v_heads * self.head_v_dim
-        # One fused output part: key-head groups are contiguous, so a rank's slice of the
-        # rows is exactly its groups.
-        self.in_proj_qkvz = ColumnParallelLinear(hidden, [num_k * group_width], tp=tp, dtype=dtype)
-        self.in_proj_ba = ColumnParallelLinear(
-            hidden, [num_k * 2 * self.group_v_heads], tp=tp, dtype=dtype
-        )
+        self._build_projections(config, tp, dtype)
         self.conv1d = ShardedDepthwiseConv(
             [key_dim, key_dim, value_dim], self.conv_width, tp, dtype
         )
@@ -178,6 +225,23 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
         # The state pool, allocated once the block pool is sized.
         self.conv_state: torch.Tensor | None = None
         self.recurrent_state: torch.Tensor | None = None
+
+    def _build_projections(self, config: dict, tp: TPGroup, dtype: torch.dtype) -> None:
+        """Fused: `in_proj` gives [q | k | v | z] of this rank's groups, then its groups'
+        [b (r), a (r)] as released (`gdn_gates` reads them there, group r). Unfused: the
+        released in_proj_qkvz and in_proj_ba, each one part (key-head groups are contiguous,
+        so a rank's slice of the rows is exactly its groups)."""
+        hidden, num_k = config["hidden_size"], config["linear_num_key_heads"]
+        r, dk, dv = self.group_v_heads, self.head_k_dim, self.head_v_dim
+        key_dim, value_dim, ba_dim = num_k * dk, num_k * r * dv, num_k * 2 * r
+        self.ba_group = r
+        if self.fused:
+            sources = [([key_dim, key_dim, value_dim, value_dim], num_k), ([ba_dim], 1)]
+            self.in_proj = FusedInputProjection(hidden, sources, tp=tp, dtype=dtype)
+            return
+        qkvz_dim = 2 * key_dim + 2 * value_dim
+        self.in_proj_qkvz = ColumnParallelLinear(hidden, [qkvz_dim], tp=tp, dtype=dtype)
+        self.in_proj_ba = ColumnParallelLinear(hidden, [ba_dim], tp=tp, dtype=dtype)
 
     # -- weights and cache ----------------------------------------------------------
     def load_shard(self, param_name: str, loaded: torch.Tensor, shard: int = 0) -> None:
@@ -199,9 +263,17 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
 
     # -- forward --------------------------------------------------------------------
     def _split_projections(self, hidden: torch.Tensor):
-        """-> mixed_qkv [T, C] (conv input, channels [q | k | v]), z as a [T, Hk, r, Dv]
-        view of the projection (no copy), and the raw in_proj_ba output [T, Hk * 2r]."""
+        """-> mixed_qkv [T, C] (conv input, channels [q | k | v]), z [T, Hv, Dv] or
+        [T, Hk, r, Dv], and ba (the gates' input): fused, all three are column views of one
+        GEMM's output (rows strided; the conv, gates and norm kernels read them in place)."""
         tokens = hidden.shape[0]
+        if self.fused:
+            z_dim = self.num_v_heads * self.head_v_dim
+            out = self.in_proj(hidden)
+            mixed, z, ba = out.split(
+                [self.conv_channels, z_dim, out.shape[-1] - z_dim - self.conv_channels], dim=-1
+            )
+            return mixed, z.view(tokens, self.num_v_heads, self.head_v_dim), ba
         dk, dv, r = self.head_k_dim, self.head_v_dim, self.group_v_heads
         qkvz = self.in_proj_qkvz(hidden).view(tokens, self.num_k_heads, -1)
         q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
@@ -211,7 +283,7 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
     def _gates(self, ba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """g = -exp(A_log) * softplus(a + dt_bias) (float32), beta = sigmoid(b), one kernel
         reading b and a where the projection put them."""
-        return gdn_gates(ba, self.A_log, self.dt_bias, self.group_v_heads)
+        return gdn_gates(ba, self.A_log, self.dt_bias, self.ba_group)
 
     def _split_heads(self, mixed: torch.Tensor):
         key_dim = self.num_k_heads * self.head_k_dim

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from kvloom.kernels.ops import gdn_gates
-from kvloom.workers.layers.gated_deltanet import GatedDeltaNet
+from kvloom.workers.layers.gated_deltanet import FusedInputProjection, GatedDeltaNet
 from kvloom.workers.layers.linear import ColumnParallelLinear, check_shape
-from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
+from kvloom.workers.layers.tp_group import TPGroup
 
 
 class MultiPartColumnLinear(ColumnParallelLinear):
@@ -42,18 +41,25 @@ class MultiPartColumnLinear(ColumnParallelLinear):
 
 
 class GatedDeltaNetSplit(GatedDeltaNet):
-    """Qwen3.5's linear-attention layer; a cache layer exactly like GatedDeltaNet."""
+    """Qwen3.5's linear-attention layer; a cache layer exactly like GatedDeltaNet.
 
-    def __init__(self, config: dict, layer_index: int, tp: TPGroup | None, dtype: torch.dtype):
-        super().__init__(config, layer_index, tp, dtype)
-        tp = tp or LocalGroup()
-        # The parent's interleaved projections have no tensors in a Qwen3.5 checkpoint:
-        # drop them so the loader expects exactly Qwen3.5's names.
-        del self.in_proj_qkvz, self.in_proj_ba
+    Fused (float checkpoints): `in_proj` gives, on each rank, [q | k | v | z | b | a] of its
+    heads in one GEMM; the gates read [b | a] as one group of all its value heads. Unfused
+    (quantized): the four released linears and a cat of b and a."""
+
+    checkpoint_projections = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+    def _build_projections(self, config: dict, tp: TPGroup, dtype: torch.dtype) -> None:
         hidden = config["hidden_size"]
         num_k = config["linear_num_key_heads"]
         num_v = config["linear_num_value_heads"]
         key_dim, value_dim = num_k * self.head_k_dim, num_v * self.head_v_dim
+        self.ba_group = self.num_v_heads  # [b | a]: this rank's value heads as one group
+        if self.fused:
+            sources = [([key_dim, key_dim, value_dim], 1), ([value_dim], 1), ([num_v], 1)]
+            sources.append(([num_v], 1))
+            self.in_proj = FusedInputProjection(hidden, sources, tp=tp, dtype=dtype)
+            return
         self.in_proj_qkv = MultiPartColumnLinear(
             hidden, [key_dim, key_dim, value_dim], tp=tp, dtype=dtype
         )
@@ -64,11 +70,10 @@ class GatedDeltaNetSplit(GatedDeltaNet):
     def _split_projections(self, hidden: torch.Tensor):
         """-> mixed_qkv [T, C] (conv input, channels [q | k | v]), z [T, Hv, Dv], and
         [b | a] [T, 2 * Hv]: the parent's gate layout with all value heads in one group."""
+        if self.fused:
+            return super()._split_projections(hidden)
         tokens = hidden.shape[0]
         mixed = self.in_proj_qkv(hidden)
         z = self.in_proj_z(hidden).view(tokens, self.num_v_heads, self.head_v_dim)
         ba = torch.cat([self.in_proj_b(hidden), self.in_proj_a(hidden)], dim=-1)
         return mixed, z, ba
-
-    def _gates(self, ba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return gdn_gates(ba, self.A_log, self.dt_bias, self.num_v_heads)

@@ -17,7 +17,9 @@ from the 3-D `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] t
 published Qwen3.5-MoE checkpoints hold. Qwen3.5-MoE's router `mlp.gate` and
 `mlp.shared_expert_gate` load into one fused linear as Qwen3-Next's (qwen3_next.py), in
 either layout, and its shared expert folds into the fused MoE on the same terms
-(`shared_expert_folding`).
+(`shared_expert_folding`). Its four Gated DeltaNet input projections load as the
+four shards of one linear `linear_attn.in_proj` on the same terms as Qwen3-Next's two
+(`gdn_fusion`: float checkpoints; quantized ones keep the four linears).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from kvloom.workers.models.qwen3_next import (
     Qwen3NextModel,
     Qwen3NextSparseMoe,
     gate_fusion,
+    gdn_fusion,
     layer_types,
     shared_expert_folding,
     zero_centred_norm,
@@ -96,7 +99,9 @@ class Qwen3_5DecoderLayer(Qwen3NextDecoderLayer):
         nn.Module.__init__(self)
         self.kind = kind
         if kind == "linear_attention":
-            self.linear_attn = GatedDeltaNetSplit(config, index, tp, dtype)
+            projections = GatedDeltaNetSplit.checkpoint_projections
+            fuse = gdn_fusion(qconfig, index, projections, LAYER_PREFIXES)
+            self.linear_attn = GatedDeltaNetSplit(config, index, tp, dtype, fuse)
         else:
             self.self_attn = Qwen3NextAttention(config, index, tp, dtype)
         hidden = config["hidden_size"]

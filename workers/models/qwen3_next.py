@@ -16,6 +16,9 @@ the shared expert is as wide as a routed one and neither is quantized (Qwen3-Nex
 512 and 512), it is folded into the fused MoE as expert E (`shared_expert_folding`): its
 `mlp.shared_expert.*` tensors load into `mlp.experts` and the router appends it to every
 token with weight sigmoid(the gate GEMM's last column) (workers/layers/moe.py).
+A Gated DeltaNet layer's `in_proj_qkvz` and `in_proj_ba` load as the two shards of one
+linear `linear_attn.in_proj` (regrouped to [q | k | v | z | b,a]: one GEMM, no cat) where
+the quantization_config leaves both float (`gdn_fusion`).
 """
 
 from __future__ import annotations
@@ -69,6 +72,12 @@ _SHARED_GATE_NAME = re.compile(
 )
 
 
+# Any tensor of a Gated DeltaNet input projection (fused into `in_proj`: gdn_fusion).
+_GDN_PROJ_NAME = re.compile(
+    r"^(?P<attn>model\.layers\.(?P<index>\d+)\.linear_attn)\.(?P<proj>in_proj_\w+)\.(?P<param>\w+)$"
+)
+
+
 def zero_centred_norm(size: int, config: dict, dtype: torch.dtype) -> RMSNorm:
     return RMSNorm(size, config.get("rms_norm_eps", 1e-6), dtype, weight_offset=1.0)
 
@@ -119,6 +128,22 @@ def gate_fusion(
         == qconfig.scheme_for([f"{mlp}.shared_expert_gate"], "shared_expert_gate")
         for mlp in mlps
     )
+
+
+def gdn_fusion(
+    qconfig: QuantizationConfig | None,
+    index: int,
+    projections: tuple[str, ...],
+    layers: tuple[str, ...] = ("model.layers",),
+) -> bool:
+    """Whether Gated DeltaNet layer `index` loads its checkpoint `projections` into one
+    float linear (GatedDeltaNet's `in_proj`): the quantization_config leaves every one of
+    them float under each spelling in `layers`. A quantized checkpoint keeps the released
+    linears (regrouping rows of quantized weights and their block scales is not done)."""
+    if qconfig is None:
+        return True
+    names = [f"{prefix}.{index}.linear_attn.{proj}" for prefix in layers for proj in projections]
+    return all(qconfig.scheme_for([name], name) is None for name in names)
 
 
 def shared_expert_folding(
@@ -296,7 +321,8 @@ class Qwen3NextDecoderLayer(nn.Module):
         super().__init__()
         self.kind = kind
         if kind == "linear_attention":
-            self.linear_attn = GatedDeltaNet(config, index, tp, dtype)
+            fuse = gdn_fusion(qconfig, index, GatedDeltaNet.checkpoint_projections)
+            self.linear_attn = GatedDeltaNet(config, index, tp, dtype, fuse)
         else:
             self.self_attn = Qwen3NextAttention(config, index, tp, dtype)
         if is_sparse_layer(config, index):
@@ -372,14 +398,21 @@ class Qwen3NextForCausalLM(nn.Module):
         """Per-expert checkpoint tensors go into the stacked FusedMoE weights, and so do a
         folded shared expert's (as expert E); a shared expert gate a layer keeps separate
         (gate_fusion) loads into its own module. None: the default rules (STACKED_PARAMS,
-        which fuse the shared expert gate into `gate`)."""
+        which fuse the shared expert gate into `gate`). A fused Gated DeltaNet layer's
+        released input projections load as the shards of its `in_proj`."""
         expert = map_expert_weight(ckpt_name) or map_shared_expert_weight(
             self, ckpt_name, "shared_expert"
         )
         if expert is not None:
             return expert
-        match = _SHARED_GATE_NAME.match(ckpt_name)
         layers = self.model.layers
+        match = _GDN_PROJ_NAME.match(ckpt_name)
+        if match and int(match["index"]) < len(layers):
+            attn = getattr(layers[int(match["index"])], "linear_attn", None)
+            sources = getattr(attn, "checkpoint_projections", ())
+            if attn is not None and attn.fused and match["proj"] in sources:
+                return f"{match['attn']}.in_proj", match["param"], sources.index(match["proj"])
+        match = _SHARED_GATE_NAME.match(ckpt_name)
         if match and int(match["index"]) < len(layers):
             mlp = layers[int(match["index"])].mlp
             if isinstance(mlp, Qwen3NextSparseMoe) and not mlp.fused_gates:
