@@ -207,15 +207,17 @@ def weight_bytes(engine: Engine) -> int:
 
 def decode_weight_bytes(model) -> int:
     """Bytes a batch-1 decode step reads: every parameter but the input embedding table,
-    and of a mixture of experts only the `top_k` experts one token is routed to."""
+    and of a mixture of experts only the `top_k` experts one token is routed to (plus a
+    shared expert folded into its stacks, which every token reads)."""
     total = 0
     expert_params = set()
     for module in model.modules():
         experts, top_k = getattr(module, "num_experts", None), getattr(module, "top_k", None)
         if experts and top_k and hasattr(module, "w13"):
+            folded = int(getattr(module, "shared_expert_id", None) is not None)
             for p in module.parameters():
                 expert_params.add(id(p))
-                total += p.numel() * p.element_size() * top_k // experts
+                total += p.numel() * p.element_size() * (top_k + folded) // (experts + folded)
     for name, p in model.named_parameters():
         if "embed_tokens" not in name and id(p) not in expert_params:
             total += p.numel() * p.element_size()
