@@ -2,18 +2,24 @@
 
 Model shapes of real models run with seeded random weights (`load_format="dummy"`), so a
 benchmark needs only a config. Workloads follow the GPU issue's definitions:
-- latency: one request, 128-token prompt, N decode steps; ms per token, tokens/s, achieved
-  GB/s = bytes of weights read per step (embedding table excluded) / step time, and its
-  ratio to the device's copy bandwidth measured in the same run;
+- latency: one request, a 128-token prompt (`--context-len` for long-context decode), N
+  decode steps; ms per token, tokens/s, achieved GB/s = bytes of weights one device reads
+  per step (its shard at TP > 1; embedding table excluded) / step time, and its ratio to
+  that device's copy bandwidth measured in the same run;
 - throughput: 1000 requests, prompts U[128, 1024], outputs U[64, 512], seed 0, ignore_eos;
 - load: the same requests arriving as a Poisson process at `--request-rate` per second;
   time to first token (from each request's arrival) and time per output token after the
   first (its mean inter-token latency), as percentiles over the requests.
+
+Every kind runs at any tensor-parallel × decode-context-parallel grid (`--tp`, `--dcp`);
+a grid of more than one rank runs on the Ray executor, and every figure is measured through
+the engine's step loop, so it holds for both executors.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 import tempfile
@@ -47,6 +53,23 @@ SHAPES = {
         "intermediate_size": 12288,
         "num_hidden_layers": 36,
         "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "tie_word_embeddings": False,
+    },
+    # Qwen/Qwen3-32B's config.json (transformers 4.51 spelling: rope_theta 1e6, no rope
+    # scaling, untied embeddings; native context 32,768, YaRN x4 to 131,072 per its card).
+    "qwen3-32b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 64,
         "num_key_value_heads": 8,
         "head_dim": 128,
         "vocab_size": 151936,
@@ -163,14 +186,17 @@ QUANTIZATION_CONFIGS = {
 }
 
 
-def shape_dir(shape: str, root: Path, quantization: str | None = None) -> Path:
+def shape_dir(
+    shape: str, root: Path, quantization: str | None = None, context_len: int | None = None
+) -> Path:
     """A checkpoint dir with only config.json and the demo tokenizer (weights are dummy);
-    `quantization` (fp8, w4a16) adds that format's `quantization_config`."""
+    `quantization` (fp8, w4a16) adds that format's `quantization_config`; a `context_len`
+    past the shape's own limit stretches its rope (`extend_context`)."""
     from kvloom.cluster.demo_model import write_demo_model
 
-    if shape not in SHAPES:
-        raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
-    config = dict(SHAPES[shape])
+    config = shape_config(shape)
+    if context_len:
+        config = extend_context(config, context_len)
     if quantization:
         if quantization not in QUANTIZATION_CONFIGS:
             raise ValueError(
@@ -182,6 +208,60 @@ def shape_dir(shape: str, root: Path, quantization: str | None = None) -> Path:
     (out / "model.safetensors").unlink()
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def shape_config(shape: str) -> dict:
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
+    return dict(SHAPES[shape])
+
+
+def extend_context(config: dict, context_len: int) -> dict:
+    """The config with room for `context_len` positions. Qwen3 reaches 131,072 with YaRN
+    x4, which kvloom's rotary table lacks; linear scaling by the same whole factor stands in
+    (dummy weights: the attention and KV-cache cost of each position is the same)."""
+    native = config.get("max_position_embeddings")
+    if native is None or context_len <= native:
+        return config
+    params = dict(config.get("rope_parameters") or {})
+    if params.get("rope_type", "default") != "default":
+        raise ValueError(
+            f"--max-model-len {context_len} exceeds the shape's {native} positions and its "
+            f"rope ({params['rope_type']}) cannot be stretched"
+        )
+    factor = math.ceil(context_len / native)
+    params.update(
+        rope_type="linear",
+        factor=float(factor),
+        rope_theta=params.get("rope_theta", config.get("rope_theta", 10000.0)),
+    )
+    return dict(config, rope_parameters=params, max_position_embeddings=native * factor)
+
+
+def check_grid(config: dict, tp: int, dcp: int) -> None:
+    """Refuses a grid the model cannot be split over, before any worker starts (the
+    workers would say the same, after Ray and the weights)."""
+    if tp < 1 or dcp < 1:
+        raise ValueError(f"--tp and --dcp must be >= 1, got tp={tp}, dcp={dcp}")
+    heads = config.get("num_attention_heads")
+    if heads and heads % tp:
+        raise ValueError(f"--tp {tp} must divide num_attention_heads ({heads})")
+    kv_heads = config.get("num_key_value_heads")
+    if kv_heads and kv_heads >= tp and kv_heads % tp:
+        raise ValueError(f"--tp {tp} must divide num_key_value_heads ({kv_heads})")
+
+
+def grid(args) -> tuple[int, int]:
+    """(tensor-parallel size, decode-context-parallel size) of a bench run."""
+    return getattr(args, "tensor_parallel_size", 1), getattr(
+        args, "decode_context_parallel_size", 1
+    )
+
+
+def executor_name(args) -> str:
+    """The executor a run uses: as asked, else Ray for a grid of more than one rank."""
+    tp, dcp = grid(args)
+    return getattr(args, "executor", None) or ("ray" if tp * dcp > 1 else "inprocess")
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -201,8 +281,23 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * n / sorted(times[1:])[2]
 
 
-def weight_bytes(engine: Engine) -> int:
-    return decode_weight_bytes(engine.executor.worker.runner.model)
+def on_rank0(engine: Engine, fn):
+    """`fn(worker)` on rank 0's worker: in this process, or inside its Ray actor (a control
+    call, once per run, never per step)."""
+    executor = engine.executor
+    if hasattr(executor, "worker"):
+        return fn(executor.worker)
+    import ray
+
+    return ray.get(executor.actors[0].__ray_call__.remote(lambda actor: fn(actor.worker)))
+
+
+def rank_weight_bytes(worker) -> int:
+    return decode_weight_bytes(worker.runner.model)
+
+
+def rank_copy_bandwidth(worker) -> float:
+    return copy_bandwidth(worker.device)
 
 
 def decode_weight_bytes(model) -> int:
@@ -233,7 +328,9 @@ def make_engine(model: str, args) -> Engine:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        executor=getattr(args, "executor", "inprocess"),
+        executor=executor_name(args),
+        tensor_parallel_size=grid(args)[0],
+        decode_context_parallel_size=grid(args)[1],
         enforce_eager=getattr(args, "enforce_eager", False),
         max_cuda_graph_batch_size=getattr(args, "max_cuda_graph_batch_size", 1024),
         enable_prefix_caching=getattr(args, "enable_prefix_caching", False),
@@ -246,34 +343,54 @@ def make_engine(model: str, args) -> Engine:
     return engine
 
 
-def latency(model: str, args) -> dict:
-    if getattr(args, "executor", "inprocess") != "inprocess":
-        raise ValueError("--executor: latency runs in-process (it reads the weights' bytes)")
-    engine = make_engine(model, args)
-    device = engine.executor.worker.device
-    rng = random.Random(0)
-    # Ids as the peer kit draws them, inside any vocabulary (the demo model has 512 ids).
-    prompt = [rng.randrange(10, min(1000, engine.vocab_size)) for _ in range(128)]
+def generated(outputs) -> int:
+    """Tokens the one request has so far (0 before its first step output)."""
+    return max((len(out.outputs[0].token_ids) for out in outputs), default=0)
+
+
+def timed_decode(engine: Engine, prompt: list[int], steps: int) -> tuple[float, int]:
+    """Prefills `prompt` (every chunk), then times the decode to `steps` more tokens through
+    the public step loop: (seconds, tokens decoded in them). Tokens are counted, not
+    steps: with async scheduling a step call need not yield a token."""
     params = SamplingParams(
-        max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True, detokenize=False
+        max_tokens=steps + 1, temperature=0.0, ignore_eos=True, detokenize=False
     )
-    engine.add_request("warmup", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=4))
-    while engine.has_unfinished_requests():
-        engine.step()
     engine.add_request("r", {"prompt_token_ids": prompt}, params)
-    engine.step()  # prefill + first token
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    first = 0
+    while first == 0 and engine.has_unfinished_requests():
+        first = generated(engine.step())
     start = time.perf_counter()
-    steps = 0
+    last = first
     while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-    elapsed = time.perf_counter() - start
-    step_s = elapsed / steps
-    bytes_per_step = weight_bytes(engine)
-    bandwidth = copy_bandwidth(device)
+        last = max(last, generated(engine.step()))
+    return time.perf_counter() - start, last - first
+
+
+def latency(model: str, args) -> dict:
+    """Batch-1 decode after a `context_len`-token prompt, at any TP × DCP grid. The step
+    loop is the engine's own; the weight bytes and copy bandwidth are rank 0's (a shard at
+    TP > 1: every rank reads its own at once, so one device's floor is the grid's)."""
+    engine = make_engine(model, args)
+    try:
+        rng = random.Random(0)
+        # Ids as the peer kit draws them, inside any vocabulary (the demo model has 512 ids).
+        context = getattr(args, "context_len", 128)
+        prompt = [rng.randrange(10, min(1000, engine.vocab_size)) for _ in range(context)]
+        engine.add_request(
+            "warmup", {"prompt_token_ids": prompt[:128]}, SamplingParams(max_tokens=4)
+        )
+        while engine.has_unfinished_requests():
+            engine.step()
+        elapsed, tokens = timed_decode(engine, prompt, args.steps)
+        bytes_per_step = on_rank0(engine, rank_weight_bytes)
+        bandwidth = on_rank0(engine, rank_copy_bandwidth)
+    finally:
+        engine.shutdown()  # a Ray executor's actors and placement group
+    step_s = elapsed / tokens
     return {
+        "executor": executor_name(args),
+        "context_len": context,
+        "decode_tokens": tokens,
         "ms_per_token": round(step_s * 1e3, 3),
         "tokens_per_s": round(1 / step_s, 1),
         "weight_bytes_per_step": bytes_per_step,
@@ -338,7 +455,7 @@ def throughput(model: str, args) -> dict:
     elapsed, out_tokens = runs[0]
     prompt_tokens = sum(len(p) for p, _ in requests)
     result = {
-        "executor": getattr(args, "executor", "inprocess"),
+        "executor": executor_name(args),
         "requests": args.num_requests,
         "seconds": round(elapsed, 2),
         "output_tokens_per_s": round(out_tokens / elapsed, 1),
@@ -399,7 +516,7 @@ def load(model: str, args) -> dict:
     elapsed = time.monotonic() - start
     engine.shutdown()
     return {
-        "executor": getattr(args, "executor", "inprocess"),
+        "executor": executor_name(args),
         "requests": len(requests),
         "request_rate": args.request_rate,
         "seconds": round(elapsed, 2),
@@ -410,12 +527,23 @@ def load(model: str, args) -> dict:
 
 
 def run(args) -> dict:
+    tp, dcp = grid(args)
+    config = (
+        json.loads((Path(args.model) / "config.json").read_text())
+        if args.model
+        else shape_config(args.shape)
+    )
+    check_grid(config.get("text_config") or config, tp, dcp)
     with tempfile.TemporaryDirectory() as tmp:
         quantization = getattr(args, "quantization", None)
-        model = args.model or str(shape_dir(args.shape, Path(tmp), quantization))
+        model = args.model or str(
+            shape_dir(args.shape, Path(tmp), quantization, args.max_model_len)
+        )
         fn = {"latency": latency, "throughput": throughput, "load": load}[args.kind]
         result = fn(model, args)
     result.update(
+        tp=tp,
+        dcp=dcp,
         kind=args.kind,
         model=args.model or args.shape,
         dtype=args.dtype,

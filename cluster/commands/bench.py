@@ -15,11 +15,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="checkpoint dir (default: a --shape with dummy weights)")
     source.add_argument(
-        "--shape", default="tiny", help="tiny, qwen3-8b, qwen3-next-24l or kimi-linear-16l"
+        "--shape",
+        default="tiny",
+        help="tiny, qwen3-8b, qwen3-32b, qwen3-next-24l or kimi-linear-16l",
     )
     parser.add_argument("--load-format", default=None, choices=("safetensors", "dummy"))
     parser.add_argument(
         "--steps", type=int, default=511, help="latency: decode steps timed (the peer kit's 511)"
+    )
+    parser.add_argument(
+        "--context-len",
+        type=int,
+        default=128,
+        help="latency: prompt tokens before the timed decode (long-context decode: 32768 "
+        "and up, with --max-model-len at least this + --steps + 1; a --shape's rope is "
+        "stretched past its own limit)",
     )
     parser.add_argument(
         "--request-rate",
@@ -88,10 +98,24 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--executor",
-        default="inprocess",
+        default=None,
         choices=("inprocess", "ray"),
-        help="throughput/load: ray runs the worker as a Ray actor behind the step channel "
-        "(the path `kvloom serve` deploys); latency is in-process only",
+        help="ray runs the workers as Ray actors behind the step channel (the path `kvloom "
+        "serve` deploys); default: in-process for one rank, ray for --tp x --dcp > 1",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (must divide the attention heads)",
+    )
+    parser.add_argument(
+        "--decode-context-parallel-size",
+        "--dcp",
+        type=int,
+        default=1,
+        help="decode-context-parallel ranks: the KV cache sharded by token across them",
     )
 
 
@@ -107,6 +131,16 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvloom bench: --repeat must be >= 1, got {args.repeat}")
     if args.repeat > 1 and args.kind != "throughput":
         raise SystemExit("kvloom bench: --repeat applies to throughput")
+    tp, dcp = args.tensor_parallel_size, args.decode_context_parallel_size
+    if tp < 1 or dcp < 1:
+        raise SystemExit(f"kvloom bench: --tp and --dcp must be >= 1, got {tp} and {dcp}")
+    if tp * dcp > 1 and args.executor == "inprocess":
+        raise SystemExit(
+            f"kvloom bench: --tp {tp} x --dcp {dcp} needs the Ray executor (--executor ray, "
+            "or leave --executor out)"
+        )
+    if args.kind == "latency":
+        check_context(args)
     if args.load_format is None:
         args.load_format = "safetensors" if args.model else "dummy"
     result = bench(args)
@@ -115,3 +149,18 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     return 0
+
+
+def check_context(args: argparse.Namespace) -> None:
+    """The latency run's prompt and its decode must fit the engine's max_model_len."""
+    if args.context_len < 1 or args.steps < 1:
+        raise SystemExit(
+            f"kvloom bench: --context-len and --steps must be >= 1, got "
+            f"{args.context_len} and {args.steps}"
+        )
+    needed = args.context_len + args.steps + 1
+    if needed > args.max_model_len:
+        raise SystemExit(
+            f"kvloom bench: --context-len {args.context_len} + --steps {args.steps} + 1 "
+            f"needs --max-model-len >= {needed} (it is {args.max_model_len})"
+        )
