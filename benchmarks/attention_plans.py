@@ -32,6 +32,9 @@ if "--tiny" in sys.argv:  # the interpreter is chosen when triton is first impor
 
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+import graph_timing  # noqa: E402
+
 from kvloom.kernels.paged_attention_triton import (  # noqa: E402
     DECODE_KEYS_PER_SPLIT,
     decode_split_slots,
@@ -88,28 +91,11 @@ def time_ms(fn, repeat: int) -> float:
 
 
 def graph_time_us(fn, repeats: int) -> float:
-    """µs per call: one CUDA graph of `repeats` calls, replayed once after a warm-up
-    replay, timed by CUDA events. On the CPU (--tiny): one call, NaN."""
+    """µs per call in a CUDA graph (graph_timing.py); on the CPU (--tiny): one call, NaN."""
     if not torch.cuda.is_available():
         fn()
         return float("nan")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / repeats
+    return graph_timing.graph_time_us(fn, repeats)
 
 
 def split_decode_cases(args, device, dtype, shape, results) -> None:

@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 if "--tiny" in sys.argv:  # the interpreter is chosen when triton is first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -27,6 +28,10 @@ if "--tiny" in sys.argv:  # the interpreter is chosen when triton is first impor
 import torch  # noqa: E402
 
 from kvloom.kernels.mla_attention import mla_attention_ref  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from graph_timing import graph_time_us  # noqa: E402
+
 from kvloom.kernels.mla_attention_triton import mla_attention_triton, mla_plan  # noqa: E402
 from kvloom.kernels.ops import latent_cache_as_kv  # noqa: E402
 from kvloom.kernels.paged_attention_triton import paged_attention_triton  # noqa: E402
@@ -42,23 +47,7 @@ def time_us(fn, repeats: int, cuda: bool) -> float:
         for _ in range(repeats):
             fn()
         return (time.perf_counter() - start) / repeats * 1e6
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / repeats
+    return graph_time_us(fn, repeats)
 
 
 def run_one(batch, context, args, dev, dtype) -> dict:

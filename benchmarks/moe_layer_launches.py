@@ -25,12 +25,16 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 if "--interpret" in sys.argv:  # the interpreter is chosen when triton is first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from graph_timing import graph_time_us  # noqa: E402
 
 from kvloom.workers.layers.tp_group import LocalGroup  # noqa: E402
 from kvloom.workers.models.kimi_linear import KimiMoE  # noqa: E402
@@ -171,26 +175,8 @@ def cuda_launches(layer, x) -> tuple[list[str], list[str]]:
 
 
 def graph_us(layer, x, repeats: int) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.no_grad(), torch.cuda.stream(side):
-        layer(x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph):
-        for _ in range(repeats):
-            layer(x)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / repeats)
-    return best
+    """µs per layer call in a CUDA graph, the best of 5 replays."""
+    return graph_time_us(lambda: layer(x), repeats, replays=5)
 
 
 def main() -> None:
