@@ -47,7 +47,10 @@ _METRICS_PORT_VARIABLES = ("AUTOSCALER_METRIC_PORT", "DASHBOARD_METRIC_PORT")
 # How long the embedded Ray's processes get to exit after ray.shutdown(), then after SIGTERM.
 EXIT_GRACE_S = 3.0
 TERMINATE_GRACE_S = 3.0
-START_ATTEMPTS = 2  # a start that timed out is tried once more
+# A start that timed out is tried again: on a loaded 2-core machine the raylet was seen to
+# miss Ray's fixed 30 s to register with the GCS twice in a row (CI, 2026-12-05).
+START_ATTEMPTS = 3
+RETRY_PAUSE_S = 2.0  # lets the stopped attempt's processes exit before the next one
 
 
 class RayStartError(RuntimeError):
@@ -240,9 +243,12 @@ def _start_local(num_cpus: int, init_kwargs: dict[str, Any]) -> None:
             host.release()
             _stop_processes(started)
             if attempt < START_ATTEMPTS and _timed_out(exc):
-                # Seen on a loaded 2-core machine: the raylet missed Ray's fixed 30 s to
-                # register with the GCS. A second start gets a quieter moment.
-                logger.warning("the local Ray did not come up in time; trying once more")
+                logger.warning(
+                    "the local Ray did not come up in time; trying again (attempt %d of %d)",
+                    attempt + 1,
+                    START_ATTEMPTS,
+                )
+                time.sleep(RETRY_PAUSE_S)
                 continue
             raise RayStartError(_local_start_advice(exc)) from None
     _embedded = _Embedded([p for p in _children(me) if p.pid not in before], host)

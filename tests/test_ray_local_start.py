@@ -1,0 +1,56 @@
+"""The embedded Ray's start-up retries (cluster/ray_local.py): a start that timed out is
+tried again up to START_ATTEMPTS times; any other failure is reported at once. `ray.init`
+is faked, so no Ray starts here."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvloom.cluster import ray_local
+
+TIMEOUT = "The current node timed out during startup. This could happen because ..."
+
+
+@pytest.fixture
+def fake_init(monkeypatch):
+    """Makes `ray.init` fail with the given messages in turn, then succeed."""
+    import ray
+
+    calls: list[dict] = []
+
+    def install(failures: list[str]) -> list[dict]:
+        def init(*args, **kwargs):
+            calls.append(kwargs)
+            if len(calls) <= len(failures):
+                raise Exception(failures[len(calls) - 1])
+
+        monkeypatch.setattr(ray, "init", init)
+        monkeypatch.setattr(ray, "shutdown", lambda: None)
+        monkeypatch.setattr(ray_local, "RETRY_PAUSE_S", 0.0)
+        monkeypatch.setattr(ray_local, "_embedded", None)
+        return calls
+
+    return install
+
+
+def test_timed_out_starts_are_retried_until_one_succeeds(fake_init, caplog):
+    calls = fake_init([TIMEOUT] * (ray_local.START_ATTEMPTS - 1))
+    ray_local._start_local(1, {})
+    assert len(calls) == ray_local.START_ATTEMPTS
+    retries = [r for r in caplog.records if "trying again" in r.getMessage()]
+    assert len(retries) == ray_local.START_ATTEMPTS - 1
+    ray_local._embedded = None  # nothing was started: leave no handle to shut down
+
+
+def test_a_start_that_keeps_timing_out_fails_with_advice(fake_init):
+    calls = fake_init([TIMEOUT] * ray_local.START_ATTEMPTS)
+    with pytest.raises(ray_local.RayStartError, match="did not come up in time"):
+        ray_local._start_local(1, {})
+    assert len(calls) == ray_local.START_ATTEMPTS
+
+
+def test_other_failures_are_not_retried(fake_init):
+    calls = fake_init(["No space left on device"])
+    with pytest.raises(ray_local.RayStartError, match="full"):
+        ray_local._start_local(1, {})
+    assert len(calls) == 1
