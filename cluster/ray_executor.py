@@ -23,7 +23,7 @@ import logging
 import time
 
 from kvloom.cluster.placement import place_grid
-from kvloom.cluster.ray_local import connect_ray, first_line
+from kvloom.cluster.ray_local import actor_runtime_env, connect_ray, first_line
 from kvloom.cluster.spec_decode.drafter_actor import (
     check_remote_placement,
     drafter_answers,
@@ -71,6 +71,7 @@ class RayExecutor:
                 num_cpus=1,
                 num_gpus=1 if self.use_gpu else 0,
                 scheduling_strategy=self.placement.strategy(rank),
+                runtime_env=actor_runtime_env(),
             ).remote(config, rank, self.use_gpu, progress and rank == 0)
             for rank in range(world)
         ]

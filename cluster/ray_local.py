@@ -122,6 +122,15 @@ def first_line(err: BaseException) -> str:
     return text.splitlines()[0].strip() if text else type(err).__name__
 
 
+def actor_runtime_env() -> dict[str, Any] | None:
+    """The runtime_env of every kvloom actor: this process's KVLOOM_* variables (the
+    operator's settings reach workers on every node), or None when none is set."""
+    from kvloom.contracts import envs
+
+    env_vars = envs.set_here()
+    return {"env_vars": env_vars} if env_vars else None
+
+
 def free_loopback_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))

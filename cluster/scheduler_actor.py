@@ -157,12 +157,12 @@ class RemoteEngineCore:
     def __init__(self, engine_kwargs: dict[str, Any]):
         import ray
 
-        from kvloom.cluster.ray_local import connect_ray
+        from kvloom.cluster.ray_local import actor_runtime_env, connect_ray
 
         connect_ray(num_cpus_for_local=16)
         # The actor needs four threads: serve (the loop), start, shutdown, and one spare.
         actor_class = ray.remote(num_cpus=0, max_concurrency=4)(SchedulerActor)
-        self.actor = actor_class.remote()
+        self.actor = actor_class.options(runtime_env=actor_runtime_env()).remote()
         self._placement = None
         self._events: ResultChannel | None = None
         self._commands: ResultSender | None = None

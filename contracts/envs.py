@@ -93,6 +93,13 @@ def drafter_timeout_s() -> float:
     return _positive_float("KVLOOM_DRAFTER_TIMEOUT_S")
 
 
+def set_here() -> dict[str, str]:
+    """The kvloom variables set in this process. Ray actors get them in their runtime_env:
+    an actor on another node, or a worker process of an embedded Ray started before a
+    variable was set, would otherwise not see them."""
+    return {name: os.environ[name] for name in VARIABLES if os.environ.get(name)}
+
+
 def flag(name: str) -> bool:
     """A switch variable (1, true, yes or on), read at call time."""
     return get(name).strip().lower() in ("1", "true", "yes", "on")

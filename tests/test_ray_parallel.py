@@ -168,3 +168,25 @@ def test_a_grid_on_the_embedded_ray_listens_on_loopback_only(local_ray, dense_pa
         assert outside == [], f"listening beyond loopback: {outside}"
     finally:
         eng.shutdown()
+
+
+def test_kvloom_variables_reach_the_worker_actors(local_ray, dense_path, monkeypatch):
+    """A KVLOOM_* variable set in the driver after Ray started (as on a cluster, where the
+    workers' nodes never saw the driver's environment) reaches every worker actor through
+    its runtime_env; unset ones are not invented."""
+    import ray
+
+    monkeypatch.setenv("KVLOOM_DRAFTER_TIMEOUT_S", "7.5")
+    monkeypatch.delenv("KVLOOM_NO_FLA", raising=False)
+    eng = engine(dense_path, tensor_parallel_size=2)
+    try:
+
+        def read(actor):
+            import os
+
+            return os.environ.get("KVLOOM_DRAFTER_TIMEOUT_S"), os.environ.get("KVLOOM_NO_FLA")
+
+        seen = ray.get([a.__ray_call__.remote(read) for a in eng.executor.actors])
+        assert seen == [("7.5", None)] * 2
+    finally:
+        eng.shutdown()

@@ -45,7 +45,7 @@ def start_drafter_actor(config: EngineConfig, target_uses_gpu: bool):
     """The drafter actor's handle, once it has loaded (a bad drafter raises ValueError)."""
     import ray
 
-    from kvloom.cluster.ray_local import first_line
+    from kvloom.cluster.ray_local import actor_runtime_env, first_line
     from kvloom.workers.spec_decode.drafter_server import DrafterActor
 
     check_remote_placement(config)
@@ -55,7 +55,12 @@ def start_drafter_actor(config: EngineConfig, target_uses_gpu: bool):
         logger.warning("no GPU is free for the remote drafter: it runs on the CPU")
     actor = (
         ray.remote(DrafterActor)
-        .options(num_cpus=0 if use_gpu else 1, num_gpus=1 if use_gpu else 0, max_restarts=-1)
+        .options(
+            num_cpus=0 if use_gpu else 1,
+            num_gpus=1 if use_gpu else 0,
+            max_restarts=-1,
+            runtime_env=actor_runtime_env(),
+        )
         .remote(config, use_gpu)
     )
     try:
