@@ -23,6 +23,9 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/kvsite .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/kvsite:$PWD GRPC_VERBOSITY=ERROR RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1
+# Issue 24 measures the grid with CUDA graphs on (the switch reaches the Ray workers
+# through their runtime_env); KVLOOM_MULTI_RANK_CUDA_GRAPHS=0 runs the grid eagerly.
+export KVLOOM_MULTI_RANK_CUDA_GRAPHS=${KVLOOM_MULTI_RANK_CUDA_GRAPHS:-1}
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv
 GPUS=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 echo "RESULT gpus $GPUS"
