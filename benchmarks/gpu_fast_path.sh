@@ -8,6 +8,7 @@
 #     [profile-dense|profile-hybrid] [latency-hybrid] [plans] [pending-tests]
 #     [spec-profile] [spec-decode] [deterministic] [all-gpu-tests] [gdn-mixed]
 #     [trace-dense] [bench-kimi] [fp8-plans] [mla] [host-256] [gpu-gaps]
+#     [act-quant] [scaled-mm-accuracy]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -94,7 +95,7 @@ for section in "$@"; do
         tests/test_fused_moe.py tests/test_moe_router_sigmoid.py \
         tests/test_qk_norm_rope.py tests/test_token_bitmask.py \
         tests/test_moe_router_shared_expert.py tests/test_moe_shared_expert_fold.py \
-        tests/test_gemv_silu_and_mul.py
+        tests/test_gemv_silu_and_mul.py tests/test_fused_moe_pairs_plan.py
       run_group G4 tests/triton_interpret/test_kv_cache_fp8_triton.py \
         tests/triton_interpret/test_paged_attention_dcp_triton.py
       run_group G5 tests/triton_interpret/test_batch_invariant_triton.py \
@@ -103,7 +104,9 @@ for section in "$@"; do
         tests/triton_interpret/test_fp8_gemm_plans_triton.py \
         tests/triton_interpret/test_paged_attention_decode_split_triton.py \
         tests/triton_interpret/test_fp8_scaled_mm_triton.py
-      run_group G6 tests/triton_interpret/test_quant_kernels_triton.py
+      run_group G6 tests/triton_interpret/test_quant_kernels_triton.py \
+        tests/triton_interpret/test_fp8_act_quant_triton.py \
+        tests/triton_interpret/test_quant_moe_pairs_plan_triton.py
       run_group G7 -m gpu tests/test_ray_gpu.py tests/test_distributed_all_gatherv.py \
         tests/test_distributed_process_group.py tests/test_ray_async_scheduling.py \
         tests/test_deterministic_gpu.py
@@ -129,6 +132,14 @@ for section in "$@"; do
       timeout 500 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kda_gates.py \
         tests/test_moe_router_sigmoid.py tests/test_cuda_graphs.py tests/test_kda_fla.py 2>&1 \
         | tee "$OUT/pending_gpu_tests.log" | tail -12 || status=1
+      ;;
+    act-quant)  # FP8 activation quantizer, old vs new us in a CUDA graph (issue 22)
+      timeout 500 python3 benchmarks/quant_moe_plans.py --no-moe --no-linear --act-quant \
+        --out "$OUT/act_quant.json" 2>&1 | tail -3 || status=1
+      ;;
+    scaled-mm-accuracy)  # where cuBLAS's blockwise FP8 GEMM loses accuracy (issue 22)
+      timeout 400 python3 benchmarks/scaled_mm_accuracy.py \
+        --out "$OUT/scaled_mm_accuracy.json" 2>&1 | tail -30 || status=1
       ;;
     fp8-plans)  # FP8 GEMM plans, imprecise accumulation, torch._scaled_mm (quantization.md)
       timeout 400 python3 benchmarks/quant_moe_plans.py --no-moe --fp8-plans \

@@ -4,6 +4,13 @@ Qwen3-Next's widths (hidden 2048, 512 experts, top-10, intermediate 512 for both
 Kimi-Linear's (hidden 2304, 256 experts, top-8, intermediate 1024, one shared expert),
 bfloat16, random weights. The all-reduce of TP > 1 is not in it (TP = 1).
 
+Each layer runs with both fused-MoE plans (`--plans`): "sorted" (route sort: count and
+place launches, then gate_up, down, slot sum) and "pairs" (the decode plan: each route its
+own block, no sort; kernels/fused_moe_triton.py), forced whatever `uses_pairs_plan` would
+pick, at each of `--tokens` (default 1 2 4 8: the pairs plan serves T <= 4 by default, so
+T = 8 shows what it would cost past its constant). The two plans' outputs must be equal
+bit for bit; each row records it.
+
 How launches are counted:
   * CUDA: torch.profiler's CUDA activity over one eager forward after a warm-up; every
     device kernel counts once (Triton, cuBLAS, torch elementwise), memcpy / memset apart.
@@ -14,7 +21,8 @@ How launches are counted:
     kernel (aten ops other than views and allocations, seen by a TorchDispatchMode outside
     the Triton launches).
 
-    python benchmarks/moe_layer_launches.py [--tokens 1] [--repeats 200] [--out FILE.json]
+    python benchmarks/moe_layer_launches.py [--tokens 1 2 4 8] [--plans sorted pairs]
+        [--repeats 200] [--out FILE.json]
     python benchmarks/moe_layer_launches.py --interpret
 """
 
@@ -25,6 +33,7 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 if "--interpret" in sys.argv:  # the interpreter is chosen when triton is first imported
@@ -36,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from graph_timing import graph_time_us  # noqa: E402
 
+from kvloom.kernels import fused_moe_triton  # noqa: E402
 from kvloom.workers.layers.tp_group import LocalGroup  # noqa: E402
 from kvloom.workers.models.kimi_linear import KimiMoE  # noqa: E402
 from kvloom.workers.models.qwen3_next import Qwen3NextSparseMoe  # noqa: E402
@@ -45,6 +55,7 @@ SHAPES = {
     "kimi-linear": dict(kind="kimi", hidden=2304, experts=256, top_k=8, inter=1024),
 }
 TINY = dict(hidden=64, experts=8, top_k=2, inter=32)
+PLANS = ("sorted", "pairs")
 # aten ops that launch nothing on a GPU (views, metadata, allocations).
 NO_KERNEL = {
     "empty",
@@ -131,6 +142,17 @@ def force_cuda_dispatch() -> None:
             module.use_triton = forced
 
 
+@contextmanager
+def moe_plan(plan: str):
+    """Forces the fused MoE's plan: "pairs" (no route sort) or "sorted"."""
+    original = fused_moe_triton.uses_pairs_plan
+    fused_moe_triton.uses_pairs_plan = lambda hidden, sorted_block_m: plan == "pairs"
+    try:
+        yield
+    finally:
+        fused_moe_triton.uses_pairs_plan = original
+
+
 def interpreted_launches(layer, x) -> list[str]:
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -179,9 +201,23 @@ def graph_us(layer, x, repeats: int) -> float:
     return graph_time_us(lambda: layer(x), repeats, replays=5)
 
 
+def measure(layer, x, cuda: bool, repeats: int) -> dict:
+    """One layer at one plan: its launches (and, on CUDA, µs per layer in a graph)."""
+    if cuda:
+        kernels, copies = cuda_launches(layer, x)
+        row = dict(kernels=kernels, copies=copies, us_per_layer=graph_us(layer, x, repeats))
+    else:
+        row = dict(kernels=interpreted_launches(layer, x))
+    row["launches"] = len(row["kernels"])
+    with torch.no_grad():
+        row["output"] = layer(x)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=1)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--plans", nargs="+", choices=PLANS, default=list(PLANS))
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--interpret", action="store_true", help="CPU, tiny widths")
     parser.add_argument("--out", default=None)
@@ -197,27 +233,28 @@ def main() -> None:
         shape = {**full, **TINY} if args.interpret else full
         for fold in (False, True):
             layer = build_layer(shape, fold, device)
-            gen = torch.Generator(device=device).manual_seed(1)
-            x = torch.randn(args.tokens, shape["hidden"], generator=gen, device=device)
-            x = x.to(torch.bfloat16)
-            row = dict(model=name, folded=fold, tokens=args.tokens, **shape)
-            started = time.perf_counter()
-            if cuda:
-                kernels, copies = cuda_launches(layer, x)
-                row.update(
-                    kernels=kernels, copies=copies, us_per_layer=graph_us(layer, x, args.repeats)
-                )
-            else:
-                kernels = interpreted_launches(layer, x)
-                row.update(kernels=kernels)
-            row["launches"] = len(kernels)
-            row["seconds"] = round(time.perf_counter() - started, 2)
-            results.append(row)
-            timing = f", {row['us_per_layer']:.2f} us/layer (graph)" if cuda else ""
-            print(
-                f"{name:12s} {'folded' if fold else 'two-branch':10s} "
-                f"{row['launches']:2d} launches{timing}: {', '.join(kernels)}"
-            )
+            for tokens in args.tokens:
+                gen = torch.Generator(device=device).manual_seed(tokens)
+                x = torch.randn(tokens, shape["hidden"], generator=gen, device=device)
+                x = x.to(torch.bfloat16)
+                outputs = {}
+                for plan in args.plans:
+                    row = dict(model=name, folded=fold, tokens=tokens, plan=plan, **shape)
+                    started = time.perf_counter()
+                    with moe_plan(plan):
+                        row.update(measure(layer, x, cuda, args.repeats))
+                    outputs[plan] = row.pop("output")
+                    row["bitwise_as_first_plan"] = torch.equal(
+                        outputs[plan], outputs[args.plans[0]]
+                    )
+                    row["seconds"] = round(time.perf_counter() - started, 2)
+                    results.append(row)
+                    timing = f", {row['us_per_layer']:.2f} us/layer (graph)" if cuda else ""
+                    print(
+                        f"{name:12s} {'folded' if fold else 'two-branch':10s} T={tokens:<3d} "
+                        f"{plan:6s} {row['launches']:2d} launches{timing}, bitwise="
+                        f"{row['bitwise_as_first_plan']}: {', '.join(row['kernels'])}"
+                    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(

@@ -13,7 +13,10 @@ in the float MoE,
 BLOCK_M is the only thing plans change, results are written by route index and each
 element sums the same K tiles in the same order, so every plan gives bitwise the same
 output (invariant 7); the plan depends on the launch shape only, so a captured CUDA graph
-keeps its plan (at hundreds of experts, the narrow one for every decode size).
+keeps its plan (at hundreds of experts, the narrow one for every decode size). At up to
+`PAIRS_PLAN_MAX_TOKENS` tokens it takes the float MoE's pairs plan (`fused_moe_triton`:
+each route its own block, expert read from topk_ids, no count/place launches), bitwise
+the same too.
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ from kvloom.kernels.fp8_gemm_triton import (
 from kvloom.kernels.fp8_moe import check_fp8_moe_args
 from kvloom.kernels.fused_moe_triton import (
     MAX_SUM_BLOCK,
-    _check_block_m,
     _interpreted,
+    _route_block,
     _sum_slots_kernel,
-    align_routes,
+    plan_route_blocks,
+    route_blocks,
 )
 
 
@@ -70,9 +74,11 @@ def _fp8_gate_up_kernel(
     ws_ptr,
     sorted_ptr,
     block_expert_ptr,
+    ids_ptr,
     act_ptr,
     num_routes,
     top_k,
+    num_experts,
     hidden_size,
     inter,
     group_size,
@@ -83,15 +89,28 @@ def _fp8_gate_up_kernel(
     stride_wse,
     stride_wsn,
     stride_act,
+    stride_it,
+    stride_ij,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block)
-    if expert >= 0:
-        routes = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert, routes = _route_block(
+        tl.program_id(0),
+        sorted_ptr,
+        block_expert_ptr,
+        ids_ptr,
+        num_routes,
+        top_k,
+        stride_it,
+        stride_ij,
+        BLOCK_M,
+        PAIRS,
+    )
+    # Unused sorted blocks carry -1; a pair's id out of [0, E) is skipped (never read).
+    if (expert >= 0) & (expert < num_experts):
         valid = routes < num_routes
         tokens = (routes // top_k).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -146,10 +165,12 @@ def _fp8_down_kernel(
     ws_ptr,
     sorted_ptr,
     block_expert_ptr,
+    ids_ptr,
     weights_ptr,
     routed_ptr,
     num_routes,
     top_k,
+    num_experts,
     hidden_size,
     inter,
     group_size,
@@ -162,15 +183,28 @@ def _fp8_down_kernel(
     stride_tw_t,
     stride_tw_j,
     stride_routed,
+    stride_it,
+    stride_ij,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block)
-    if expert >= 0:
-        routes = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert, routes = _route_block(
+        tl.program_id(0),
+        sorted_ptr,
+        block_expert_ptr,
+        ids_ptr,
+        num_routes,
+        top_k,
+        stride_it,
+        stride_ij,
+        BLOCK_M,
+        PAIRS,
+    )
+    # Unused sorted blocks carry -1; a pair's id out of [0, E) is skipped (never read).
+    if (expert >= 0) & (expert < num_experts):
         valid = routes < num_routes
         routes64 = routes.to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -216,26 +250,27 @@ def fp8_fused_moe_triton(
     topk_ids: torch.Tensor,
     *,
     block_m: int | None = None,
+    pairs: bool | None = None,
     _fill: float | None = None,
 ) -> torch.Tensor:
     """hidden [T, H] -> [T, H] in hidden's dtype; `block_m` (16, 32, 64) overrides the
-    plan, each giving bitwise the same output. No host sync. `_fill`: tests."""
+    plan, `pairs` forces or forbids the float MoE's decode plan without the route sort
+    (`fused_moe_triton.uses_pairs_plan` decides when None), each giving bitwise the same
+    output. No host sync. `_fill`: tests."""
     check_fp8_moe_args(hidden, w13_q, w13_s, w2_q, w2_s, group13, group2, topk_weights, topk_ids)
     check_dtype("hidden", hidden)
     check_dtype("topk_weights", topk_weights)
     check_same_device(hidden=hidden, w13=w13_q, w2=w2_q, topk_ids=topk_ids)
     num_tokens, hidden_size = hidden.shape
     num_experts, inter, top_k = w13_q.shape[0], w13_q.shape[1] // 2, topk_ids.shape[1]
-    if block_m is None:
-        block_m = choose_fp8_block_m(num_tokens, top_k, num_experts)
-    _check_block_m(block_m)
+    sorted_block_m = choose_fp8_block_m(num_tokens, top_k, num_experts)
+    block_m, pairs = plan_route_blocks(hidden, block_m, pairs, sorted_block_m)
     out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
     if num_tokens == 0 or hidden_size == 0:
         return out
     num_routes = num_tokens * top_k
     x_q, x_s = per_token_group_quant_fp8_triton(hidden.contiguous(), group13)
-    sorted_routes, block_expert = align_routes(topk_ids, num_experts, block_m)
-    max_blocks = block_expert.shape[0]
+    sorted_routes, block_expert, max_blocks = route_blocks(topk_ids, num_experts, block_m, pairs)
     act = torch.empty((num_routes, inter), dtype=hidden.dtype, device=hidden.device)
     routed = torch.empty((num_routes, hidden_size), dtype=torch.float32, device=hidden.device)
     if _fill is not None:
@@ -245,6 +280,7 @@ def fp8_fused_moe_triton(
         BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
         INTERPRETED=_interpreted(_fp8_gate_up_kernel),
+        PAIRS=pairs,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )
@@ -255,9 +291,11 @@ def fp8_fused_moe_triton(
         w13_s,
         sorted_routes,
         block_expert,
+        topk_ids,
         act,
         num_routes,
         top_k,
+        num_experts,
         hidden_size,
         inter,
         group13,
@@ -268,6 +306,8 @@ def fp8_fused_moe_triton(
         w13_s.stride(0),
         w13_s.stride(1),
         act.stride(0),
+        topk_ids.stride(0),
+        topk_ids.stride(1),
         BLOCK_K=gemm_block_k(group13, hidden_size),
         **meta,
     )
@@ -279,10 +319,12 @@ def fp8_fused_moe_triton(
         w2_s,
         sorted_routes,
         block_expert,
+        topk_ids,
         topk_weights,
         routed,
         num_routes,
         top_k,
+        num_experts,
         hidden_size,
         inter,
         group2,
@@ -295,6 +337,8 @@ def fp8_fused_moe_triton(
         topk_weights.stride(0),
         topk_weights.stride(1),
         routed.stride(0),
+        topk_ids.stride(0),
+        topk_ids.stride(1),
         BLOCK_K=gemm_block_k(group2, inter),
         **meta,
     )

@@ -4,8 +4,9 @@ Same semantics and rounding points as `fused_moe.fused_moe_ref` (read its docstr
 float32 accumulation, the activation silu(gate) * up rounded once to the hidden dtype, the
 routing weight applied in float32, the k contributions of a token summed in slot order.
 
-Five launches, no host synchronisation (every buffer and grid size follows from T, k, E
-and the route block size alone), so one call can be captured in a CUDA graph:
+Five launches (three in the pairs plan below), no host synchronisation (every buffer and
+grid size follows from T, k, E and the route block size alone), so one call can be
+captured in a CUDA graph:
 
 1. `_count_routes_kernel`, one program per expert: how many of the N = T * k routes
    (route r = token r // k, slot r % k) chose it.
@@ -34,6 +35,14 @@ qualifies for wgmma whatever BLOCK_M is, where tokens in M would switch between 
 The align programs each scan all N routes (chunks of ROUTE_CHUNK): a few microseconds
 at decode sizes; at long prefills (N ~ 1e5) this grows, but stays small beside the GEMMs.
 
+The pairs plan (decode, `uses_pairs_plan`: CUDA, half precision, T <= PAIRS_PLAN_MAX_TOKENS,
+not deterministic mode) skips launches 1 and 2: route r is route block r on its own (one
+valid row, the sentinel N in the others), its expert topk_ids[r // k, r % k] read by the
+GEMM programs themselves, so gate_up and down launch over the N routes directly and the
+slot sum follows: three launches. Its BLOCK_M is the sorted plan's at those sizes (16)
+and each block computes the same dots over the same K tiles, so it is bitwise the sorted
+plan too.
+
 Invariant 7 (plans by size, same answer): the route block size BLOCK_M is chosen from the
 launch shape (`choose_block_m`, tokens per expert on average) and is the only thing the
 plans change. A route's results are written by route index, never by sorted position,
@@ -58,6 +67,7 @@ from kvloom.kernels.arg_checks_triton import (
     check_same_device,
     next_power_of_2,
 )
+from kvloom.kernels.dispatch import batch_invariant
 from kvloom.kernels.fused_moe import check_moe_args
 
 BLOCK_M_CHOICES = (16, 32, 64)
@@ -69,6 +79,20 @@ NUM_STAGES = 3
 ROUTE_CHUNK = 1024  # routes one align program scans per step
 BLOCK_CHUNK = 256  # block ids one align program writes per step
 MAX_SUM_BLOCK = 1024
+# The pairs (decode) plan: each of the T * k routes is a route block of its own (one valid
+# row of PAIRS_BLOCK_M), its expert read from topk_ids, so the count and place launches
+# go (5 launches -> 3). It reads an expert's weights once per route where the sorted plan
+# reads them once per expert, so tokens that share an expert read it again. A token's k
+# experts are distinct: T = 1 reads nothing twice. Qwen3-Next (512 experts, top 10, the
+# shared expert folded in, 6.3 MB an expert in bf16): T tokens read the shared expert
+# T - 1 extra times and routed ones about C(T, 2) * 10 * 10 / 512 extra times: T = 2
+# ~1.2 extra reads (~1.6 us of HBM at 4.8 TB/s), T = 4 ~4.2 (~10% more bytes, ~5.5 us),
+# less where the second read hits L2 (both run in the same wave), against the ~4-8 us the
+# two launches cost in a CUDA graph. A clear win to T = 2, about even at 4, so the plan
+# stops at 4 tokens (batch-1 decode with up to 3 speculative tokens).
+# benchmarks/moe_layer_launches.py times both plans at T = 1, 2, 4, 8 to check it.
+PAIRS_PLAN_MAX_TOKENS = 4
+PAIRS_BLOCK_M = BLOCK_M_CHOICES[0]  # the sorted plan's block at decode sizes
 
 
 def choose_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
@@ -82,6 +106,50 @@ def choose_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
     if per_expert <= 24:
         return 32
     return 64
+
+
+def uses_pairs_plan(hidden: torch.Tensor, sorted_block_m: int) -> bool:
+    """Whether a launch takes the pairs (decode) plan: CUDA, half precision, at most
+    PAIRS_PLAN_MAX_TOKENS tokens where the sorted plan would run the narrow block
+    (`sorted_block_m`, the block its own chooser picks), so the pairs plan runs the very
+    tiles the sorted plan would; not in deterministic mode (which keeps the sorted plans
+    it had). Shapes and process settings only: a CUDA graph captured for a batch size
+    keeps its plan."""
+    return (
+        hidden.is_cuda
+        and hidden.dtype in (torch.float16, torch.bfloat16)
+        and not batch_invariant()
+        and 1 <= hidden.shape[0] <= PAIRS_PLAN_MAX_TOKENS
+        and sorted_block_m == PAIRS_BLOCK_M
+    )
+
+
+def plan_route_blocks(
+    hidden: torch.Tensor, block_m: int | None, pairs: bool | None, sorted_block_m: int
+) -> tuple[int, bool]:
+    """(block_m, pairs) of a launch from its overrides (None: choose). Shared by the
+    float, W4A16 and FP8 MoE; `sorted_block_m` is the block the caller's sorted plan
+    would pick."""
+    if pairs is None:
+        pairs = block_m is None and uses_pairs_plan(hidden, sorted_block_m)
+    if block_m is None:
+        block_m = PAIRS_BLOCK_M if pairs else sorted_block_m
+    _check_block_m(block_m)
+    if pairs and block_m != PAIRS_BLOCK_M:
+        raise ValueError(f"block_m: the pairs plan runs with {PAIRS_BLOCK_M}, got {block_m}")
+    return block_m, bool(pairs)
+
+
+def route_blocks(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, pairs: bool, _fill=None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(sorted_routes, block_expert, number of route blocks) for the GEMM launches. The
+    pairs plan has one block per route and no sort buffers (its kernels never read them;
+    topk_ids stands in for the pointers)."""
+    if pairs:
+        return topk_ids, topk_ids, topk_ids.numel()
+    sorted_routes, block_expert = align_routes(topk_ids, num_experts, block_m, _fill=_fill)
+    return sorted_routes, block_expert, block_expert.shape[0]
 
 
 def max_route_blocks(num_routes: int, num_experts: int, block_m: int) -> int:
@@ -177,31 +245,75 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
+@triton.jit
+def _route_block(
+    block,
+    sorted_ptr,
+    block_expert_ptr,
+    ids_ptr,
+    num_routes,
+    top_k,
+    stride_it,
+    stride_ij,
+    BLOCK_M: tl.constexpr,
+    PAIRS: tl.constexpr,
+):
+    """(expert, routes [BLOCK_M]) of route block `block`; rows past the block's routes
+    hold the sentinel `num_routes`.
+
+    Sorted plan: both read from `align_routes`' buffers. Pairs plan (decode): block r is
+    route r alone, expert topk_ids[r // k, r % k], read straight from the router's ids, so
+    no sort is needed; the tile shapes stay those of the sorted plan's BLOCK_M."""
+    if PAIRS:
+        id_off = (block // top_k).to(tl.int64) * stride_it + (block % top_k) * stride_ij
+        expert = tl.load(ids_ptr + id_off).to(tl.int32)
+        routes = tl.where(tl.arange(0, BLOCK_M) == 0, block, num_routes)
+    else:
+        expert = tl.load(block_expert_ptr + block)
+        routes = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return expert, routes
+
+
 @triton.jit(do_not_specialize=["num_routes"])
 def _gate_up_kernel(
     x_ptr,
     w13_ptr,
     sorted_ptr,
     block_expert_ptr,
+    ids_ptr,
     act_ptr,
     num_routes,
     top_k,
+    num_experts,
     hidden_size,
     inter,
     stride_xt,
     stride_we,
     stride_wn,
     stride_act,
+    stride_it,
+    stride_ij,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block)
-    if expert >= 0:
-        routes = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert, routes = _route_block(
+        tl.program_id(0),
+        sorted_ptr,
+        block_expert_ptr,
+        ids_ptr,
+        num_routes,
+        top_k,
+        stride_it,
+        stride_ij,
+        BLOCK_M,
+        PAIRS,
+    )
+    # Unused sorted blocks carry -1; a pair's id out of [0, E) is skipped (never read).
+    if (expert >= 0) & (expert < num_experts):
         valid = routes < num_routes
         tokens = (routes // top_k).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -240,10 +352,12 @@ def _down_kernel(
     w2_ptr,
     sorted_ptr,
     block_expert_ptr,
+    ids_ptr,
     weights_ptr,
     routed_ptr,
     num_routes,
     top_k,
+    num_experts,
     hidden_size,
     inter,
     stride_act,
@@ -252,16 +366,28 @@ def _down_kernel(
     stride_tw_t,
     stride_tw_j,
     stride_routed,
+    stride_it,
+    stride_ij,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block)
-    if expert >= 0:
-        routes = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert, routes = _route_block(
+        tl.program_id(0),
+        sorted_ptr,
+        block_expert_ptr,
+        ids_ptr,
+        num_routes,
+        top_k,
+        stride_it,
+        stride_ij,
+        BLOCK_M,
+        PAIRS,
+    )
+    if (expert >= 0) & (expert < num_experts):
         valid = routes < num_routes
         routes64 = routes.to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -388,29 +514,30 @@ def fused_moe_triton(
     topk_ids: torch.Tensor,
     *,
     block_m: int | None = None,
+    pairs: bool | None = None,
     _fill: float | None = None,
 ) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] (float32, or a
     half type, read as float32), topk_ids [T, k] int32/int64 -> [T, H] in hidden's dtype.
 
     `block_m` (16, 32 or 64) overrides the route block size `choose_block_m` picks; the
-    answer is bitwise the same for each. No host sync (CUDA-graph capturable). Ids out of
-    [0, E) are not checked: such routes contribute nothing. `_fill` pre-fills the
-    workspaces (tests: NaN shows any read of an unwritten element)."""
+    answer is bitwise the same for each. `pairs` forces (True) or forbids (False) the
+    decode plan without the route sort (`uses_pairs_plan` decides when None; it takes
+    block_m 16 or None). No host sync (CUDA-graph capturable). Ids out of [0, E) are not
+    checked: such routes contribute nothing. `_fill` pre-fills the workspaces (tests: NaN
+    shows any read of an unwritten element)."""
     num_tokens, hidden_size, num_experts, inter, top_k = _check_triton_args(
         hidden, w13, w2, topk_weights, topk_ids
     )
-    if block_m is None:
-        block_m = choose_block_m(num_tokens, top_k, num_experts)
-    _check_block_m(block_m)
+    sorted_block_m = choose_block_m(num_tokens, top_k, num_experts)
+    block_m, pairs = plan_route_blocks(hidden, block_m, pairs, sorted_block_m)
     out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
     if num_tokens == 0 or hidden_size == 0:
         return out
     num_routes = num_tokens * top_k
-    sorted_routes, block_expert = align_routes(
-        topk_ids, num_experts, block_m, _fill=None if _fill is None else -7
+    sorted_routes, block_expert, num_blocks = route_blocks(
+        topk_ids, num_experts, block_m, pairs, _fill=None if _fill is None else -7
     )
-    max_blocks = block_expert.shape[0]
     act = torch.empty((num_routes, inter), dtype=hidden.dtype, device=hidden.device)
     routed = torch.empty((num_routes, hidden_size), dtype=torch.float32, device=hidden.device)
     if _fill is not None:
@@ -422,34 +549,41 @@ def fused_moe_triton(
         BLOCK_K=BLOCK_K,
         DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
         INTERPRETED=_interpreted(_gate_up_kernel),
+        PAIRS=pairs,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )
-    _gate_up_kernel[(max_blocks, triton.cdiv(inter, BLOCK_N))](
+    id_strides = (topk_ids.stride(0), topk_ids.stride(1))
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, BLOCK_N))](
         hidden,
         w13,
         sorted_routes,
         block_expert,
+        topk_ids,
         act,
         num_routes,
         top_k,
+        num_experts,
         hidden_size,
         inter,
         hidden.stride(0),
         w13.stride(0),
         w13.stride(1),
         act.stride(0),
+        *id_strides,
         **dot_args,
     )
-    _down_kernel[(max_blocks, triton.cdiv(hidden_size, BLOCK_N))](
+    _down_kernel[(num_blocks, triton.cdiv(hidden_size, BLOCK_N))](
         act,
         w2,
         sorted_routes,
         block_expert,
+        topk_ids,
         topk_weights,
         routed,
         num_routes,
         top_k,
+        num_experts,
         hidden_size,
         inter,
         act.stride(0),
@@ -458,6 +592,7 @@ def fused_moe_triton(
         topk_weights.stride(0),
         topk_weights.stride(1),
         routed.stride(0),
+        *id_strides,
         **dot_args,
     )
     block_h = min(MAX_SUM_BLOCK, next_power_of_2(hidden_size))

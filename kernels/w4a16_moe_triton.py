@@ -8,7 +8,8 @@ weight applied in float32, a token's k contributions summed in slot order).
 
 It reuses the float MoE's route alignment (`align_routes`) and slot sum; only the two
 GEMM kernels differ, reading packed int32 words and group scales instead of float
-weights.
+weights. It also takes the float MoE's pairs (decode) plan (`fused_moe_triton`: each route
+its own block, expert read from topk_ids, no count/place launches) where that would.
 
 Route-block plans (seed 003's lesson, invariant 7): each (route block, N tile) program
 decodes its expert's weight tile once for the block's BLOCK_M routes, so narrow blocks
@@ -40,12 +41,13 @@ from kvloom.kernels.fused_moe_triton import (
     MAX_SUM_BLOCK,
     NUM_STAGES,
     NUM_WARPS,
-    _check_block_m,
     _dot,
     _interpreted,
+    _route_block,
     _sum_slots_kernel,
-    align_routes,
     choose_block_m,
+    plan_route_blocks,
+    route_blocks,
 )
 from kvloom.kernels.w4a16_gemm_triton import dequant_w4_tile
 from kvloom.kernels.w4a16_moe import check_w4a16_moe_args
@@ -58,9 +60,11 @@ def _w4_gate_up_kernel(
     s_ptr,
     sorted_ptr,
     block_expert_ptr,
+    ids_ptr,
     act_ptr,
     num_routes,
     top_k,
+    num_experts,
     hidden_size,
     inter,
     stride_xt,
@@ -69,17 +73,30 @@ def _w4_gate_up_kernel(
     stride_se,
     stride_sn,
     stride_act,
+    stride_it,
+    stride_ij,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block)
-    if expert >= 0:
-        routes = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert, routes = _route_block(
+        tl.program_id(0),
+        sorted_ptr,
+        block_expert_ptr,
+        ids_ptr,
+        num_routes,
+        top_k,
+        stride_it,
+        stride_ij,
+        BLOCK_M,
+        PAIRS,
+    )
+    # Unused sorted blocks carry -1; a pair's id out of [0, E) is skipped (never read).
+    if (expert >= 0) & (expert < num_experts):
         valid = routes < num_routes
         tokens = (routes // top_k).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -136,10 +153,12 @@ def _w4_down_kernel(
     s_ptr,
     sorted_ptr,
     block_expert_ptr,
+    ids_ptr,
     weights_ptr,
     routed_ptr,
     num_routes,
     top_k,
+    num_experts,
     hidden_size,
     inter,
     stride_act,
@@ -150,17 +169,30 @@ def _w4_down_kernel(
     stride_tw_t,
     stride_tw_j,
     stride_routed,
+    stride_it,
+    stride_ij,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    expert = tl.load(block_expert_ptr + block)
-    if expert >= 0:
-        routes = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert, routes = _route_block(
+        tl.program_id(0),
+        sorted_ptr,
+        block_expert_ptr,
+        ids_ptr,
+        num_routes,
+        top_k,
+        stride_it,
+        stride_ij,
+        BLOCK_M,
+        PAIRS,
+    )
+    # Unused sorted blocks carry -1; a pair's id out of [0, E) is skipped (never read).
+    if (expert >= 0) & (expert < num_experts):
         valid = routes < num_routes
         routes64 = routes.to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -205,10 +237,13 @@ def w4a16_fused_moe_triton(
     topk_ids: torch.Tensor,
     *,
     block_m: int | None = None,
+    pairs: bool | None = None,
     _fill: float | None = None,
 ) -> torch.Tensor:
     """hidden [T, H] -> [T, H] in hidden's dtype. `block_m` (16, 32 or 64) overrides the
-    plan `choose_block_m` picks; the answer is bitwise the same for each. No host sync.
+    plan `choose_block_m` picks; `pairs` forces or forbids the float MoE's decode plan
+    without the route sort (`fused_moe_triton.uses_pairs_plan` decides when None); the
+    answer is bitwise the same for each. No host sync.
     Ids outside [0, E) contribute nothing (as `fused_moe_triton`). `_fill` pre-fills the
     workspaces (tests)."""
     num_experts, inter = check_w4a16_moe_args(
@@ -226,15 +261,13 @@ def w4a16_fused_moe_triton(
     check_same_device(hidden=hidden, w13=w13_packed, w2=w2_packed, topk_ids=topk_ids)
     num_tokens, hidden_size = hidden.shape
     top_k = topk_ids.shape[1]
-    if block_m is None:
-        block_m = choose_block_m(num_tokens, top_k, num_experts)
-    _check_block_m(block_m)
+    sorted_block_m = choose_block_m(num_tokens, top_k, num_experts)
+    block_m, pairs = plan_route_blocks(hidden, block_m, pairs, sorted_block_m)
     out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
     if num_tokens == 0 or hidden_size == 0:
         return out
     num_routes = num_tokens * top_k
-    sorted_routes, block_expert = align_routes(topk_ids, num_experts, block_m)
-    max_blocks = block_expert.shape[0]
+    sorted_routes, block_expert, max_blocks = route_blocks(topk_ids, num_experts, block_m, pairs)
     act = torch.empty((num_routes, inter), dtype=hidden.dtype, device=hidden.device)
     routed = torch.empty((num_routes, hidden_size), dtype=torch.float32, device=hidden.device)
     if _fill is not None:
@@ -247,6 +280,7 @@ def w4a16_fused_moe_triton(
         BLOCK_K=BLOCK_K,
         DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
         INTERPRETED=_interpreted(_w4_gate_up_kernel),
+        PAIRS=pairs,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )
@@ -256,9 +290,11 @@ def w4a16_fused_moe_triton(
         w13_scale,
         sorted_routes,
         block_expert,
+        topk_ids,
         act,
         num_routes,
         top_k,
+        num_experts,
         hidden_size,
         inter,
         hidden.stride(0),
@@ -267,6 +303,8 @@ def w4a16_fused_moe_triton(
         w13_scale.stride(0),
         w13_scale.stride(1),
         act.stride(0),
+        topk_ids.stride(0),
+        topk_ids.stride(1),
         **meta,
     )
     _w4_down_kernel[(max_blocks, triton.cdiv(hidden_size, BLOCK_N))](
@@ -275,10 +313,12 @@ def w4a16_fused_moe_triton(
         w2_scale,
         sorted_routes,
         block_expert,
+        topk_ids,
         topk_weights,
         routed,
         num_routes,
         top_k,
+        num_experts,
         hidden_size,
         inter,
         act.stride(0),
@@ -289,6 +329,8 @@ def w4a16_fused_moe_triton(
         topk_weights.stride(0),
         topk_weights.stride(1),
         routed.stride(0),
+        topk_ids.stride(0),
+        topk_ids.stride(1),
         **meta,
     )
     block_h = min(MAX_SUM_BLOCK, next_power_of_2(hidden_size))
