@@ -35,6 +35,19 @@ included).
 
     python3 benchmarks/quant_moe_plans.py --no-moe --fp8-plans --out $OUT/fp8_plans.json
 
+`--act-quant` adds the FP8 activation quantizer table (issue 22): at ACT_QUANT_TOKENS x
+ACT_QUANT_WIDTHS (128-column groups, bf16 in), us per launch inside a CUDA graph (inputs
+rotated as gemv_plans.py rotates weights, up to one copy per launch of the graph: from
+512 tokens on each launch reads HBM, smaller inputs partly L2) of the pre-issue-22 path (`baseline_quant`: the
+chunked kernel, one program per group) and of the tiled quantizer in its chosen plan
+(row-major scales, and column-major as cuBLAS reads them) and in each of
+ACT_QUANT_CANDIDATES; the bytes' floor at the measured bandwidth; and whether the new
+path's bits (both layouts, every plan) equal the baseline's. `--no-linear` skips the
+linear table.
+
+    python3 benchmarks/quant_moe_plans.py --no-moe --no-linear --act-quant \
+        --out $OUT/act_quant.json
+
 `--tiny` runs small shapes, also on a CPU under TRITON_INTERPRET=1 (only to exercise the
 script: timings there mean nothing).
 """
@@ -57,7 +70,12 @@ from kvloom.kernels.gemv_triton import GemvPlan
 from kvloom.kernels.w4a16_gemm import pack_int4
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gemv_plans import time_graph_us, time_wall_us, weight_copies  # noqa: E402
+from gemv_plans import (  # noqa: E402
+    LAUNCHES_PER_GRAPH,
+    time_graph_us,
+    time_wall_us,
+    weight_copies,
+)
 
 TOKENS = (1, 16, 64, 128, 512, 1024, 1536)
 PLANS = (16, 32, 64)
@@ -66,6 +84,10 @@ LINEAR_TOKENS = (1, 256, 4096)  # decode, a decode batch, a prefill chunk
 LINEAR_SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))  # (N, K)
 FP8_PLAN_TOKENS = (1, 16, 256, 1024, 4096)
 GEMV_TOKENS = (1, 8)
+ACT_QUANT_TOKENS = (1, 64, 512, 4096)
+ACT_QUANT_WIDTHS = (2048, 4096, 12288)
+# (tokens, groups, warps) tiles timed beside the chosen plan (QuantPlan).
+ACT_QUANT_CANDIDATES = ((1, 8, 4), (1, 16, 4), (1, 32, 8), (2, 32, 16), (8, 4, 8), (8, 8, 8))
 # Tilings tried beside each format's default plan (all split_k 1, the default's at these
 # shapes): block_n, block_k (columns per step), warps, pipeline stages.
 GEMV_CANDIDATES = {
@@ -390,6 +412,79 @@ def gemv_rows(args, device, gbps):
     return rows
 
 
+def baseline_quant(x: torch.Tensor, group: int, column_major: bool = False):
+    """Baseline (benchmark only): the quantizer as it was before issue 22, every group
+    through the chunked kernel, one 128-element program per (token, group)."""
+    from kvloom.kernels.fp8_gemm_triton import _launch_quant_wide_groups
+
+    t, k = x.shape
+    x_q = torch.empty((t, k), dtype=torch.float8_e4m3fn, device=x.device)
+    if column_major:
+        x_s = torch.empty((k // group, t), dtype=torch.float32, device=x.device).t()
+    else:
+        x_s = torch.empty((t, k // group), dtype=torch.float32, device=x.device)
+    _launch_quant_wide_groups(x, x_q, x_s, group)
+    return x_q, x_s
+
+
+def same_bits(a, b) -> bool:
+    """Quantized values (as bytes) and scales bitwise equal, strides included."""
+    return (
+        torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
+        and torch.equal(a[1], b[1])
+        and a[1].stride() == b[1].stride()
+    )
+
+
+def act_quant_row(tokens, k, device, gbps):
+    """One (tokens, K) row of the --act-quant table (module docstring)."""
+    from kvloom.kernels.fp8_gemm_triton import (
+        QuantPlan,
+        choose_quant_plan,
+        per_token_group_quant_fp8_triton,
+    )
+
+    timer = time_graph_us if device.type == "cuda" else time_wall_us
+    group = 128
+    nbytes = tokens * k * 3 + tokens * (k // group) * 4  # bf16 in, e4m3 + scales out
+    # Rotated inputs (a graph replays LAUNCHES_PER_GRAPH launches, so no more copies).
+    copies = min(weight_copies(tokens * k * 2), LAUNCHES_PER_GRAPH) if device.type == "cuda" else 1
+    g = torch.Generator(device="cpu").manual_seed(tokens + k)
+    xs = [torch.randn(tokens, k, generator=g).mul(3).to(device, torch.bfloat16)
+          for _ in range(copies)]  # fmt: skip
+    plans = {p.name: p for p in (QuantPlan(*c) for c in ACT_QUANT_CANDIDATES)}
+    row = {"tokens": tokens, "K": k, "group": group, "bytes": nbytes,
+           "floor_us": nbytes / gbps / 1e3}  # fmt: skip
+    bitwise = True
+    for cm, tag in ((False, ""), (True, "_column_major")):
+        row[f"chosen_plan{tag}"] = choose_quant_plan(tokens, group, k // group, cm).name
+        old = baseline_quant(xs[0], group, cm)
+        for plan in (None, *plans.values()):
+            bitwise &= same_bits(old, per_token_group_quant_fp8_triton(xs[0], group, cm, plan=plan))
+        new = partial(per_token_group_quant_fp8_triton, group_size=group, column_major_scales=cm)
+        row[f"us_old{tag}"] = timer(lambda i, cm=cm: baseline_quant(xs[i], group, cm), copies)
+        row[f"us_new{tag}"] = timer(lambda i, new=new: new(xs[i]), copies)
+        row[f"speedup{tag}"] = row[f"us_old{tag}"] / row[f"us_new{tag}"]
+    row["bitwise_new_equals_old"] = bitwise
+    row["new_vs_floor"] = row["us_new"] / row["floor_us"]
+    row["us_plans"] = {
+        name: timer(lambda i, p=p: per_token_group_quant_fp8_triton(xs[i], group, plan=p), copies)
+        for name, p in plans.items()
+    }
+    row["best_plan"] = min(row["us_plans"], key=row["us_plans"].get)
+    return row
+
+
+def act_quant_rows(args, device, gbps):
+    """us per quantizer launch, old path vs new (module docstring, --act-quant)."""
+    rows = []
+    for k in args.act_quant_widths:
+        for tokens in args.act_quant_tokens:
+            rows.append(act_quant_row(tokens, k, device, gbps))
+            print(json.dumps(rows[-1]))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None)
@@ -398,6 +493,8 @@ def main() -> None:
     parser.add_argument("--gemv", action="store_true", help="add the decode GEMV rows")
     parser.add_argument("--no-moe", action="store_true", help="skip the MoE table")
     parser.add_argument("--fp8-plans", action="store_true", help="add the FP8 GEMM plan table")
+    parser.add_argument("--act-quant", action="store_true", help="add the FP8 quantizer table")
+    parser.add_argument("--no-linear", action="store_true", help="skip the linear table")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.tiny:
@@ -405,23 +502,27 @@ def main() -> None:
         args.tokens, args.linear_shapes, args.repeats = (1, 9), ((64, 128),), 1
         args.linear_tokens = (1, 3)
         args.fp8_shapes, args.fp8_tokens = ((256, 256),), (1, 130)
+        args.act_quant_tokens, args.act_quant_widths = (1, 9), (256, 384)
     else:
         args.experts, args.top_k, args.hidden, args.inter = 512, 10, 2048, 512
         args.tokens, args.linear_shapes = TOKENS, LINEAR_SHAPES
         args.linear_tokens = LINEAR_TOKENS
         args.fp8_shapes, args.fp8_tokens = LINEAR_SHAPES, FP8_PLAN_TOKENS
+        args.act_quant_tokens, args.act_quant_widths = ACT_QUANT_TOKENS, ACT_QUANT_WIDTHS
     gbps = hbm_gbps(device)
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "hbm_gbps_measured": gbps,
         "moe_shape": {"E": args.experts, "top_k": args.top_k, "H": args.hidden, "I": args.inter},
         "moe": [] if args.no_moe else moe_rows(args, device, gbps),
-        "linear": linear_rows(args, device, gbps),
+        "linear": [] if args.no_linear else linear_rows(args, device, gbps),
     }
     if args.gemv:
         result["gemv"] = gemv_rows(args, device, gbps)
     if args.fp8_plans:
         result["fp8_plans"] = fp8_plan_rows(args, device)
+    if args.act_quant:
+        result["act_quant"] = act_quant_rows(args, device, gbps)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))

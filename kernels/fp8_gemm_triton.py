@@ -3,9 +3,14 @@ GEMM with group scales, on Hopper's FP8 tensor cores when compiled).
 
 Semantics are `fp8_gemm.fp8_linear_ref`'s (read its docstring). Two launches:
 
-1. `_quant_kernel`, one program per (token, group): the group's max |x| (exact), scale =
-   max(amax, 1e-10) / 448, x / scale correctly rounded (`div_rn`), clamped, cast to e4m3
-   (round to nearest even): bitwise the reference's quantized activations and scales.
+1. `_quant_tile_kernel`, one program per tile of tokens x whole groups (`QuantPlan`,
+   about QUANT_TILE elements, read once with vector loads): each group's max |x| (exact),
+   scale = max(amax, 1e-10) / 448, x / scale correctly rounded (`div_rn`), clamped, cast
+   to e4m3 (round to nearest even): bitwise the reference's quantized activations and
+   scales, in any plan. Groups wider than MAX_TILE_GROUP take `_quant_wide_group_kernel`
+   (one program per (token, group), two chunked passes). Issue 22: the chunked kernel
+   for every group (one 128-element program per group, 2-byte loads, two passes) took
+   0.13-0.29 ms at 4,096 tokens on the H200, about the GEMM's own time.
 2. `_fp8_gemm_kernel`, one program per output tile (BLOCK_N weight rows x BLOCK_M
    tokens): for each BLOCK_K tile of K, the e4m3 dot (exact products, float32 sums) is
    scaled by x_s[t, g] * w_s[n, g] (g = the tile's group) and added to a float32
@@ -171,8 +176,119 @@ def _dot_fp8(a, b, acc, INTERPRETED: tl.constexpr, IMPRECISE_ACC: tl.constexpr =
     return tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_ACC)
 
 
+MAX_BLOCK = 256  # most tokens, and most groups, one quantizer program takes
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantPlan:
+    """One tiling of the activation quantizer; it changes speed only, never results (each
+    element's scale is an exact max and two correctly rounded divisions, wherever and
+    with whatever neighbours it is computed)."""
+
+    block_t: int  # tokens per program
+    block_g: int  # groups per program
+    warps: int
+
+    def __post_init__(self) -> None:
+        for field, top in (("block_t", MAX_BLOCK), ("block_g", MAX_BLOCK), ("warps", 16)):
+            value = getattr(self, field)
+            ok = isinstance(value, int) and not isinstance(value, bool)
+            if not ok or not 1 <= value <= top or value & (value - 1):
+                raise ValueError(f"plan.{field}: {value!r} is not a power of 2 in [1, {top}]")
+
+    @property
+    def name(self) -> str:
+        return f"t{self.block_t}g{self.block_g}w{self.warps}"
+
+
+# Elements one program of the tiled quantizer holds: 8 KiB of bf16 in, 16 per thread on
+# 8 warps, enough bytes in flight per SM to stream at HBM rate and few enough programs
+# (6,144 at 4,096 tokens x K 12,288) that block scheduling does not dominate.
+QUANT_TILE = 4096
+# Widest group (padded to a power of 2) the tiled quantizer holds in registers; wider
+# groups (per-token scales of a very wide row) take the chunked two-pass kernel.
+MAX_TILE_GROUP = 8192
+# Consecutive tokens per program where the scales are column-major: one 32-byte sector
+# of each group's scale column per program instead of a lone 4-byte write.
+COLUMN_MAJOR_MIN_TOKENS = 8
+# Mid-size launches shrink the tile (down to MIN_QUANT_TILE elements) until they have
+# MIN_QUANT_PROGRAMS programs, about two per SM of an H100 / H200 (132 SMs).
+MIN_QUANT_PROGRAMS = 256
+MIN_QUANT_TILE = 1024
+
+
+def choose_quant_plan(
+    num_tokens: int, group_size: int, num_groups: int, column_major_scales: bool = False
+) -> QuantPlan:
+    """A tile of about QUANT_TILE elements: whole groups of one token first (contiguous
+    row segments), then more tokens; column-major scales ask for 8 tokens per tile.
+    Smaller tiles where that leaves SMs idle (MIN_QUANT_PROGRAMS)."""
+    width = next_power_of_2(group_size)
+    tokens_pow2 = next_power_of_2(max(num_tokens, 1))
+    min_t = min(tokens_pow2, COLUMN_MAJOR_MIN_TOKENS) if column_major_scales else 1
+    block_g = max(1, min(next_power_of_2(num_groups), QUANT_TILE // (width * min_t), MAX_BLOCK))
+    block_t = max(1, min(tokens_pow2, QUANT_TILE // (width * block_g), MAX_BLOCK))
+
+    def programs() -> int:
+        return triton.cdiv(num_tokens, block_t) * triton.cdiv(num_groups, block_g)
+
+    while programs() < MIN_QUANT_PROGRAMS and block_t * block_g * width > MIN_QUANT_TILE:
+        if block_t > min_t:
+            block_t //= 2
+        elif block_g > 1:
+            block_g //= 2
+        else:
+            break
+    warps = min(16, max(4, block_t * block_g * width // 512))
+    return QuantPlan(block_t, block_g, warps)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _quant_tile_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    num_tokens,
+    num_groups,
+    stride_xt,
+    stride_qt,
+    stride_st,
+    stride_sg,
+    GROUP: tl.constexpr,
+    WIDTH: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    FP8_MAX_C: tl.constexpr,
+    EPS: tl.constexpr,
+):
+    # One [BLOCK_T, BLOCK_G, WIDTH] tile, read once: the innermost dim runs along a
+    # group's contiguous columns, so loads are full-width vectors (GROUP is constexpr and
+    # the row stride 16-divisible, so Triton knows the alignment).
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    lanes = tl.arange(0, WIDTH)
+    tok64 = tokens.to(tl.int64)
+    cols = groups[None, :, None] * GROUP + lanes[None, None, :]
+    ok = (tokens < num_tokens)[:, None, None] & (groups < num_groups)[None, :, None]
+    if WIDTH != GROUP:  # a group size that is not a power of 2 pads its lanes
+        ok = ok & (lanes < GROUP)[None, None, :]
+    x = tl.load(x_ptr + tok64[:, None, None] * stride_xt + cols, mask=ok, other=0.0)
+    x = x.to(tl.float32)
+    # Correctly rounded divisions (div_rn): a constexpr divisor may otherwise compile to
+    # an approximate one, 1 ulp off torch's, which flips e4m3 roundings at boundaries.
+    peak = tl.maximum(tl.max(tl.abs(x), axis=2), EPS)
+    scale = tl.math.div_rn(peak, tl.zeros_like(peak) + FP8_MAX_C)
+    q = tl.math.div_rn(x, tl.zeros_like(x) + scale[:, :, None])
+    q = tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
+    q_ptrs = q_ptr + tok64[:, None, None] * stride_qt + cols
+    tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), mask=ok)
+    s_ptrs = s_ptr + tok64[:, None] * stride_st + groups[None, :].to(tl.int64) * stride_sg
+    s_ok = (tokens < num_tokens)[:, None] & (groups < num_groups)[None, :]
+    tl.store(s_ptrs, scale, mask=s_ok)
+
+
 @triton.jit
-def _quant_kernel(
+def _quant_wide_group_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
@@ -185,6 +301,8 @@ def _quant_kernel(
     FP8_MAX_C: tl.constexpr,
     EPS: tl.constexpr,
 ):
+    # One program per (token, group), the group walked in CHUNK-wide pieces twice (max,
+    # then quantize): for groups too wide for one register tile.
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     start = group * group_size
@@ -194,10 +312,8 @@ def _quant_kernel(
         cols = start + c + offs
         x = tl.load(x_ptr + row * stride_xt + cols, mask=(c + offs) < group_size, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    # Correctly rounded divisions (div_rn): a constexpr divisor may otherwise compile to
-    # an approximate one, 1 ulp off torch's, which flips e4m3 roundings at boundaries.
     peak = tl.maximum(tl.max(amax, axis=0), EPS)
-    scale = tl.math.div_rn(peak, tl.zeros_like(peak) + FP8_MAX_C)
+    scale = tl.math.div_rn(peak, tl.zeros_like(peak) + FP8_MAX_C)  # div_rn: tile kernel
     for c in range(0, group_size, CHUNK):
         cols = start + c + offs
         ok = (c + offs) < group_size
@@ -208,16 +324,67 @@ def _quant_kernel(
     tl.store(s_ptr + row * stride_st + group.to(tl.int64) * stride_sg, scale)
 
 
+def _launch_quant_tiles(x, x_q, x_s, group_size: int, plan: QuantPlan) -> None:
+    t, k = x.shape
+    groups = k // group_size
+    grid = (triton.cdiv(t, plan.block_t), triton.cdiv(groups, plan.block_g))
+    _quant_tile_kernel[grid](
+        x,
+        x_q,
+        x_s,
+        t,
+        groups,
+        x.stride(0),
+        x_q.stride(0),
+        x_s.stride(0),
+        x_s.stride(1),
+        GROUP=group_size,
+        WIDTH=next_power_of_2(group_size),
+        BLOCK_T=plan.block_t,
+        BLOCK_G=plan.block_g,
+        FP8_MAX_C=FP8_MAX,
+        EPS=SCALE_EPS,
+        num_warps=plan.warps,
+    )
+
+
+def _launch_quant_wide_groups(x, x_q, x_s, group_size: int) -> None:
+    """The chunked kernel, one program per (token, group). Also the benchmark's baseline
+    (benchmarks/quant_moe_plans.py --act-quant): before issue 22 every group took it."""
+    t, k = x.shape
+    _quant_wide_group_kernel[(t, k // group_size)](
+        x,
+        x_q,
+        x_s,
+        group_size,
+        x.stride(0),
+        x_q.stride(0),
+        x_s.stride(0),
+        x_s.stride(1),
+        CHUNK=min(MAX_QUANT_CHUNK, next_power_of_2(group_size)),
+        FP8_MAX_C=FP8_MAX,
+        EPS=SCALE_EPS,
+    )
+
+
 def per_token_group_quant_fp8_triton(
-    x: torch.Tensor, group_size: int, column_major_scales: bool = False
+    x: torch.Tensor,
+    group_size: int,
+    column_major_scales: bool = False,
+    *,
+    plan: QuantPlan | None = None,
 ):
-    """x [T, K] -> (x_q [T, K] e4m3, x_s [T, K / group] float32), bitwise the reference's.
-    `column_major_scales`: x_s with strides (1, T) (same values), the layout cuBLAS's
-    1x128 blockwise scaling reads (kernels/fp8_gemm_dispatch.py)."""
+    """x [T, K] -> (x_q [T, K] e4m3, x_s [T, K / group] float32), bitwise the reference's,
+    in one launch. `column_major_scales`: x_s with strides (1, T) (same values), the
+    layout cuBLAS's 1x128 blockwise scaling reads (kernels/fp8_gemm_dispatch.py), written
+    in place (no transpose). `plan` overrides `choose_quant_plan` (same bits); groups
+    wider than MAX_TILE_GROUP take the chunked kernel and ignore it."""
     if x.dim() != 2:
         raise ValueError(f"x: expected [T, K], got shape {list(x.shape)}")
     check_group_size(group_size, x.shape[1])
     check_last_dim_contiguous("x", x)
+    if plan is not None and not isinstance(plan, QuantPlan):
+        raise ValueError(f"plan: expected a QuantPlan or None, got {plan!r}")
     t, k = x.shape
     x_q = torch.empty((t, k), dtype=FP8_DTYPE, device=x.device)
     groups = k // group_size
@@ -227,20 +394,11 @@ def per_token_group_quant_fp8_triton(
         x_s = torch.empty((t, groups), dtype=torch.float32, device=x.device)
     if t == 0 or k == 0:
         return x_q, x_s
-    chunk = min(MAX_QUANT_CHUNK, next_power_of_2(group_size))
-    _quant_kernel[(t, groups)](
-        x,
-        x_q,
-        x_s,
-        group_size,
-        x.stride(0),
-        x_q.stride(0),
-        x_s.stride(0),
-        x_s.stride(1),
-        CHUNK=chunk,
-        FP8_MAX_C=FP8_MAX,
-        EPS=SCALE_EPS,
-    )
+    if next_power_of_2(group_size) > MAX_TILE_GROUP:
+        _launch_quant_wide_groups(x, x_q, x_s, group_size)
+    else:
+        plan = plan or choose_quant_plan(t, group_size, groups, column_major_scales)
+        _launch_quant_tiles(x, x_q, x_s, group_size, plan)
     return x_q, x_s
 
 
