@@ -8,7 +8,8 @@
 #     [profile-dense|profile-hybrid] [latency-hybrid] [plans] [pending-tests]
 #     [spec-profile] [spec-decode] [deterministic] [all-gpu-tests] [gdn-mixed]
 #     [trace-dense] [bench-kimi] [fp8-plans] [mla] [host-256] [gpu-gaps]
-#     [act-quant] [scaled-mm-accuracy]
+#     [act-quant] [scaled-mm-accuracy] [attention-fusion] [norm-gemv] [gdn-decode]
+#     [moe-pairs] [fusion-ab]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -46,6 +47,34 @@ for section in "$@"; do
       for kind in latency throughput; do
         python3 -m kvloom.cluster.cli bench $kind --shape qwen3-next-24l ${HYBRID_ARGS:-} \
           --out "$OUT/kvloom_qwen3-next-24l_$kind.json" 2>&1 | tail -15 || status=1
+      done
+      ;;
+    attention-fusion)  # norm+rope+cache write and the output gate: fused vs unfused µs
+      python3 benchmarks/attention_launch_fusion.py --out "$OUT/attention_launch_fusion.json" \
+        2>&1 | grep RESULT || status=1
+      ;;
+    norm-gemv)  # residual add + RMSNorm in the GEMV's prologue: fused vs two launches, µs
+      timeout 500 python3 benchmarks/norm_gemv_fusion.py --out "$OUT/norm_gemv_fusion.json" \
+        2>&1 | grep -E "FUSION|RESULT" || status=1
+      ;;
+    gdn-decode)  # Gated DeltaNet decode: gates + recurrence + gated norm in one launch, µs
+      timeout 500 python3 benchmarks/gdn_decode_fusion.py --out "$OUT/gdn_decode_fusion.json" \
+        2>&1 | tail -20 || status=1
+      ;;
+    moe-pairs)  # fused MoE: the pairs (decode) plan vs the sorted plan, µs per layer
+      timeout 400 python3 benchmarks/moe_layer_launches.py --plans sorted pairs \
+        --tokens 1 2 4 8 --out "$OUT/moe_layer_launches_pairs.json" 2>&1 | tail -20 || status=1
+      ;;
+    fusion-ab)  # batch-1 ms/token with the decode fusions on, and with some off
+      # FUSION_AB: KVLOOM_UNFUSED values to run ("none": every fusion on; "all": none;
+      # or one name of contracts/envs.py's FUSIONS); about 1-2 min per run and shape.
+      for off in ${FUSION_AB:-none all}; do
+        for shape in ${FUSION_SHAPES:-qwen3-8b qwen3-next-24l}; do
+          KVLOOM_UNFUSED=$([ "$off" = none ] || echo "$off") python3 -m kvloom.cluster.cli \
+            bench latency --shape "$shape" --out "$OUT/fusion_ab_${shape}_$off.json" 2>&1 \
+            | grep "^RESULT ms_per_token" | sed "s/^RESULT /RESULT $shape unfused=$off /"
+          [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+        done
       done
       ;;
     plans)  # attention tilings: prefill TFLOP/s, decode µs and GB/s per split count
@@ -95,9 +124,12 @@ for section in "$@"; do
         tests/test_fused_moe.py tests/test_moe_router_sigmoid.py \
         tests/test_qk_norm_rope.py tests/test_token_bitmask.py \
         tests/test_moe_router_shared_expert.py tests/test_moe_shared_expert_fold.py \
-        tests/test_gemv_silu_and_mul.py tests/test_fused_moe_pairs_plan.py
+        tests/test_gemv_silu_and_mul.py tests/test_fused_moe_pairs_plan.py \
+        tests/test_rms_norm_gemv.py tests/test_gdn_decode_fusion.py
       run_group G4 tests/triton_interpret/test_kv_cache_fp8_triton.py \
-        tests/triton_interpret/test_paged_attention_dcp_triton.py
+        tests/triton_interpret/test_paged_attention_dcp_triton.py \
+        tests/triton_interpret/test_qk_norm_rope_kv_write_triton.py \
+        tests/triton_interpret/test_mul_sigmoid_triton.py
       run_group G5 tests/triton_interpret/test_batch_invariant_triton.py \
         tests/triton_interpret/test_kernels_triton_dense.py \
         tests/triton_interpret/test_mla_attention_triton.py \

@@ -6,6 +6,7 @@ after import). Both planes import this module; it imports nothing of either.
 
 from __future__ import annotations
 
+import functools
 import os
 
 # name -> (default, what it does); docs/configuration.md lists them for users.
@@ -33,6 +34,11 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "",
         "1: prefill-size FP8 block-scaled linears on Hopper take cuBLAS's blockwise GEMM "
         "(torch._scaled_mm) instead of kvloom's Triton GEMM (opt-in: its accuracy is open)",
+    ),
+    "KVLOOM_UNFUSED": (
+        "",
+        "decode fusions to turn off, comma-separated (A/B timing, or an escape hatch): "
+        "norm_gemv, kv_write, mul_sigmoid, gdn_decode, moe_pairs, or all",
     ),
     "KVLOOM_NO_FLA": (
         "",
@@ -98,6 +104,34 @@ def set_here() -> dict[str, str]:
     an actor on another node, or a worker process of an embedded Ray started before a
     variable was set, would otherwise not see them."""
     return {name: os.environ[name] for name in VARIABLES if os.environ.get(name)}
+
+
+# The decode-path fusions KVLOOM_UNFUSED names (each replaces launches with one that gives
+# the same bits): the residual add + RMSNorm in the next GEMV's prologue, the KV-cache
+# write in the q/k norm + rotary kernel, Qwen3-Next's attention output gate in one launch,
+# Gated DeltaNet's gates + recurrence + gated norm in one launch, the fused MoE's pairs
+# (decode) plan without its count and place launches.
+FUSIONS = ("norm_gemv", "kv_write", "mul_sigmoid", "gdn_decode", "moe_pairs")
+
+
+@functools.lru_cache(maxsize=8)
+def _unfused_names(raw: str) -> frozenset[str]:
+    names = {part.strip() for part in raw.split(",") if part.strip()}
+    if "all" in names:
+        return frozenset(FUSIONS)
+    unknown = sorted(names - set(FUSIONS))
+    if unknown:
+        raise ValueError(
+            f"KVLOOM_UNFUSED: unknown fusion(s) {unknown}; choose from {list(FUSIONS)} or all"
+        )
+    return frozenset(names)
+
+
+def unfused(name: str) -> bool:
+    """Whether KVLOOM_UNFUSED turns the decode fusion `name` (one of FUSIONS) off."""
+    if name not in FUSIONS:
+        raise KeyError(f"{name} is not a fusion of contracts/envs.py's FUSIONS")
+    return name in _unfused_names(get("KVLOOM_UNFUSED"))
 
 
 def flag(name: str) -> bool:

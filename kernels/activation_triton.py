@@ -5,13 +5,22 @@ torch, silu is computed in float32 and rounded to x's dtype before the product, 
 rounded again; only the exponential may differ from torch's in the last float32 bit.
 `gated_add_triton` is `activation.gated_add_ref` in one launch instead of three, with the
 same roundings (sigmoid, product and sum each rounded to the dtype).
+`mul_sigmoid_triton` is `activation.mul_sigmoid_ref` (x * sigmoid(gate), the gate read in
+place from its strided [T, H, D] view) in one launch instead of three (copy, sigmoid,
+multiply). It computes sigmoid as torch's CUDA kernel does, 1 / (1 + expf(-g)) in float32
+with libdevice's expf and a correctly rounded division, rounded to the dtype, then the
+product rounded: bitwise torch's result. The CPU interpreter has no libdevice and uses
+tl.exp (numpy's float32 exp) in its place.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from kvloom.kernels.arg_checks_triton import check_dtype, check_last_dim_contiguous
 
@@ -132,6 +141,65 @@ def gated_add_triton(base: torch.Tensor, gate_logit: torch.Tensor, x: torch.Tens
         out.stride(0),
         n,
         BLOCK_N=block,
+        enable_fp_fusion=False,
+    )
+    return out
+
+
+@triton.jit
+def _mul_sigmoid_kernel(
+    x_ptr,
+    gate_ptr,
+    out_ptr,
+    stride_x,
+    stride_gt,
+    stride_gh,
+    stride_out,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    LIBDEVICE_EXP: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dims = tl.arange(0, DIM_PAD)
+    mask = dims < HEAD_DIM
+    cols = head * HEAD_DIM + dims
+    dtype = out_ptr.dtype.element_ty
+    g = tl.load(gate_ptr + row * stride_gt + head * stride_gh + dims, mask=mask, other=0.0)
+    g = -g.to(tl.float32)
+    e = libdevice.exp(g) if LIBDEVICE_EXP else tl.exp(g)
+    sig = tl.math.div_rn(tl.full(e.shape, 1.0, tl.float32), 1.0 + e).to(dtype).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (x * sig).to(dtype), mask=mask)
+
+
+def mul_sigmoid_triton(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x [T, H * D], gate [T, H, D] (any strides with the last dim contiguous, x's dtype)
+    -> x * sigmoid(gate), a new contiguous [T, H * D]."""
+    check_dtype("x", x)
+    check_dtype("gate", gate)
+    if gate.dim() != 3 or gate.dtype != x.dtype:
+        raise ValueError(f"gate: expected a 3-D {x.dtype} tensor [T, H, D], got {gate.dtype} "
+                         f"{tuple(gate.shape)}")  # fmt: skip
+    rows, heads, head_dim = gate.shape
+    if x.dim() != 2 or tuple(x.shape) != (rows, heads * head_dim):
+        raise ValueError(f"x: expected shape {(rows, heads * head_dim)}, got {tuple(x.shape)}")
+    check_last_dim_contiguous("x", x)
+    check_last_dim_contiguous("gate", gate)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    _mul_sigmoid_kernel[(rows, heads)](
+        x,
+        gate,
+        out,
+        x.stride(0),
+        gate.stride(0),
+        gate.stride(1),
+        out.stride(0),
+        HEAD_DIM=head_dim,
+        DIM_PAD=triton.next_power_of_2(head_dim),
+        LIBDEVICE_EXP=os.environ.get("TRITON_INTERPRET") != "1",
         enable_fp_fusion=False,
     )
     return out

@@ -61,6 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvloom.contracts import envs
 from kvloom.kernels.arg_checks_triton import (
     check_dtype,
     check_last_dim_contiguous,
@@ -121,6 +122,7 @@ def uses_pairs_plan(hidden: torch.Tensor, sorted_block_m: int) -> bool:
         and not batch_invariant()
         and 1 <= hidden.shape[0] <= PAIRS_PLAN_MAX_TOKENS
         and sorted_block_m == PAIRS_BLOCK_M
+        and not envs.unfused("moe_pairs")
     )
 
 

@@ -30,7 +30,19 @@ reference checks both; here an out-of-range index is an out-of-bounds access and
 shared slot a race). Callers guarantee them.
 
 BV depends only on (Dk, Dv), never on the batch, so a row's result is the same whatever
-else is batched with it.
+else is batched with it. Gated DeltaNet's tile budget holds a whole 128 x 128 head in one
+program (16 warps); KDA's keeps four warps and BV = 32 there.
+
+Fused decode step (`gdn_decode_triton`, the layer's decode-only steps). The kernel can
+also compute g and beta itself from the in_proj output's b and a columns (`gdn_gate_values`,
+the gates kernel's formula), and, where a program holds a whole value head, apply the
+gated RMSNorm to its output before the store (`gated_rms_norm_rows`, the norm kernel's):
+one launch in place of three, with the same bits as the three. For that, Gated
+DeltaNet's launches, fused or not, compile without fused multiply-adds as the gates and
+norm kernels do (the compiler would contract their formulas differently inside a
+bigger kernel), and the norm's sum of squares is order-free (`sum_of_squares`). Compiled
+offline for sm_90 (Triton 3.6 and 3.9), the plain, gates-fused and fully fused variants
+reduce the state tile in the same layout, with no register spills.
 """
 
 from __future__ import annotations
@@ -46,10 +58,17 @@ from kvloom.kernels.arg_checks_triton import (
     check_shape,
     next_power_of_2,
 )
+from kvloom.kernels.gated_rms_norm import check_gated_rms_norm_args
+from kvloom.kernels.gated_rms_norm_triton import gated_rms_norm_rows, gated_rms_norm_triton
+from kvloom.kernels.gdn_gates import check_gdn_gates_args
+from kvloom.kernels.gdn_gates_triton import gdn_gate_values
 from kvloom.kernels.l2norm import L2NORM_EPS
 
-# Register budget of one program's state tile (Dk padded x BV float32 values).
+# Register budget of one program's state tile (Dk padded x BV float32 values): KDA's, and
+# Gated DeltaNet's, which holds a whole 128 x 128 head (16 warps, 32 values a thread, as 4
+# warps hold 4096) so that the output's gated RMSNorm can run in the same launch.
 _TILE_ELEMENTS = 4096
+_GDN_TILE_ELEMENTS = 16384
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -63,8 +82,14 @@ def _delta_rule_decode_kernel(
     state_ptr,
     slot_ptr,
     out_ptr,
+    ba_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
+    z_ptr,
+    norm_w_ptr,
     scale,
     eps,
+    norm_eps,
     stride_qn,
     stride_qh,
     stride_kn,
@@ -80,6 +105,10 @@ def _delta_rule_decode_kernel(
     stride_sk,
     stride_on,
     stride_oh,
+    stride_ban,
+    stride_zn,
+    stride_zk,
+    stride_zj,
     GROUP: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
@@ -87,6 +116,11 @@ def _delta_rule_decode_kernel(
     BV: tl.constexpr,
     PER_CHANNEL_DECAY: tl.constexpr,
     L2NORM: tl.constexpr,
+    GATES_FROM_BA: tl.constexpr,
+    BA_GROUP: tl.constexpr,
+    NORM: tl.constexpr,
+    Z_GROUP: tl.constexpr,
+    ROUND_PRODUCT: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -115,31 +149,67 @@ def _delta_rule_decode_kernel(
         s_ptrs = s_ptrs + dims[:, None] * stride_sk + cols[None, :]
         s = tl.load(s_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
 
-        gate = g_ptr + row * stride_gn + head * stride_gh
-        if PER_CHANNEL_DECAY:
-            decay = tl.exp(tl.load(gate + dims, mask=dim_ok, other=0.0).to(tl.float32))
-            s = s * decay[:, None]
+        if GATES_FROM_BA:
+            # What gdn_gates_triton writes and this kernel would read back: g in float32,
+            # beta rounded to ba's dtype. Head h reads b at (h // r) * 2r + h % r, a r later.
+            b_col = (head // BA_GROUP) * (2 * BA_GROUP) + head % BA_GROUP
+            b_ptr = ba_ptr + row * stride_ban + b_col
+            b = tl.load(b_ptr).to(tl.float32)
+            a = tl.load(b_ptr + BA_GROUP).to(tl.float32)
+            a_log = tl.load(a_log_ptr + head).to(tl.float32)
+            dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+            log_decay, beta = gdn_gate_values(b, a, a_log, dt_bias)
+            s = s * tl.exp(log_decay)
+            beta = beta.to(ba_ptr.dtype.element_ty).to(tl.float32)
         else:
-            s = s * tl.exp(tl.load(gate).to(tl.float32))
+            gate = g_ptr + row * stride_gn + head * stride_gh
+            if PER_CHANNEL_DECAY:
+                decay = tl.exp(tl.load(gate + dims, mask=dim_ok, other=0.0).to(tl.float32))
+                s = s * decay[:, None]
+            else:
+                s = s * tl.exp(tl.load(gate).to(tl.float32))
+            beta = tl.load(beta_ptr + row * stride_bn + head * stride_bh).to(tl.float32)
 
         v = tl.load(v_ptr + row * stride_vn + head * stride_vh + cols, mask=col_ok, other=0.0)
-        beta = tl.load(beta_ptr + row * stride_bn + head * stride_bh).to(tl.float32)
         predicted = tl.sum(k[:, None] * s, axis=0)
         write = beta * (v.to(tl.float32) - predicted)
         s = s + k[:, None] * write[None, :]
         out = tl.sum(q[:, None] * s, axis=0)
 
         tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=tile_ok)
+        if NORM:
+            # The program holds the whole value head (BV >= DV): the gated RMSNorm the
+            # separate launch would apply to this output, read back in its dtype.
+            x = out.to(out_ptr.dtype.element_ty)[None, :]
+            z_offs = row * stride_zn + (head // Z_GROUP) * stride_zk + (head % Z_GROUP) * stride_zj
+            z = tl.load(z_ptr + z_offs + cols, mask=col_ok, other=0.0)[None, :]
+            w = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            out = tl.reshape(gated_rms_norm_rows(x, z, w, norm_eps, DV, ROUND_PRODUCT), [BV])
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-def _block_v(head_k: int, head_v: int) -> int:
+def _block_v(head_k: int, head_v: int, tile_elements: int = _TILE_ELEMENTS) -> int:
     """State columns per program: as many as fit the tile budget, from the head dims only."""
-    return max(1, min(next_power_of_2(head_v), _TILE_ELEMENTS // next_power_of_2(head_k)))
+    return max(1, min(next_power_of_2(head_v), tile_elements // next_power_of_2(head_k)))
 
 
-def _check_args(q, k, v, g, beta, state, state_indices, per_channel_decay, scale):
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("state", state)):
+def _num_warps(head_k: int, block_v: int) -> int:
+    """Four warps up to 4096 tile elements, then one more warp per 1024 (32 per thread)."""
+    return max(4, next_power_of_2(head_k) * block_v // 1024)
+
+
+def fuses_norm(head_k: int, head_v: int) -> bool:
+    """Whether `gdn_decode_triton` applies the gated RMSNorm in the same launch: one
+    program holds a whole value head's state."""
+    return _block_v(head_k, head_v, _GDN_TILE_ELEMENTS) >= head_v
+
+
+def _check_args(
+    q, k, v, g, beta, state, state_indices, per_channel_decay, scale, computes_gates=False
+):
+    """`computes_gates`: the fused step, which takes no g and beta (`_check_fusion`)."""
+    gates = () if computes_gates else (("g", g), ("beta", beta))
+    for name, t in (("q", q), ("k", k), ("v", v), *gates, ("state", state)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         check_dtype(name, t)
@@ -158,11 +228,10 @@ def _check_args(q, k, v, g, beta, state, state_indices, per_channel_decay, scale
         raise ValueError(
             f"v: value heads ({num_v_heads}) must be a multiple of key heads ({num_k_heads})"
         )
-    if per_channel_decay:
-        check_shape("g", g, (num_rows, num_v_heads, head_k))
-    else:
-        check_shape("g", g, (num_rows, num_v_heads))
-    check_shape("beta", beta, (num_rows, num_v_heads))
+    if gates:
+        g_shape = (num_rows, num_v_heads, head_k) if per_channel_decay else (num_rows, num_v_heads)
+        check_shape("g", g, g_shape)
+        check_shape("beta", beta, (num_rows, num_v_heads))
     if state.dim() != 4 or tuple(state.shape[1:]) != (num_v_heads, head_k, head_v):
         raise ValueError(
             f"state: expected [num_slots, {num_v_heads}, {head_k}, {head_v}], "
@@ -177,21 +246,72 @@ def _check_args(q, k, v, g, beta, state, state_indices, per_channel_decay, scale
         check_last_dim_contiguous(name, t)
     if per_channel_decay:
         check_last_dim_contiguous("g", g)
-    check_same_device(q=q, k=k, v=v, g=g, beta=beta, state=state, state_indices=state_indices)
+    check_same_device(q=q, k=k, v=v, **dict(gates), state=state, state_indices=state_indices)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise ValueError(f"scale: expected a float or None, got {scale!r}")
+
+
+def _check_fusion(v, ba, A_log, dt_bias, ba_group, z, norm_weight, norm_eps) -> None:
+    """The fused step's extra inputs: the gates' (as gdn_gates_triton takes them) and the
+    norm's (as gated_rms_norm_triton, with v standing in for its x of the same shape)."""
+    num_rows, num_v_heads = v.shape[0], v.shape[1]
+    tokens, _, gate_heads = check_gdn_gates_args(ba, A_log, dt_bias, ba_group)
+    if (tokens, gate_heads) != (num_rows, num_v_heads):
+        raise ValueError(
+            f"ba: expected {num_rows} rows for {num_v_heads} value heads, got shape "
+            f"{list(ba.shape)} (group {ba_group})"
+        )
+    check_gated_rms_norm_args(v, z, norm_weight, norm_eps)
+    named = (("ba", ba), ("A_log", A_log), ("dt_bias", dt_bias), ("z", z), ("weight", norm_weight))
+    for name, t in named:
+        check_dtype(name, t)
+        check_last_dim_contiguous(name, t)
+    check_same_device(v=v, ba=ba, A_log=A_log, dt_bias=dt_bias, z=z, weight=norm_weight)
 
 
 def _decode_step(
     q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm, per_channel, block_v
 ):
     _check_args(q, k, v, g, beta, state, state_indices, per_channel, scale)
+    budget = _TILE_ELEMENTS if per_channel else _GDN_TILE_ELEMENTS
+    block_v = block_v or _block_v(q.shape[2], v.shape[2], budget)
+    return _launch(
+        q, k, v, state, state_indices, scale, use_qk_l2norm, block_v, per_channel, g, beta
+    )
+
+
+def _launch(
+    q, k, v, state, state_indices, scale, use_qk_l2norm, block_v, per_channel,
+    g=None, beta=None, gates=None, norm=None,
+):  # fmt: skip
+    """One launch of the decode kernel on checked arguments. Either g, beta [N, Hv] (KDA's
+    g [N, Hv, Dk]) or gates = (ba, A_log, dt_bias, r): computed in the kernel. norm = (z,
+    weight, eps): the gated RMSNorm at the store (block_v >= Dv). Gated DeltaNet's launches
+    compile without fused multiply-adds, as the gates and norm kernels do, so the fused
+    and separate launches give the same bits; KDA's keep the compiler's default."""
     num_rows, num_k_heads, head_k = q.shape
     num_v_heads, head_v = v.shape[1], v.shape[2]
     out = torch.empty((num_rows, num_v_heads, head_v), dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
-    block_v = block_v or _block_v(head_k, head_v)
+    if gates is None:
+        ba, a_log, dt_bias, ba_group = g, g, g, 1  # not read
+        gate_strides = (g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), 0)
+    else:
+        ba, a_log, dt_bias, ba_group = gates
+        g = beta = ba  # not read
+        gate_strides = (0, 0, 0, 0, ba.stride(0))
+    z, norm_weight, norm_eps, z_group, round_product = out, out, 0.0, 1, False
+    z_strides = (0, 0, 0)
+    if norm is not None:
+        z, norm_weight, norm_eps = norm
+        z_strides = (z.stride(0), z.stride(1), z.stride(2) if z.dim() == 4 else 0)
+        z_group = z.shape[2] if z.dim() == 4 else 1
+        # As gated_rms_norm_triton: the weight product is rounded where torch promotes the
+        # (weight, x) pair to a half type.
+        half = (torch.float16, torch.bfloat16)
+        round_product = torch.promote_types(norm_weight.dtype, q.dtype) in half
+    options = {} if per_channel else {"enable_fp_fusion": False}
     grid = (num_rows, num_v_heads, triton.cdiv(head_v, block_v))
     _delta_rule_decode_kernel[grid](
         q,
@@ -202,23 +322,28 @@ def _decode_step(
         state,
         state_indices,
         out,
+        ba,
+        a_log,
+        dt_bias,
+        z,
+        norm_weight,
         float(head_k**-0.5 if scale is None else scale),
         L2NORM_EPS,
+        float(norm_eps),
         q.stride(0),
         q.stride(1),
         k.stride(0),
         k.stride(1),
         v.stride(0),
         v.stride(1),
-        g.stride(0),
-        g.stride(1),
-        beta.stride(0),
-        beta.stride(1),
+        *gate_strides[:4],
         state.stride(0),
         state.stride(1),
         state.stride(2),
         out.stride(0),
         out.stride(1),
+        gate_strides[4],
+        *z_strides,
         GROUP=num_v_heads // num_k_heads,
         DK=head_k,
         DV=head_v,
@@ -226,7 +351,13 @@ def _decode_step(
         BV=block_v,
         PER_CHANNEL_DECAY=per_channel,
         L2NORM=bool(use_qk_l2norm),
-        num_warps=4,
+        GATES_FROM_BA=gates is not None,
+        BA_GROUP=ba_group,
+        NORM=norm is not None,
+        Z_GROUP=z_group,
+        ROUND_PRODUCT=round_product,
+        num_warps=_num_warps(head_k, block_v),
+        **options,
     )
     return out
 
@@ -276,3 +407,44 @@ def recurrent_kda_triton(
     return _decode_step(
         q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm, True, _block_v_override
     )
+
+
+def gdn_decode_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ba: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ba_group: int,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    z: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    _block_v_override: int | None = None,
+) -> torch.Tensor:
+    """A Gated DeltaNet decode step after the conv: gates, recurrence and gated RMSNorm,
+    bit for bit `gdn_gates_triton(ba, A_log, dt_bias, ba_group)`, then
+    `recurrent_gated_delta_rule_triton` with those g and beta, then
+    `gated_rms_norm_triton(out, z, norm_weight, norm_eps)`, in one launch where a program
+    holds a whole value head (`fuses_norm`; Qwen3-Next's 128 x 128 heads), else in two
+    (the norm separate). Padding rows (negative index) give zeros in one launch (the
+    separate norm gives 0 * silu(z): -0.0 for z < 0, NaN for a NaN z); their q, k, v, ba
+    and z are never read there.
+
+    ba [N, Hk' * 2r] (b then a per group of r = ba_group value heads, rows strided), A_log
+    and dt_bias [Hv], z [N, Hv, Dv] or [N, Hk', r', Dv] (strided), norm_weight [Dv]; the
+    rest as `recurrent_gated_delta_rule_triton`. No host sync: CUDA-graph capturable."""
+    _check_args(q, k, v, None, None, state, state_indices, False, scale, computes_gates=True)
+    _check_fusion(v, ba, A_log, dt_bias, ba_group, z, norm_weight, norm_eps)
+    head_k, head_v = q.shape[2], v.shape[2]
+    block_v = _block_v_override or _block_v(head_k, head_v, _GDN_TILE_ELEMENTS)
+    gates = (ba, A_log, dt_bias, ba_group)
+    args = (q, k, v, state, state_indices, scale, use_qk_l2norm, block_v, False)
+    if block_v >= head_v:
+        return _launch(*args, gates=gates, norm=(z, norm_weight, norm_eps))
+    return gated_rms_norm_triton(_launch(*args, gates=gates), z, norm_weight, norm_eps)

@@ -79,6 +79,16 @@ def softplus_f32(x):
     return tl.where(x > SOFTPLUS_THRESHOLD, x, tl.maximum(x, 0.0) + log1p_e)
 
 
+@triton.jit
+def gdn_gate_values(b, a, a_log, dt_bias):
+    """(g, beta) in float32 from float32 b, a, A_log, dt_bias of one shape: the one formula
+    of this kernel and of the fused decode step (gated_delta_rule_triton.py), so both give
+    the same bits when compiled alike (without fused multiply-adds)."""
+    g = -exp_f32(a_log) * softplus_f32(a + dt_bias)
+    beta = tl.math.div_rn(tl.full(b.shape, 1.0, tl.float32), 1.0 + exp_f32(-b))
+    return g, beta
+
+
 # Tokens change every step: no recompiles for their value (1, multiples of 16).
 @triton.jit(do_not_specialize=["num_tokens"])
 def _gdn_gates_kernel(
@@ -108,8 +118,7 @@ def _gdn_gates_kernel(
     a = tl.load(b_ptrs + GROUP, mask=mask, other=0.0).to(tl.float32)
     a_log = tl.load(a_log_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
-    g = -exp_f32(a_log)[None, :] * softplus_f32(a + dt_bias[None, :])
-    beta = tl.math.div_rn(tl.full(b.shape, 1.0, tl.float32), 1.0 + exp_f32(-b))
+    g, beta = gdn_gate_values(b, a, a_log[None, :], dt_bias[None, :])
     tl.store(g_ptr + rows * stride_g + heads[None, :], g, mask=mask)
     beta_out = beta.to(beta_ptr.dtype.element_ty)
     tl.store(beta_ptr + rows * stride_beta + heads[None, :], beta_out, mask=mask)

@@ -14,12 +14,19 @@ import torch
 
 from kvloom.kernels.activation import silu_and_mul_ref
 from kvloom.kernels.paged_attention import compute_dtype
+from kvloom.kernels.rms_norm import rms_norm_ref
 
 GEMV_MAX_M = 8  # most rows the Triton GEMV serves; more rows use cuBLAS (F.linear)
 # Rows up to which the linear layers use it: on an H200 it beat cuBLAS by 1.04-1.31x at
 # one and two rows on the Qwen3-8B and Qwen3-Next shapes, and lost at four (0.71-0.98x on
 # all but the smallest shapes; benchmarks/gemv_plans.py, docs/benchmarks/gpu_fast_path.md).
 GEMV_DISPATCH_MAX_M = 2
+# Most rows of the GEMV with RMSNorm fused into its prologue (gemv_triton: rows unrolled
+# by hand); the dispatch range above.
+NORM_GEMV_MAX_M = 2
+# Longest row (hidden size) it normalizes: each program sums the row's squares in
+# K / 1024 unrolled steps; longer rows take the norm and the GEMV as two launches.
+NORM_GEMV_MAX_K = 16384
 
 
 def gemv_ref(
@@ -50,3 +57,21 @@ def gemv_silu_and_mul_ref(
     if weight.dim() == 2 and weight.shape[0] % 2:
         raise ValueError(f"weight: expected [gate; up] rows (an even count), got {weight.shape[0]}")
     return silu_and_mul_ref(gemv_ref(x, weight, bias))
+
+
+def rms_norm_gemv_ref(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    weight_offset: float = 0.0,
+    silu_and_mul: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The reference of gemv_triton.rms_norm_gemv_triton: the norm, then the GEMV (or
+    GEMV + SiLU-and-mul) on its output. Returns (y, x + residual or None, normed)."""
+    normed, new_residual = rms_norm_ref(x, norm_weight, eps, residual, weight_offset)
+    project = gemv_silu_and_mul_ref if silu_and_mul else gemv_ref
+    return project(normed, weight, bias), new_residual, normed

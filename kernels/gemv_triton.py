@@ -51,7 +51,13 @@ import triton.language as tl
 
 from kvloom.kernels.activation_triton import silu_mul
 from kvloom.kernels.arg_checks_triton import check_dtype, check_same_device
-from kvloom.kernels.gemv import GEMV_MAX_M
+from kvloom.kernels.gemv import GEMV_MAX_M, NORM_GEMV_MAX_K, NORM_GEMV_MAX_M
+from kvloom.kernels.rms_norm_triton import (
+    rms_row_rstd,
+    rms_scale,
+    rms_sum,
+    sq_lanes,
+)
 
 LANES = 64  # fixes the summation order; never depends on a plan
 _LANES = tl.constexpr(LANES)  # the same, readable inside kernels
@@ -270,6 +276,61 @@ def _row_fma(acc, w, x_row, kk, lanes, k_end, BLOCK_N: tl.constexpr, EVEN_K: tl.
 
 
 @triton.jit
+def _normed_row_fma(
+    acc,
+    w,
+    row,
+    rstd,
+    x_ptr,
+    stride_xm,
+    r_ptr,
+    stride_rm,
+    nw_ptr,
+    ro_ptr,
+    no_ptr,
+    weight_offset,
+    store_end,
+    kk,
+    lanes,
+    k_end,
+    K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    WRITE_NORMED: tl.constexpr,
+):
+    """_row_fma of row `row` whose x is RMSNorm(x + residual), made per 64-lane chunk by
+    rms_norm_triton's helpers and rounded to x's dtype as the norm launch stores it.
+    Columns below `store_end` (k_end in the first feature tile's programs, else 0) also
+    store the sum (the new residual) and, with WRITE_NORMED, the normed values: fresh
+    [M, K] buffers no program reads."""
+    dtype = x_ptr.dtype.element_ty
+    cols = kk + lanes
+    ok = cols < k_end
+    if EVEN_K:
+        x = tl.load(x_ptr + row * stride_xm + cols)
+        w_norm = tl.load(nw_ptr + cols)
+        res = x
+        if HAS_RESIDUAL:
+            res = tl.load(r_ptr + row * stride_rm + cols)
+    else:
+        x = tl.load(x_ptr + row * stride_xm + cols, mask=ok, other=0.0)
+        w_norm = tl.load(nw_ptr + cols, mask=ok, other=0.0)
+        res = x
+        if HAS_RESIDUAL:
+            res = tl.load(r_ptr + row * stride_rm + cols, mask=ok, other=0.0)
+    s = rms_sum(x, res, HAS_RESIDUAL, dtype)
+    normed = rms_scale(s, w_norm, rstd, weight_offset, HAS_OFFSET, dtype).to(dtype)
+    if HAS_RESIDUAL:
+        tl.store(ro_ptr + row * K + cols, s, mask=cols < store_end)
+    if WRITE_NORMED:
+        tl.store(no_ptr + row * K + cols, normed, mask=cols < store_end)
+    x = tl.broadcast_to(tl.expand_dims(normed.to(tl.float32), 0), w.shape)
+    return tl.fma(w, x, acc)
+
+
+@triton.jit
 def _lane_offsets(WFMT: tl.constexpr):
     """k - kk of each lane: [64]; for packed int4 an [8, 8] grid (word, nibble), lane
     8 * word + nibble, so one int32 word feeds 8 lanes with no reshape in the loop."""
@@ -399,6 +460,13 @@ def _gemv_kernel(
     stride_om,
     stride_os,
     split_len,
+    r_ptr,
+    nw_ptr,
+    ro_ptr,
+    no_ptr,
+    stride_rm,
+    eps,
+    weight_offset,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CHUNKS: tl.constexpr,
@@ -408,6 +476,12 @@ def _gemv_kernel(
     WFMT: tl.constexpr,
     GROUP: tl.constexpr,
     GATED: tl.constexpr,
+    NORM: tl.constexpr,
+    NORM_K: tl.constexpr,
+    NORM_LANES: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    WRITE_NORMED: tl.constexpr,
 ):
     """Program (i, s): features [i * BLOCK_N, (i + 1) * BLOCK_N) of all ROWS rows over K
     range s. Rows are unrolled by hand (one accumulator each, ROWS <= 8) so every row
@@ -416,9 +490,15 @@ def _gemv_kernel(
     GATED (split_k = 1 only): the weight is [gate; up] with 2N rows and the output
     [ROWS, N] is silu(gate) * up; program i owns features [i * BLOCK_N / 2, ...) and its
     tile interleaves their gate and up rows. Only which weight rows the tile reads and
-    the store change: every sum is the plain GEMV's, bit for bit."""
+    the store change: every sum is the plain GEMV's, bit for bit.
+    NORM (ROWS <= 2, K = NORM_K): x is RMSNorm(x + residual) of the rows at x_ptr and
+    r_ptr (HAS_RESIDUAL), norm weight nw_ptr: every program computes each row's whole
+    1 / rms first (rms_row_rstd), then normalizes each chunk as it streams the weight;
+    the first feature tile stores the sum to ro_ptr and (WRITE_NORMED) the normed rows
+    to no_ptr ([ROWS, K] each)."""
     tl.static_assert(_LANES == 64)  # _lane_tree_sum is written for 64 lanes
     tl.static_assert(ROWS <= 8)
+    tl.static_assert(not NORM or (ROWS <= 2 and WFMT == FMT_PLAIN))
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     if GATED:
@@ -445,6 +525,14 @@ def _gemv_kernel(
     k_start = pid_s * split_len
     k_end = tl.minimum(k_start + split_len, K)
     out0 = out_ptr + pid_s * stride_os  # row 0's output
+    if NORM:  # each row's 1 / rms over the whole row, in rms_norm_triton's order
+        store_end = tl.where(pid_n == 0, k_end, 0)  # the first feature tile stores the rows
+        dtype = x_ptr.dtype.element_ty
+        rstd0 = rms_row_rstd(x_ptr, r_ptr, eps, NORM_K, NORM_LANES, HAS_RESIDUAL, dtype)
+        if ROWS > 1:
+            rstd1 = rms_row_rstd(
+                x_ptr + stride_xm, r_ptr + stride_rm, eps, NORM_K, NORM_LANES, HAS_RESIDUAL, dtype
+            )
 
     acc0 = _new_acc(BLOCK_N, WFMT)
     if ROWS > 1:
@@ -478,21 +566,46 @@ def _gemv_kernel(
                 GROUP,
                 EVEN_K,
             )
-            acc0 = _row_fma(acc0, w, x_ptr, kk, lanes, k_end, BLOCK_N, EVEN_K)
-            if ROWS > 1:
-                acc1 = _row_fma(acc1, w, x_ptr + stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K)
-            if ROWS > 2:
-                acc2 = _row_fma(acc2, w, x_ptr + 2 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K)
-            if ROWS > 3:
-                acc3 = _row_fma(acc3, w, x_ptr + 3 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K)
-            if ROWS > 4:
-                acc4 = _row_fma(acc4, w, x_ptr + 4 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K)
-            if ROWS > 5:
-                acc5 = _row_fma(acc5, w, x_ptr + 5 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K)
-            if ROWS > 6:
-                acc6 = _row_fma(acc6, w, x_ptr + 6 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K)
-            if ROWS > 7:
-                acc7 = _row_fma(acc7, w, x_ptr + 7 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K)
+            if NORM:
+                acc0 = _normed_row_fma(
+                    acc0, w, 0, rstd0, x_ptr, stride_xm, r_ptr, stride_rm, nw_ptr, ro_ptr,
+                    no_ptr, weight_offset, store_end, kk, lanes, k_end, NORM_K, BLOCK_N,
+                    EVEN_K, HAS_RESIDUAL, HAS_OFFSET, WRITE_NORMED,
+                )  # fmt: skip
+                if ROWS > 1:
+                    acc1 = _normed_row_fma(
+                        acc1, w, 1, rstd1, x_ptr, stride_xm, r_ptr, stride_rm, nw_ptr, ro_ptr,
+                        no_ptr, weight_offset, store_end, kk, lanes, k_end, NORM_K, BLOCK_N,
+                        EVEN_K, HAS_RESIDUAL, HAS_OFFSET, WRITE_NORMED,
+                    )  # fmt: skip
+            else:
+                acc0 = _row_fma(acc0, w, x_ptr, kk, lanes, k_end, BLOCK_N, EVEN_K)
+                if ROWS > 1:
+                    acc1 = _row_fma(acc1, w, x_ptr + stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K)
+                if ROWS > 2:
+                    acc2 = _row_fma(
+                        acc2, w, x_ptr + 2 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K
+                    )
+                if ROWS > 3:
+                    acc3 = _row_fma(
+                        acc3, w, x_ptr + 3 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K
+                    )
+                if ROWS > 4:
+                    acc4 = _row_fma(
+                        acc4, w, x_ptr + 4 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K
+                    )
+                if ROWS > 5:
+                    acc5 = _row_fma(
+                        acc5, w, x_ptr + 5 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K
+                    )
+                if ROWS > 6:
+                    acc6 = _row_fma(
+                        acc6, w, x_ptr + 6 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K
+                    )
+                if ROWS > 7:
+                    acc7 = _row_fma(
+                        acc7, w, x_ptr + 7 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K
+                    )
 
     bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_BIAS:
@@ -609,6 +722,117 @@ def gemv_silu_and_mul_triton(
     return launch_gemv(x, weight, bias, out, plan, silu_and_mul=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class NormPrologue:
+    """RMSNorm(x + residual) * (weight_offset + weight) applied to the GEMV's input rows
+    inside its launch (`launch_gemv(norm=...)`). residual_out receives x + residual
+    (with a residual) and normed_out the normed rows (when given): fresh [M, K] tensors."""
+
+    weight: torch.Tensor
+    eps: float
+    weight_offset: float
+    residual: torch.Tensor | None
+    residual_out: torch.Tensor | None
+    normed_out: torch.Tensor | None
+
+
+def _norm_args(x: torch.Tensor, norm: NormPrologue | None) -> dict:
+    """The kernel's norm arguments (placeholder pointers when there is no prologue)."""
+    k = x.shape[1]
+    res = norm.residual if norm is not None else None
+    return dict(
+        r_ptr=res if res is not None else x,
+        nw_ptr=norm.weight if norm is not None else x,
+        ro_ptr=norm.residual_out if res is not None else x,
+        no_ptr=norm.normed_out if norm is not None and norm.normed_out is not None else x,
+        stride_rm=res.stride(0) if res is not None else 0,
+        eps=float(norm.eps) if norm is not None else 0.0,
+        weight_offset=float(norm.weight_offset) if norm is not None else 0.0,
+        NORM=norm is not None,
+        NORM_K=k if norm is not None else 0,
+        NORM_LANES=sq_lanes(k) if norm is not None else 1,
+        HAS_RESIDUAL=res is not None,
+        HAS_OFFSET=norm is not None and bool(norm.weight_offset),
+        WRITE_NORMED=norm is not None and norm.normed_out is not None,
+    )
+
+
+def rms_norm_gemv_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    weight_offset: float = 0.0,
+    silu_and_mul: bool = False,
+    write_normed: bool = False,
+    plan: GemvPlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """RMSNorm (with the residual add) and the GEMV that reads its output, in one launch
+    (two with a split-K plan): returns (y, x + residual or None, the normed rows or None).
+
+    Bitwise rms_norm_triton(x, norm_weight, eps, residual, weight_offset) followed by
+    gemv_triton (or, with `silu_and_mul`, gemv_silu_and_mul_triton) on its output with
+    the same plan: every program recomputes each row's 1 / rms with the norm kernel's
+    helpers (whole row, its fixed order), then normalizes each 64-column chunk as the
+    norm kernel does before the chunk's multiply-adds. The programs of the first
+    feature tile store x + residual and, with `write_normed`, the normed rows (for a
+    second consumer), into fresh tensors: nothing is written over an input.
+
+    x, residual: [M, K] of one half/single dtype, M <= NORM_GEMV_MAX_M, last dim
+    contiguous; norm_weight [K] of x's dtype; weight, bias as gemv_triton's (a [gate;
+    up] weight with `silu_and_mul`); `plan` defaults to the GEMV's own choice.
+    """
+    _check_args(x, weight, bias)
+    m, k = x.shape
+    _check_norm_args(x, residual, norm_weight, weight)
+    if silu_and_mul and weight.shape[0] % 2:
+        raise ValueError(f"weight: expected [gate; up] rows (an even count), got {weight.shape[0]}")
+    if plan is None:
+        plan = choose_gemv_plan(max(m, 1), weight.shape[0], k, x.dtype)
+    width = weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
+    out = torch.empty((m, width), dtype=x.dtype, device=x.device)
+    new_rows = dict(dtype=x.dtype, device=x.device)
+    norm = NormPrologue(
+        weight=norm_weight,
+        eps=eps,
+        weight_offset=weight_offset,
+        residual=residual,
+        residual_out=torch.empty((m, k), **new_rows) if residual is not None else None,
+        normed_out=torch.empty((m, k), **new_rows) if write_normed else None,
+    )
+    launch_gemv(x, weight, bias, out, plan, silu_and_mul=silu_and_mul, norm=norm)
+    return out, norm.residual_out, norm.normed_out
+
+
+def _check_norm_args(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor
+) -> None:
+    m, k = x.shape
+    if m > NORM_GEMV_MAX_M:
+        raise ValueError(f"x: {m} rows exceed NORM_GEMV_MAX_M={NORM_GEMV_MAX_M}")
+    if not 1 <= k <= NORM_GEMV_MAX_K:
+        raise ValueError(f"x: K={k} is outside the fused norm's [1, {NORM_GEMV_MAX_K}]")
+    if weight.shape[0] == 0:  # no program would write the residual
+        raise ValueError("weight: needs at least one row (output feature)")
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor) or residual.shape != x.shape:
+            raise ValueError(f"residual: expected a tensor of x's shape {tuple(x.shape)}")
+        if residual.dtype != x.dtype:
+            raise ValueError(f"residual: dtype {residual.dtype} differs from x's {x.dtype}")
+        if k > 1 and residual.stride(1) != 1:
+            raise ValueError("residual: the last dim must be contiguous (stride 1)")
+    if not isinstance(norm_weight, torch.Tensor) or tuple(norm_weight.shape) != (k,):
+        raise ValueError(f"norm_weight: expected shape ({k},) matching x's K")
+    if norm_weight.dtype != x.dtype:
+        raise ValueError(f"norm_weight: dtype {norm_weight.dtype} differs from x's {x.dtype}")
+    if k > 1 and norm_weight.stride(0) != 1:
+        raise ValueError("norm_weight: must be contiguous")
+    check_same_device(x=x, residual=residual, norm_weight=norm_weight)
+
+
 def launch_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -620,11 +844,13 @@ def launch_gemv(
     scales: torch.Tensor | None = None,
     group: int = 0,
     silu_and_mul: bool = False,
+    norm: NormPrologue | None = None,
 ) -> torch.Tensor:
     """Fills out [M, N] (any float dtype) with x @ W^T (+ bias) and returns it; W is
     `weight` stored as `fmt` with `scales` [N, K / group] (group 0: one per row). With
     `silu_and_mul`, W is [gate; up] (2N rows) and out [M, N] (x's dtype) gets
-    silu(gate) * up. Callers check the arguments; this only launches."""
+    silu(gate) * up. With `norm`, x is first RMS-normalized (NormPrologue). Callers
+    check the arguments; this only launches."""
     if not isinstance(plan, GemvPlan):
         raise ValueError(f"plan: expected a GemvPlan or None, got {type(plan).__name__}")
     m, k = x.shape
@@ -633,8 +859,10 @@ def launch_gemv(
         return out
     width = 2 * n if silu_and_mul else n  # GEMV features (weight rows)
     # The activation's launches compile as activation_triton's (no mul-add contraction);
-    # the K loop's FMAs are explicit, so its sums are the same either way.
+    # the K loop's FMAs are explicit, so its sums are the same either way. The norm
+    # prologue compiles as rms_norm_triton's does, for the same reason.
     act_options = dict(enable_fp_fusion=False) if silu_and_mul else {}
+    norm_options = dict(enable_fp_fusion=False) if norm is not None else {}
     split_len = split_k_len(k, plan.split_k)
     common = dict(
         ROWS=m,
@@ -645,6 +873,7 @@ def launch_gemv(
         GROUP=group,
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
+        **_norm_args(x, norm),
     )
     s = scales if scales is not None else weight  # placeholder pointers when absent
     b = bias if bias is not None else weight
@@ -670,7 +899,7 @@ def launch_gemv(
             HAS_BIAS=bias is not None,
             GATED=silu_and_mul,
             **common,
-            **act_options,
+            **{**act_options, **norm_options},
         )
         return out
     # Split-K: the plain GEMV's partial sums of all `width` features; the reduce launch
@@ -694,6 +923,7 @@ def launch_gemv(
         HAS_BIAS=False,
         GATED=False,
         **common,
+        **norm_options,
     )
     _split_k_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
         ws,

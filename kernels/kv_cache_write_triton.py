@@ -26,7 +26,7 @@ _FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
-def _to_cache(x, inv_scale, dtype: tl.constexpr, QUANT: tl.constexpr):
+def to_cache(x, inv_scale, dtype: tl.constexpr, QUANT: tl.constexpr):
     """x as the cache stores it (kv_cache_write.quantize_kv)."""
     if QUANT:
         y = x.to(tl.float32) * inv_scale
@@ -78,8 +78,8 @@ def _write_kv_cache_kernel(
         dst = cache_ptr + block * stride_cb + offset * stride_co
         dst = dst + heads[:, None] * stride_ch + dims[None, :]
         dtype = cache_ptr.dtype.element_ty
-        tl.store(dst, _to_cache(key, k_inv_scale, dtype, QUANT), mask=mask)
-        tl.store(dst + stride_ckv, _to_cache(value, v_inv_scale, dtype, QUANT), mask=mask)
+        tl.store(dst, to_cache(key, k_inv_scale, dtype, QUANT), mask=mask)
+        tl.store(dst + stride_ckv, to_cache(value, v_inv_scale, dtype, QUANT), mask=mask)
 
 
 def write_kv_cache_triton(
@@ -92,6 +92,37 @@ def write_kv_cache_triton(
 ) -> None:
     """key/value: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]; slot < 0 skips.
     k_scale / v_scale: the per-tensor scales of an FP8 cache (unused otherwise)."""
+    quant = check_kv_write_args(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    num_tokens, num_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _write_kv_cache_kernel[(num_tokens,)](
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        kv_cache.shape[2],
+        1.0 / k_scale,
+        1.0 / v_scale,
+        QUANT=quant,
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        HEADS_PAD=next_power_of_2(num_heads),
+        DIM_PAD=next_power_of_2(head_dim),
+    )
+
+
+def check_kv_write_args(key, value, kv_cache, slot_mapping, k_scale, v_scale) -> bool:
+    """Checks a cache write's arguments (this kernel's and the fused q/k norm + rotary
+    kernel's epilogue); returns whether the cache is FP8 (quantized on write)."""
     if key.dim() != 3 or value.shape != key.shape:
         raise ValueError(
             f"key/value: expected equal shapes [T, Hkv, D], got {tuple(key.shape)} "
@@ -118,27 +149,4 @@ def write_kv_cache_triton(
     check_same_device(key=key, value=value, kv_cache=kv_cache, slot_mapping=slot_mapping)
     for name, t in (("key", key), ("value", value), ("kv_cache", kv_cache)):
         check_last_dim_contiguous(name, t)
-    if num_tokens == 0:
-        return
-    _write_kv_cache_kernel[(num_tokens,)](
-        key,
-        value,
-        kv_cache,
-        slot_mapping,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        kv_cache.shape[2],
-        1.0 / k_scale,
-        1.0 / v_scale,
-        QUANT=quant,
-        NUM_HEADS=num_heads,
-        HEAD_DIM=head_dim,
-        HEADS_PAD=next_power_of_2(num_heads),
-        DIM_PAD=next_power_of_2(head_dim),
-    )
+    return quant

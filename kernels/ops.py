@@ -11,12 +11,12 @@ from kvloom.contracts import envs
 from kvloom.kernels import causal_conv1d as conv_ref
 from kvloom.kernels import gated_delta_rule as gdn_ref
 from kvloom.kernels import kda as kda_ref
-from kvloom.kernels.activation import gated_add_ref, silu_and_mul_ref
+from kvloom.kernels.activation import gated_add_ref, mul_sigmoid_ref, silu_and_mul_ref
 from kvloom.kernels.dispatch import TRITON_DTYPES, batch_invariant, use_triton
 from kvloom.kernels.fp8_gemm_dispatch import scaled_mm_blocker, try_fp8_linear_scaled_mm
 from kvloom.kernels.gated_rms_norm import gated_rms_norm_ref
 from kvloom.kernels.gdn_gates import gdn_gates_ref
-from kvloom.kernels.gemv import GEMV_DISPATCH_MAX_M
+from kvloom.kernels.gemv import GEMV_DISPATCH_MAX_M, NORM_GEMV_MAX_K, NORM_GEMV_MAX_M
 from kvloom.kernels.kda_gates import kda_gates_ref
 from kvloom.kernels.kv_cache_write import is_fp8, write_kv_cache_ref
 from kvloom.kernels.mla_attention import mla_attention_ref, write_mla_cache_ref
@@ -339,6 +339,66 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return silu_and_mul(linear(x, weight, bias))
 
 
+def _takes_norm_gemv(x, residual, norm_weight, weight, silu: bool) -> bool:
+    """Whether `rms_norm_linear` runs the GEMV with the norm in its prologue: where
+    `linear` would run the GEMV on the norm's output, for inputs the prologue reads."""
+    k = x.shape[-1]
+    return (
+        not batch_invariant()
+        and _takes_gemv(x, weight)
+        and x.numel() // max(k, 1) <= NORM_GEMV_MAX_M
+        and 1 <= k <= NORM_GEMV_MAX_K
+        and weight.shape[0] >= 1 + silu
+        and weight.shape[0] % (1 + silu) == 0
+        and norm_weight.dtype == x.dtype
+        and norm_weight.is_contiguous()
+        and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1))
+        and not envs.unfused("norm_gemv")
+    )
+
+
+def rms_norm_linear(
+    x,
+    residual,
+    norm_weight,
+    eps,
+    weight,
+    bias=None,
+    *,
+    weight_offset: float = 0.0,
+    silu_and_mul: bool = False,
+    write_normed: bool = False,
+):
+    """`normed, new_residual = rms_norm(x, norm_weight, eps, residual, weight_offset)`, then
+    `linear(normed, weight, bias)` (or `linear_silu_and_mul` for a [gate; up] weight).
+    Returns (y, new_residual, normed if write_normed else None); new_residual is None
+    without a residual, as rms_norm's. Where `linear` takes the GEMV, one launch does
+    both (gemv_triton.rms_norm_gemv_triton: bitwise the two launches); elsewhere, the
+    two calls, so CPU and prefill numerics are rms_norm's and linear's."""
+    if _takes_norm_gemv(x, residual, norm_weight, weight, silu_and_mul):
+        from kvloom.kernels.gemv_triton import rms_norm_gemv_triton
+
+        rows = x.reshape(-1, x.shape[-1])
+        res_rows = residual.reshape(-1, x.shape[-1]) if residual is not None else None
+        y, new_res, normed = rms_norm_gemv_triton(
+            rows,
+            res_rows,
+            norm_weight,
+            eps,
+            weight,
+            bias,
+            weight_offset=weight_offset,
+            silu_and_mul=silu_and_mul,
+            write_normed=write_normed,
+        )
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        new_res = new_res.view(x.shape) if new_res is not None else None
+        return y, new_res, normed.view(x.shape) if normed is not None else None
+    normed, new_res = rms_norm(x, norm_weight, eps, residual, weight_offset)
+    project = linear_silu_and_mul if silu_and_mul else linear
+    return project(normed, weight, bias), new_res, normed if write_normed else None
+
+
 def gdn_gates(ba, A_log, dt_bias, group_v_heads):
     """Gated DeltaNet's decay g (float32) and beta from the in_proj_ba output, read in place."""
     if use_triton(ba):
@@ -365,6 +425,27 @@ def gated_rms_norm(x, gate, weight, eps):
 
         return gated_rms_norm_triton(x, gate, weight, eps)
     return gated_rms_norm_ref(x, gate, weight, eps)
+
+
+def gdn_decode_step(
+    q, k, v, ba, A_log, dt_bias, ba_group, state, state_indices, z, norm_weight, norm_eps
+):
+    """Gated DeltaNet's decode step after the conv: gdn_gates, recurrent_gated_delta_rule
+    (q, k L2-normalised) and gated_rms_norm -> the normed output [N, Hv, Dv]. Where the
+    Triton decode kernel runs, one launch computes the gates in the recurrence and the norm
+    at its store (two where a value head is too wide for one program), bit for bit the
+    three launches; elsewhere the three calls as they were."""
+    fused = use_triton(q) and use_triton(ba) and state.dtype in TRITON_DTYPES
+    if fused and not envs.unfused("gdn_decode"):
+        from kvloom.kernels.gated_delta_rule_triton import gdn_decode_triton
+
+        return gdn_decode_triton(
+            q, k, v, ba, A_log, dt_bias, ba_group, state, state_indices, z, norm_weight,
+            norm_eps, use_qk_l2norm=True,
+        )  # fmt: skip
+    g, beta = gdn_gates(ba, A_log, dt_bias, ba_group)
+    core = recurrent_gated_delta_rule(q, k, v, g, beta, state, state_indices, use_qk_l2norm=True)
+    return gated_rms_norm(core, z, norm_weight, norm_eps)
 
 
 def recurrent_kda(q, k, v, g, beta, state, state_indices, *, scale=None, use_qk_l2norm=False):
@@ -518,6 +599,63 @@ def qk_norm_rope(
     return qk_norm_rope_ref(
         q, k, positions, cos_table, sin_table, q_weight, k_weight, eps, rotary_dim, weight_offset
     )
+
+
+def _decode_fusion(x: torch.Tensor) -> bool:
+    """Whether a decode-only fused launch replaces separate ones: as the Triton GEMV, half
+    precision on CUDA at GEMV_DISPATCH_MAX_M rows at most, outside the deterministic mode
+    (which keeps its one plan per op)."""
+    return (
+        x.dtype in (torch.bfloat16, torch.float16)
+        and use_triton(x)
+        and 1 <= x.shape[0] <= GEMV_DISPATCH_MAX_M
+        and not batch_invariant()
+    )
+
+
+def qk_norm_rope_try_kv_write(
+    q,
+    k,
+    v,
+    positions,
+    cos_table,
+    sin_table,
+    q_weight,
+    k_weight,
+    eps,
+    rotary_dim,
+    weight_offset,
+    kv_cache,
+    slot_mapping,
+    k_scale=1.0,
+    v_scale=1.0,
+):
+    """`qk_norm_rope`, and where the decode fusion applies (CUDA, half precision, decode
+    rows, a cache the kernel writes) the cache write of the finished keys and v [T, Hk, D]
+    in the same launch, bitwise `write_kv_cache`'s. Returns (q, k, written): when written is
+    False only the norm + rotary ran and the caller writes the cache as before."""
+    same_dtypes = v.dtype == q.dtype and (q_weight is None or q_weight.dtype == q.dtype)
+    fused = _decode_fusion(q) and same_dtypes and _cache_readable(q, kv_cache)
+    if fused and not envs.unfused("kv_write"):
+        from kvloom.kernels.qk_norm_rope_triton import qk_norm_rope_kv_write_triton
+
+        q, k = qk_norm_rope_kv_write_triton(
+            q, k, v, positions, cos_table, sin_table, q_weight, k_weight, eps, rotary_dim,
+            weight_offset, kv_cache, slot_mapping, k_scale, v_scale,
+        )  # fmt: skip
+        return q, k, True
+    args = (positions, cos_table, sin_table, q_weight, k_weight, eps, rotary_dim, weight_offset)
+    return *qk_norm_rope(q, k, *args), False
+
+
+def mul_sigmoid(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x [T, H * D] * sigmoid(gate [T, H, D], read in place from a strided view): one launch
+    at decode on CUDA instead of copy, sigmoid and multiply; elsewhere torch's expression."""
+    if _decode_fusion(x) and gate.dtype == x.dtype and not envs.unfused("mul_sigmoid"):
+        from kvloom.kernels.activation_triton import mul_sigmoid_triton
+
+        return mul_sigmoid_triton(x, gate)
+    return mul_sigmoid_ref(x, gate)
 
 
 def greedy_argmax(logits):

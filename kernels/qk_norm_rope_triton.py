@@ -18,8 +18,15 @@ compiled without fused multiply-adds. Only the mean of squares and the reciproca
 root may differ from torch in the last float32 bits, so half results match to ~1 ulp of
 the normalised value and float32 to ~1e-6.
 
-No host synchronisation: positions are read on the device, so the launch is CUDA-graph
-capturable. They must lie in [0, max_pos); that is not checked (it would need a sync).
+With a cache write (`qk_norm_rope_kv_write_triton`) the key-head programs also store the
+finished key row and the token's value row into the paged cache at slot_mapping, as
+`kv_cache_write_triton` would in a second launch: the same `to_cache` conversion of the
+same rounded key, so the cache contents are bitwise those of the two launches. Slots
+below 0 (padding tokens, and under DCP the positions another rank caches) write nothing.
+
+No host synchronisation: positions and slots are read on the device, so the launch is
+CUDA-graph capturable. Positions must lie in [0, max_pos); that is not checked (it would
+need a sync).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from kvloom.kernels.arg_checks_triton import (
     check_shape,
     next_power_of_2,
 )
+from kvloom.kernels.kv_cache_write_triton import check_kv_write_args, to_cache
 
 MAX_HEAD_DIM = 8192  # one program holds a whole head row in registers
 MAX_HEADS = 65535  # the grid's second dimension
@@ -73,6 +81,19 @@ def _qk_norm_rope_kernel(
     stride_sin,
     eps,
     weight_offset,
+    v_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_vt,
+    stride_vh,
+    stride_ckv,
+    stride_cb,
+    stride_co,
+    stride_ch,
+    stride_slot,
+    block_size,
+    k_inv_scale,
+    v_inv_scale,
     NUM_Q_HEADS: tl.constexpr,
     NUM_K_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -81,6 +102,9 @@ def _qk_norm_rope_kernel(
     PASS_PAD: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
+    QUANT: tl.constexpr,
+    DIM_PAD: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -126,10 +150,78 @@ def _qk_norm_rope_kernel(
     x2s = (x2 * sin).to(dtype).to(tl.float32)
     x2c = (x2 * cos).to(dtype).to(tl.float32)
     x1s = (x1 * sin).to(dtype).to(tl.float32)
-    tl.store(dst + dims, (x1c - x2s).to(dtype), mask=half_mask)
-    tl.store(dst + HALF + dims, (x2c + x1s).to(dtype), mask=half_mask)
+    out1 = (x1c - x2s).to(dtype)
+    out2 = (x2c + x1s).to(dtype)
+    tl.store(dst + dims, out1, mask=half_mask)
+    tl.store(dst + HALF + dims, out2, mask=half_mask)
     if PASS_PAD > 0:
         tl.store(dst + 2 * HALF + rest, xr.to(dtype), mask=rest_mask)
+
+    if WRITE_CACHE:  # a constexpr branch: nothing of it is compiled without a cache write
+        k_head = head - NUM_Q_HEADS
+        if k_head >= 0:
+            _store_key_value(
+                out1,
+                out2,
+                xr if PASS_PAD > 0 else out1,  # out1 stands in when there is no tail
+                v_ptr + token * stride_vt + k_head * stride_vh,
+                cache_ptr + k_head * stride_ch,
+                tl.load(slot_ptr + token * stride_slot).to(tl.int64),
+                stride_ckv,
+                stride_cb,
+                stride_co,
+                block_size,
+                k_inv_scale,
+                v_inv_scale,
+                QUANT,
+                HEAD_DIM,
+                HALF,
+                HALF_PAD,
+                PASS_PAD,
+                DIM_PAD,
+            )
+
+
+@triton.jit
+def _store_key_value(
+    key1,
+    key2,
+    key_tail,
+    v_src,
+    cache_head,
+    slot,
+    stride_ckv,
+    stride_cb,
+    stride_co,
+    block_size,
+    k_inv_scale,
+    v_inv_scale,
+    QUANT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    PASS_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+):
+    """One key head's finished row (its rotary halves key1/key2 in the activation dtype and
+    its float32 pass-through tail) and the token's value row v_src, stored at `slot` as
+    kv_cache_write_triton stores them; slot < 0 (padding, another DCP rank's position)
+    stores nothing."""
+    if slot >= 0:
+        dst = cache_head + (slot // block_size) * stride_cb + (slot % block_size) * stride_co
+        dtype = cache_head.dtype.element_ty
+        dims = tl.arange(0, HALF_PAD)
+        half_mask = dims < HALF
+        tl.store(dst + dims, to_cache(key1, k_inv_scale, dtype, QUANT), mask=half_mask)
+        tl.store(dst + HALF + dims, to_cache(key2, k_inv_scale, dtype, QUANT), mask=half_mask)
+        if PASS_PAD > 0:
+            rest = tl.arange(0, PASS_PAD)
+            tail = to_cache(key_tail.to(key1.dtype), k_inv_scale, dtype, QUANT)
+            tl.store(dst + 2 * HALF + rest, tail, mask=rest < HEAD_DIM - 2 * HALF)
+        all_dims = tl.arange(0, DIM_PAD)
+        dim_mask = all_dims < HEAD_DIM
+        value = to_cache(tl.load(v_src + all_dims, mask=dim_mask), v_inv_scale, dtype, QUANT)
+        tl.store(dst + stride_ckv + all_dims, value, mask=dim_mask)
 
 
 def qk_norm_rope_triton(
@@ -150,6 +242,43 @@ def qk_norm_rope_triton(
     qkv projection. Weights are both given ([D], the activation dtype) or both None (rotary
     only). Returns new contiguous (q_out, k_out).
     """
+    args = (q, k, positions, cos_table, sin_table, q_weight, k_weight, eps, rotary_dim)
+    return _launch(*args, weight_offset, cache=None)
+
+
+def qk_norm_rope_kv_write_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    rotary_dim: int | None,
+    weight_offset: float,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`qk_norm_rope_triton` that also stores the finished keys and the values v [T, Hk, D]
+    (last dim contiguous) into kv_cache [2, num_blocks, block_size, Hk, D] at slot_mapping
+    [T] (slot < 0 writes nothing), as `write_kv_cache_triton(k_out, v, ...)` does: one
+    launch instead of two. Returns (q_out, k_out)."""
+    quant = check_kv_write_args(k, v, kv_cache, slot_mapping, k_scale, v_scale)
+    check_same_device(q=q, v=v, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    cache = (v, kv_cache, slot_mapping, k_scale, v_scale, quant)
+    args = (q, k, positions, cos_table, sin_table, q_weight, k_weight, eps, rotary_dim)
+    return _launch(*args, weight_offset, cache=cache)
+
+
+def _launch(
+    q, k, positions, cos_table, sin_table, q_weight, k_weight, eps, rotary_dim, weight_offset, cache
+):
+    """Checks the norm/rotary arguments and runs the kernel; `cache` is None or the checked
+    (v, kv_cache, slot_mapping, k_scale, v_scale, quant) of the fused cache write."""
     num_tokens, num_q_heads, head_dim, num_k_heads = _check_qk(q, k)
     rotary_dim = rotary_dim or head_dim
     if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int):
@@ -204,6 +333,7 @@ def qk_norm_rope_triton(
         sin_table.stride(0),
         float(eps),
         float(weight_offset),
+        *_cache_args(cache, k),
         NUM_Q_HEADS=num_q_heads,
         NUM_K_HEADS=num_k_heads,
         HEAD_DIM=head_dim,
@@ -212,10 +342,36 @@ def qk_norm_rope_triton(
         PASS_PAD=next_power_of_2(head_dim - rotary_dim) if head_dim > rotary_dim else 0,
         HAS_WEIGHT=has_weight,
         HAS_OFFSET=bool(weight_offset),
+        WRITE_CACHE=cache is not None,
+        QUANT=cache is not None and cache[-1],
+        DIM_PAD=next_power_of_2(head_dim),
         num_warps=min(8, max(1, next_power_of_2(head_dim) // 256)),
         enable_fp_fusion=False,  # round after every op, as torch does
     )
     return q_out, k_out
+
+
+def _cache_args(cache, k: torch.Tensor) -> tuple:
+    """The kernel's cache-write arguments from v to v_inv_scale; without a cache write,
+    placeholders of fixed types (k stands in for the unread tensors)."""
+    if cache is None:
+        return (k, k, k, 0, 0, 0, 0, 0, 0, 0, 1, 1.0, 1.0)
+    v, kv_cache, slot_mapping, k_scale, v_scale, _ = cache
+    return (
+        v,
+        kv_cache,
+        slot_mapping,
+        v.stride(0),
+        v.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        slot_mapping.stride(0),
+        kv_cache.shape[2],
+        1.0 / k_scale,
+        1.0 / v_scale,
+    )
 
 
 def _check_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int]:

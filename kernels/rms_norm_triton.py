@@ -8,6 +8,11 @@ mean of squares and the reciprocal square root may differ from torch in the last
 
 One program normalises one row. The outputs may alias the inputs (in-place use:
 `out=x, residual_out=residual`): a program reads its whole row before writing it.
+
+The mean of squares is summed in a fixed order that depends on the row length only, never
+on the layout or num_warps (`rms_row_rstd`), and the elementwise steps are shared jit
+helpers (`rms_sum`, `rms_scale`): gemv_triton's fused norm prologue calls the same three,
+so RMSNorm fused into a GEMV feeds the dot bitwise what this kernel stores.
 """
 
 from __future__ import annotations
@@ -26,6 +31,101 @@ from kvloom.kernels.arg_checks_triton import (
 MAX_HIDDEN = 65536  # one program holds a whole row in registers
 
 
+SQ_LANES_MAX = 1024  # most lanes of the sum of squares (its order: rms_row_rstd)
+
+
+def sq_lanes(n: int) -> int:
+    """Lanes of a row's sum of squares for rows of n elements (a function of n only)."""
+    return min(SQ_LANES_MAX, next_power_of_2(max(n, 1)))
+
+
+@triton.jit
+def _half_sum(v, HALF: tl.constexpr):
+    """[2 * HALF] -> [HALF]: element i becomes elements 2i + (2i + 1)."""
+    even, odd = tl.split(tl.reshape(v, [HALF, 2]))
+    return even + odd
+
+
+@triton.jit
+def _pairwise_sum(v, LANES: tl.constexpr):
+    """Adds LANES (a power of 2 up to 1024) float32 values in a fixed pairwise order."""
+    if LANES >= 1024:
+        v = _half_sum(v, 512)
+    if LANES >= 512:
+        v = _half_sum(v, 256)
+    if LANES >= 256:
+        v = _half_sum(v, 128)
+    if LANES >= 128:
+        v = _half_sum(v, 64)
+    if LANES >= 64:
+        v = _half_sum(v, 32)
+    if LANES >= 32:
+        v = _half_sum(v, 16)
+    if LANES >= 16:
+        v = _half_sum(v, 8)
+    if LANES >= 8:
+        v = _half_sum(v, 4)
+    if LANES >= 4:
+        v = _half_sum(v, 2)
+    if LANES >= 2:
+        v = _half_sum(v, 1)
+    return tl.sum(v, axis=0)  # the one element left
+
+
+@triton.jit
+def rms_sum(x, res, HAS_RESIDUAL: tl.constexpr, DTYPE: tl.constexpr):
+    """x + residual rounded to DTYPE, as `x + residual` does in torch (x alone without)."""
+    if HAS_RESIDUAL:
+        s = (x.to(tl.float32) + res.to(tl.float32)).to(DTYPE)
+    else:
+        s = x.to(DTYPE)
+    return s
+
+
+@triton.jit
+def rms_row_rstd(
+    x_row,
+    res_row,
+    eps,
+    N: tl.constexpr,
+    LANES: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """1 / sqrt(mean(s * s) + eps) of one row of N elements, s = rms_sum(x, residual).
+
+    The order is fixed by N alone (LANES = sq_lanes(N)): lane j adds the squares of
+    columns j, j + LANES, ... in increasing order, a fused multiply-add each, then the
+    LANES lane sums are added pairwise. Every kernel calling this gets the same bits
+    for a row, whatever its num_warps or layout (tl.sum's order depends on both)."""
+    acc = tl.zeros([LANES], dtype=tl.float32)
+    for step in tl.static_range((N + LANES - 1) // LANES):
+        cols = step * LANES + tl.arange(0, LANES)
+        mask = cols < N
+        x = tl.load(x_row + cols, mask=mask, other=0.0)
+        res = x
+        if HAS_RESIDUAL:
+            res = tl.load(res_row + cols, mask=mask, other=0.0)
+        s = rms_sum(x, res, HAS_RESIDUAL, DTYPE).to(tl.float32)
+        acc = tl.fma(s, s, acc)
+    mean_sq = _pairwise_sum(acc, LANES) / N
+    return tl.rsqrt(mean_sq + eps)
+
+
+@triton.jit
+def rms_scale(s, w, rstd, weight_offset, HAS_OFFSET: tl.constexpr, DTYPE: tl.constexpr):
+    """The normalised value (float32, before the output's rounding) of row values s
+    (DTYPE): rounded to DTYPE before the weight multiplies, or (HAS_OFFSET) times the
+    (offset + weight) factor in float32."""
+    h = s.to(tl.float32) * rstd
+    w = w.to(tl.float32)
+    if HAS_OFFSET:
+        out = h * (weight_offset + w)
+    else:
+        out = w * h.to(DTYPE).to(tl.float32)
+    return out
+
+
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,
@@ -41,26 +141,26 @@ def _rms_norm_kernel(
     weight_offset,
     N: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SQ_LANES: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    dtype = x_ptr.dtype.element_ty  # the sum's: a mixed-dtype x is converted first
+    x_row = x_ptr + row * stride_x
+    res_row = res_ptr + row * stride_res
+    # Reads the whole row before anything is written (in-place use).
+    rstd = rms_row_rstd(x_row, res_row, eps, N, SQ_LANES, HAS_RESIDUAL, dtype)
+    x = tl.load(x_row + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        res = tl.load(res_row + cols, mask=mask, other=0.0)
         # Round the sum to the residual output's dtype, as `x + residual` does in torch.
-        x = (x.to(tl.float32) + res.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        x = rms_sum(x, res, HAS_RESIDUAL, dtype)
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
-    h = x.to(tl.float32)
-    mean_sq = tl.sum(h * h, axis=0) / N
-    h = h * tl.rsqrt(mean_sq + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_OFFSET:
-        out = h * (weight_offset + w)
-    else:
-        out = w * h.to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    out = rms_scale(x, w, rstd, weight_offset, HAS_OFFSET, dtype)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -133,6 +233,7 @@ def rms_norm_triton(
             float(weight_offset),
             N=hidden,
             BLOCK_N=next_power_of_2(hidden),
+            SQ_LANES=sq_lanes(hidden),
             HAS_RESIDUAL=residual is not None,
             HAS_OFFSET=bool(weight_offset),
             num_warps=_num_warps(hidden),

@@ -187,6 +187,32 @@ def test_rows_do_not_depend_on_the_batch():
     assert torch.equal(full[4:5], alone)
 
 
+def test_sum_of_squares_over_magnitudes_and_non_finite_rows():
+    """The kernel's order-free sum of squares (`sum_of_squares`, fixed point scaled per
+    row) keeps float32 rows of very different magnitudes as accurate as torch's float32
+    sum, and rows with inf or NaN come out as torch's do (NaN where torch's is)."""
+    gen = torch.Generator().manual_seed(11)
+    rows = []
+    for scale in (1e-18, 1e-3, 1.0, 7e2, 1e17):
+        row = torch.randn(16, generator=gen) * scale
+        row[3] *= 1e-4  # a small element beside large ones
+        rows.append(row)
+    x = torch.stack(rows).view(5, 1, 16).to(DEVICE)
+    gate = (torch.randn(5, 1, 16, generator=gen) * 3).to(DEVICE)
+    weight = (torch.randn(16, generator=gen) * 0.2 + 1).to(DEVICE)
+    out = gated_rms_norm_triton(x, gate, weight, EPS).cpu()
+    ref = gated_rms_norm_ref(x, gate, weight, EPS).cpu()
+    assert ulps(out, ref).max().item() <= MAX_ULPS[torch.float32]
+
+    bad = x[:3].clone()
+    bad[0, 0, 5], bad[1, 0, 2], bad[2, 0, 7] = float("nan"), float("inf"), -float("inf")
+    out = gated_rms_norm_triton(bad, gate[:3], weight, EPS).cpu()
+    ref = gated_rms_norm_ref(bad, gate[:3], weight, EPS).cpu()
+    assert torch.equal(out.isnan(), ref.isnan()) and ref.isnan().any()
+    finite = ~ref.isnan()
+    assert torch.equal(out[finite], ref[finite])  # zeros: x / sqrt(inf)
+
+
 def test_empty_batch():
     _, x, z, weight = make_case(0, 2, 2, 8, 16, torch.float32, seed=7)
     assert gated_rms_norm_triton(x, z, weight, EPS).shape == (0, 4, 16)

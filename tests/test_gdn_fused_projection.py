@@ -16,6 +16,7 @@ import transformers
 from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kvloom.kernels.gated_delta_rule_triton import fuses_norm
 from kvloom.workers.layers import gated_deltanet as gdn_module
 from kvloom.workers.layers.gated_deltanet import GatedDeltaNet
 from kvloom.workers.models.qwen3_5 import Qwen3_5ForCausalLM
@@ -95,8 +96,15 @@ def test_qwen3_5_fused_projection_holds_its_four_parts(tmp_path):
 
 
 # Kernels the layer calls through kernels.ops: one launch each on CUDA (their CPU
-# references run many torch ops, which are not the layer's launches).
-KERNELS = ("gdn_gates", "causal_conv1d_update", "recurrent_gated_delta_rule", "gated_rms_norm")
+# references run many torch ops, which are not the layer's launches); gdn_decode_step is
+# one where a program holds a whole value head (`fuses_norm`, checked below).
+KERNELS = (
+    "gdn_gates",
+    "causal_conv1d_update",
+    "recurrent_gated_delta_rule",
+    "gated_rms_norm",
+    "gdn_decode_step",
+)
 # Ops that only make views (no launch).
 VIEWS = {
     "view",
@@ -163,11 +171,15 @@ def decode_launches(model_dir, monkeypatch) -> dict[int, list[str]]:
 
 
 def test_decode_step_runs_one_projection_gemm_and_no_cat(src, monkeypatch):
-    """A decode-only step: each GDN layer is six launches: in_proj, gates, conv update,
-    recurrence, gated norm, out_proj (before: in_proj_qkvz, cat, in_proj_ba, then the
-    same five)."""
+    """A decode-only step: each GDN layer is four launches: in_proj, conv update, the
+    fused gates + recurrence + gated norm, out_proj (before: six, the gates, recurrence
+    and norm separate; before that, in_proj_qkvz, cat and in_proj_ba in place of
+    in_proj)."""
     for ops in decode_launches(src, monkeypatch).values():
-        assert ops == ["linear", *KERNELS, "linear"], ops
+        assert ops == ["linear", "causal_conv1d_update", "gdn_decode_step", "linear"], ops
+    # The Triton plan holds a whole value head (so the norm is in the same launch) at this
+    # config's head dims and at Qwen3-Next's.
+    assert fuses_norm(DK, DV) and fuses_norm(128, 128)
 
 
 def test_quantized_projections_stay_separate(src, tmp_path):

@@ -1,6 +1,13 @@
-"""Paged attention layer: writes this step's keys/values, then attends over the cache."""
+"""Paged attention layer: writes this step's keys/values, then attends over the cache.
+
+A layer whose q/k norm + rotary kernel also wrote the cache (RotaryEmbedding.
+norm_rotate_try_cache with `cache_write(batch)`, at decode on CUDA) calls forward with
+`cache_written=True`, and the separate write launch is skipped.
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -12,6 +19,16 @@ from kvloom.workers.cache_pages import page_view
 from kvloom.workers.dtypes import TORCH_DTYPES
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class CacheWrite(NamedTuple):
+    """Where and how a step's keys/values go into one layer's paged cache: the trailing
+    arguments of kernels/ops.write_kv_cache."""
+
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # -1: not written (padding, another DCP rank's position)
+    k_scale: float
+    v_scale: float
 
 
 class PagedAttention(nn.Module):
@@ -61,15 +78,28 @@ class PagedAttention(nn.Module):
     def poison_cache(self, block_ids: torch.Tensor) -> None:
         self.kv_cache[:, block_ids] = float("nan")
 
+    def cache_write(self, batch: ForwardBatch) -> CacheWrite:
+        """This step's cache write for a kernel that stores k/v itself (then call forward
+        with cache_written=True). Under DCP the slots already skip other ranks' positions."""
+        slots = batch.group_for(self.layer_index).slot_mapping
+        return CacheWrite(self.kv_cache, slots, self.k_scale, self.v_scale)
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        cache_written: bool = False,
     ) -> torch.Tensor:
-        """q: [T, Hq*D], k/v: [T, Hkv*D] -> [T, Hq*D]."""
+        """q: [T, Hq*D], k/v: [T, Hkv*D] -> [T, Hq*D]. With `cache_written` this step's k/v
+        are already in the cache (written at `cache_write(batch)`) and k, v are unused."""
         meta = batch.group_for(self.layer_index)
         q = q.view(-1, self.num_heads, self.head_size)
-        k = k.view(-1, self.num_kv_heads, self.head_size)
-        v = v.view(-1, self.num_kv_heads, self.head_size)
-        write_kv_cache(k, v, self.kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        if not cache_written:
+            k = k.view(-1, self.num_kv_heads, self.head_size)
+            v = v.view(-1, self.num_kv_heads, self.head_size)
+            write_kv_cache(k, v, self.kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         dcp_rank = 0 if self.dcp is None else self.dcp.rank_in_group
         out_dtype = q.dtype
         if self.dcp_size > 1 and q.dtype in HALF_DTYPES:

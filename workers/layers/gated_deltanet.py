@@ -39,7 +39,9 @@ holds them as ONE linear `in_proj` (`FusedInputProjection`) whose output, on eac
 regrouped at load time, in_proj_ba's rows appended as they are. `mixed` (the conv input),
 z and ba are then column views of one GEMM's output: one launch and no cat. A quantized
 checkpoint keeps the two released linears and the cat (`fuse_projections=False`; the
-model decides with `gdn_fusion`).
+model decides with `gdn_fusion`). A decode-only step then runs four launches (in_proj,
+conv update, `gdn_decode_step`: gates + recurrence + gated norm, out_proj) where the
+separate gates, recurrence and norm took three (kernels/gated_delta_rule_triton.py).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from kvloom.kernels.ops import (
     causal_conv1d_varlen,
     chunk_gated_delta_rule,
     gated_rms_norm,
+    gdn_decode_step,
     gdn_gates,
     recurrent_gated_delta_rule,
 )
@@ -262,14 +265,15 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
         )
 
     # -- forward --------------------------------------------------------------------
-    def _split_projections(self, hidden: torch.Tensor):
+    def _split_projections(self, hidden: torch.Tensor, projected: torch.Tensor | None = None):
         """-> mixed_qkv [T, C] (conv input, channels [q | k | v]), z [T, Hv, Dv] or
         [T, Hk, r, Dv], and ba (the gates' input): fused, all three are column views of one
-        GEMM's output (rows strided; the conv, gates and norm kernels read them in place)."""
+        GEMM's output (rows strided; the conv, gates and norm kernels read them in place).
+        `projected`: that output, computed by the caller (fused only)."""
         tokens = hidden.shape[0]
         if self.fused:
             z_dim = self.num_v_heads * self.head_v_dim
-            out = self.in_proj(hidden)
+            out = self.in_proj(hidden) if projected is None else projected
             mixed, z, ba = out.split(
                 [self.conv_channels, z_dim, out.shape[-1] - z_dim - self.conv_channels], dim=-1
             )
@@ -295,16 +299,20 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
             v.reshape(tokens, self.num_v_heads, self.head_v_dim),
         )
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """hidden [T, H] -> [T, H]; reads and writes each row's state page."""
-        mixed, z, ba = self._split_projections(hidden)
-        g, beta = self._gates(ba)
+    def forward(
+        self, hidden: torch.Tensor, batch: ForwardBatch, projected: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """hidden [T, H] -> [T, H]; reads and writes each row's state page. `projected`
+        (fused only): in_proj's output, computed by the caller (the decoder layer fuses it
+        with its norm); hidden's values are then unused, only its rows, dtype and device."""
+        mixed, z, ba = self._split_projections(hidden, projected)
         slots = batch.group_for(self.layer_index).state_indices
+        if batch.decode_only and not batch_invariant():
+            return self.out_proj(self._decode_step(mixed, z, ba, slots).flatten(1))
+        g, beta = self._gates(ba)
         if batch_invariant():
             core = self._serial_all(mixed, g, beta, slots, batch)
             return self.out_proj(self.norm(core, z).flatten(1))
-        if batch.decode_only:
-            return self.out_proj(self.norm(self._decode_all(mixed, g, beta, slots), z).flatten(1))
         resume = uniform_resume_len(batch, hidden.shape[0])
         if resume is not None:
             core = self.resume_token_by_token(mixed, g, beta, slots, resume)
@@ -350,9 +358,23 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
         normed = self.norm(core, z)
         return self.out_proj(normed.flatten(1))
 
+    def _decode_step(self, mixed, z, ba, slots: torch.Tensor) -> torch.Tensor:
+        """A decode-only step after the projection -> the normed output: the conv update,
+        then gates, recurrence and norm in one launch on CUDA (`gdn_decode_step`). No host
+        sync, so CUDA graphs capture it; padding rows carry slot -1 (never read)."""
+        x = causal_conv1d_update(
+            mixed, self.conv1d.weight, None, self.conv_state, slots, self.activation
+        )
+        q, k, v = self._split_heads(x)
+        return gdn_decode_step(
+            q, k, v, ba, self.A_log, self.dt_bias, self.ba_group, self.recurrent_state, slots,
+            z, self.norm.weight, self.norm.eps,
+        )  # fmt: skip
+
     def _decode_all(self, mixed, g, beta, slots: torch.Tensor) -> torch.Tensor:
-        """Every token is its row's one-token decode (`batch.decode_only`): no host sync, so
-        CUDA graphs capture it. Padding rows carry slot -1: their state is never read."""
+        """Every token is its row's one-token decode, gates given (one position of
+        `resume_token_by_token`): no host sync, so CUDA graphs capture it. Padding rows
+        carry slot -1: their state is never read."""
         x = causal_conv1d_update(
             mixed, self.conv1d.weight, None, self.conv_state, slots, self.activation
         )

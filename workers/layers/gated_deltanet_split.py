@@ -67,11 +67,12 @@ class GatedDeltaNetSplit(GatedDeltaNet):
         self.in_proj_b = ColumnParallelLinear(hidden, [num_v], tp=tp, dtype=dtype)
         self.in_proj_a = ColumnParallelLinear(hidden, [num_v], tp=tp, dtype=dtype)
 
-    def _split_projections(self, hidden: torch.Tensor):
+    def _split_projections(self, hidden: torch.Tensor, projected: torch.Tensor | None = None):
         """-> mixed_qkv [T, C] (conv input, channels [q | k | v]), z [T, Hv, Dv], and
-        [b | a] [T, 2 * Hv]: the parent's gate layout with all value heads in one group."""
+        [b | a] [T, 2 * Hv]: the parent's gate layout with all value heads in one group.
+        `projected`: the fused in_proj's output, computed by the caller (fused only)."""
         if self.fused:
-            return super()._split_projections(hidden)
+            return super()._split_projections(hidden, projected)
         tokens = hidden.shape[0]
         mixed = self.in_proj_qkv(hidden)
         z = self.in_proj_z(hidden).view(tokens, self.num_v_heads, self.head_v_dim)

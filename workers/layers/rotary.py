@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from kvloom.kernels.ops import apply_rotary, qk_norm_rope
+from kvloom.kernels.ops import apply_rotary, qk_norm_rope, qk_norm_rope_try_kv_write
 
 
 def rope_parameters(config: dict) -> dict:
@@ -68,11 +68,22 @@ class RotaryEmbedding(nn.Module):
 
     def norm_and_rotate(self, positions, q, k, q_norm=None, k_norm=None):
         """The q/k RMSNorms (modules, or None) and the rotation, fused in one kernel."""
+        return qk_norm_rope(q, k, positions, *self._kernel_args(q_norm, k_norm))
+
+    def norm_rotate_try_cache(self, positions, q, k, v, cache, q_norm=None, k_norm=None):
+        """`norm_and_rotate`, also storing the rotated keys and v [T, Hkv, D] in the paged
+        cache (`cache`: the layer's `PagedAttention.cache_write(batch)`) where one launch
+        can do both (decode on CUDA: kernels/ops.qk_norm_rope_try_kv_write). Returns
+        (q, k, cache_written); when False, PagedAttention writes the cache as before."""
+        args = self._kernel_args(q_norm, k_norm)
+        return qk_norm_rope_try_kv_write(q, k, v, positions, *args, *cache)
+
+    def _kernel_args(self, q_norm, k_norm) -> tuple:
+        """qk_norm_rope's arguments after q, k and positions: the tables, the norms' weights
+        (None: rotary only), eps, rotary_dim and weight_offset."""
         if (q_norm is None) != (k_norm is None):
             raise ValueError("q_norm and k_norm: give both or neither")
         weights = (None, None) if q_norm is None else (q_norm.weight, k_norm.weight)
         eps = 1e-6 if q_norm is None else q_norm.eps
         offset = 0.0 if q_norm is None else q_norm.weight_offset
-        return qk_norm_rope(
-            q, k, positions, self.cos, self.sin, *weights, eps, self.rotary_dim, offset
-        )
+        return self.cos, self.sin, *weights, eps, self.rotary_dim, offset

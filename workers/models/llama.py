@@ -15,6 +15,7 @@ from kvloom.workers.layers.attention import PagedAttention
 from kvloom.workers.layers.linear import QKVParallelLinear, RowParallelLinear
 from kvloom.workers.layers.mlp import GatedMLP
 from kvloom.workers.layers.norm import RMSNorm
+from kvloom.workers.layers.norm_linear import norm_linear
 from kvloom.workers.layers.rotary import RotaryEmbedding, rope_parameters
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
 from kvloom.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -83,11 +84,20 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions, hidden, batch: ForwardBatch):
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        return self.attend(positions, self.qkv_proj(hidden), batch)
+
+    def attend(self, positions, qkv, batch: ForwardBatch):
+        """forward after the projection: the decoder layer computes `qkv` fused with its
+        input norm (norm_linear)."""
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(q.shape[0], -1, self.head_dim)
         k = k.view(k.shape[0], -1, self.head_dim)
-        q, k = self.rotary.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm)
-        out = self.attn(q.flatten(1), k.flatten(1), v, batch)
+        # Norms, rotary and (at decode on CUDA) this step's cache write in one launch.
+        cache = self.attn.cache_write(batch)
+        q, k, written = self.rotary.norm_rotate_try_cache(
+            positions, q, k, v.view(k.shape), cache, self.q_norm, self.k_norm
+        )
+        out = self.attn(q.flatten(1), k.flatten(1), v, batch, cache_written=written)
         return self.o_proj(out)
 
 
@@ -108,14 +118,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps, dtype)
 
     def forward(self, positions, hidden, residual, batch: ForwardBatch):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # Each norm and the projection after it: one launch at decode sizes (norm_linear).
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual, _ = norm_linear(self.input_layernorm, hidden, residual, attn.qkv_proj)
+        hidden = attn.attend(positions, qkv, batch)
+        act, residual, _ = norm_linear(
+            self.post_attention_layernorm, hidden, residual, mlp.gate_up_proj, silu_and_mul_out=True
+        )
+        return mlp.down_proj(act), residual
 
 
 class LlamaModel(nn.Module):

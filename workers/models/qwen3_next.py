@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from kvloom.contracts.kv_cache_spec import FullAttentionSpec, LinearStateSpec
-from kvloom.kernels.ops import gated_add
+from kvloom.kernels.ops import gated_add, mul_sigmoid
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.layers.attention import PagedAttention
 from kvloom.workers.layers.gated_deltanet import GatedDeltaNet
@@ -47,6 +47,7 @@ from kvloom.workers.layers.moe import (
     route_softmax_topk,
 )
 from kvloom.workers.layers.norm import RMSNorm
+from kvloom.workers.layers.norm_linear import norm_linear
 from kvloom.workers.layers.quantization.config import (
     QuantizationConfig,
     parse_quantization_config,
@@ -207,14 +208,24 @@ class Qwen3NextAttention(nn.Module):
         )
 
     def forward(self, positions, hidden, batch: ForwardBatch):
-        tokens = hidden.shape[0]
-        q_gate, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        return self.attend(positions, self.qkv_proj(hidden), batch)
+
+    def attend(self, positions, qkv, batch: ForwardBatch):
+        """forward after the projection: the decoder layer computes `qkv` fused with its
+        input norm (norm_linear)."""
+        tokens = qkv.shape[0]
+        q_gate, k, v = self.qkv_proj.split(qkv)
         q_gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim)
         q, gate = q_gate.split(self.head_dim, dim=-1)
         k = k.view(tokens, -1, self.head_dim)
-        q, k = self.rotary.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm)
-        out = self.attn(q.flatten(1), k.flatten(1), v, batch)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)))
+        # Norms, rotary and (at decode on CUDA) this step's cache write in one launch.
+        cache = self.attn.cache_write(batch)
+        q, k, written = self.rotary.norm_rotate_try_cache(
+            positions, q, k, v.view(k.shape), cache, self.q_norm, self.k_norm
+        )
+        out = self.attn(q.flatten(1), k.flatten(1), v, batch, cache_written=written)
+        # out * sigmoid(gate), the gate read in place: one launch at decode on CUDA.
+        return self.o_proj(mul_sigmoid(out, gate))
 
 
 class Qwen3NextSparseMoe(nn.Module):
@@ -282,23 +293,30 @@ class Qwen3NextSparseMoe(nn.Module):
         are kept separate (registered under this name), else the fused `gate`."""
         return self._modules.get("shared_expert_gate", self.gate)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """`logits`: self.gate(x), computed by the caller (the decoder layer fuses it with
+        its norm)."""
+        if logits is None:
+            logits = self.gate(x)
         # Both branches end in a row-parallel projection; their partial sums are reduced
         # once (the shared gate is a per-token scalar, so it commutes with the sum).
-        out = self._folded(x) if self.folded_shared_expert else self._two_branches(x)
+        if self.folded_shared_expert:
+            out = self._folded(x, logits)
+        else:
+            out = self._two_branches(x, logits)
         return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
 
-    def _folded(self, x: torch.Tensor) -> torch.Tensor:
-        """Router GEMM, router (k + 1 routes), fused MoE: three steps."""
-        logits = self.gate(x)  # [T, E + 1]: the router's logits, then the shared gate's
+    def _folded(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Router GEMM (given), router (k + 1 routes), fused MoE: three steps."""
+        # logits [T, E + 1]: the router's logits, then the shared gate's
         weights, ids = route_softmax_topk(
             logits, self.top_k, self.renormalize, shared_expert_weight="sigmoid_last_logit"
         )
         return self.experts(x, weights, ids)
 
-    def _two_branches(self, x: torch.Tensor) -> torch.Tensor:
+    def _two_branches(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(x)
-        logits = self.gate(x)  # in x's dtype, as transformers' router computes them
+        # logits: self.gate(x), in x's dtype, as transformers' router computes them
         if self.fused_gates:  # strided views, which the router and gated_add read
             logits, shared_gate = logits.split([self.num_experts, 1], dim=-1)
         else:
@@ -345,17 +363,31 @@ class Qwen3NextDecoderLayer(nn.Module):
         return self.linear_attn if self.kind == "linear_attention" else self.self_attn.attn
 
     def forward(self, positions, hidden, residual, batch: ForwardBatch):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        if self.kind == "linear_attention":
+        # Each norm and the projection after it: one launch at decode sizes (norm_linear).
+        norm = self.input_layernorm
+        if self.kind != "linear_attention":
+            attn = self.self_attn
+            qkv, residual, _ = norm_linear(norm, hidden, residual, attn.qkv_proj)
+            hidden = attn.attend(positions, qkv, batch)
+        elif self.linear_attn.fused:
+            gdn = self.linear_attn
+            projected, residual, _ = norm_linear(norm, hidden, residual, gdn.in_proj)
+            hidden = gdn(hidden, batch, projected=projected)  # hidden: its shape only
+        else:  # the unfused GDN projections (a quantized checkpoint): norm, two linears
+            if residual is None:
+                residual, hidden = hidden, norm(hidden)
+            else:
+                hidden, residual = norm(hidden, residual)
             hidden = self.linear_attn(hidden, batch)
-        else:
-            hidden = self.self_attn(positions, hidden, batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        post, mlp = self.post_attention_layernorm, self.mlp
+        if isinstance(mlp, GatedMLP):
+            act, residual, _ = norm_linear(
+                post, hidden, residual, mlp.gate_up_proj, silu_and_mul_out=True
+            )
+            return mlp.down_proj(act), residual
+        # The router's GEMV with the norm; the experts read the normed rows it stores.
+        logits, residual, normed = norm_linear(post, hidden, residual, mlp.gate, keep_normed=True)
+        return mlp(normed, logits), residual
 
 
 class Qwen3NextModel(nn.Module):

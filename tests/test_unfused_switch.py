@@ -1,0 +1,125 @@
+"""KVLOOM_UNFUSED (contracts/envs.py): each decode fusion named there falls back to the
+separate launches it replaces, for A/B timing in one GPU lease and as an escape hatch.
+The fused and separate kernels are stubbed: this tests the choice, not the kernels (their
+own tests compare the bits)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kvloom.kernels.activation_triton as act_triton
+import kvloom.kernels.gated_delta_rule_triton as gdn_triton
+import kvloom.kernels.gemv_triton as gemv_triton
+import kvloom.kernels.qk_norm_rope_triton as rope_triton
+from kvloom.contracts import envs
+from kvloom.kernels import fused_moe_triton, ops
+
+BF16 = torch.bfloat16
+
+
+def test_names_are_checked_and_all_means_every_fusion(monkeypatch):
+    monkeypatch.delenv("KVLOOM_UNFUSED", raising=False)
+    assert not any(envs.unfused(name) for name in envs.FUSIONS)
+    monkeypatch.setenv("KVLOOM_UNFUSED", " norm_gemv, moe_pairs ")
+    assert [envs.unfused(name) for name in envs.FUSIONS] == [
+        name in ("norm_gemv", "moe_pairs") for name in envs.FUSIONS
+    ]
+    monkeypatch.setenv("KVLOOM_UNFUSED", "all")
+    assert all(envs.unfused(name) for name in envs.FUSIONS)
+    monkeypatch.setenv("KVLOOM_UNFUSED", "norm_gemv,kv_wirte")
+    with pytest.raises(ValueError, match="KVLOOM_UNFUSED.*kv_wirte"):
+        envs.unfused("norm_gemv")
+    with pytest.raises(KeyError, match="not a fusion"):
+        envs.unfused("nothing")
+
+
+class Calls:
+    """Stubs module functions, recording which ran."""
+
+    def __init__(self, monkeypatch):
+        self.ran: list[str] = []
+        self.patch = monkeypatch
+
+    def stub(self, module, name, result):
+        def run(*args, **kwargs):
+            self.ran.append(name)
+            return result(*args) if callable(result) else result
+
+        self.patch.setattr(module, name, run)
+
+
+def norm_gemv(calls):
+    x, w = torch.ones(1, 64, dtype=BF16), torch.ones(32, 64, dtype=BF16)
+    calls.stub(gemv_triton, "rms_norm_gemv_triton", (torch.ones(1, 32, dtype=BF16), x, None))
+    calls.stub(ops, "rms_norm", (x, x))
+    calls.stub(ops, "linear", torch.ones(1, 32, dtype=BF16))
+    ops.rms_norm_linear(x, x.clone(), torch.ones(64, dtype=BF16), 1e-6, w)
+    return "rms_norm_gemv_triton", ["rms_norm", "linear"]
+
+
+def kv_write(calls):
+    q, k = torch.ones(1, 2, 8, dtype=BF16), torch.ones(1, 1, 8, dtype=BF16)
+    cache = torch.zeros(4, 4, 2, 1, 8, dtype=BF16)
+    calls.stub(rope_triton, "qk_norm_rope_kv_write_triton", (q, k))
+    calls.stub(ops, "qk_norm_rope", (q, k))
+    table = torch.ones(16, 4)
+    positions, slots = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    ops.qk_norm_rope_try_kv_write(
+        q, k, k, positions, table, table, None, None, 1e-6, 8, 0.0, cache, slots
+    )
+    return "qk_norm_rope_kv_write_triton", ["qk_norm_rope"]
+
+
+def mul_sigmoid(calls):
+    x, gate = torch.ones(1, 16, dtype=BF16), torch.ones(1, 2, 8, dtype=BF16)
+    calls.stub(act_triton, "mul_sigmoid_triton", x)
+    calls.stub(ops, "mul_sigmoid_ref", x)
+    ops.mul_sigmoid(x, gate)
+    return "mul_sigmoid_triton", ["mul_sigmoid_ref"]
+
+
+def gdn_decode(calls):
+    q = torch.ones(1, 2, 8, dtype=BF16)
+    state = torch.zeros(2, 2, 8, 8)
+    calls.stub(gdn_triton, "gdn_decode_triton", q)
+    calls.stub(ops, "gdn_gates", (None, None))
+    calls.stub(ops, "recurrent_gated_delta_rule", q)
+    calls.stub(ops, "gated_rms_norm", q)
+    ba = torch.ones(1, 4, dtype=BF16)
+    ops.gdn_decode_step(
+        q, q, q, ba, torch.ones(2), torch.ones(2), 1, state, torch.zeros(1), q, q, 1e-6
+    )
+    return "gdn_decode_triton", ["gdn_gates", "recurrent_gated_delta_rule", "gated_rms_norm"]
+
+
+def moe_pairs(calls):
+    hidden = SimpleNamespace(shape=(1, 64), dtype=BF16, is_cuda=True)
+    block = fused_moe_triton.PAIRS_BLOCK_M
+    calls.ran.append("pairs" if fused_moe_triton.uses_pairs_plan(hidden, block) else "sorted")
+    return "pairs", ["sorted"]
+
+
+@pytest.mark.parametrize("fusion", [norm_gemv, kv_write, mul_sigmoid, gdn_decode, moe_pairs])
+@pytest.mark.parametrize("switch", ["", "name", "all", "others"])
+def test_each_fusion_falls_back_when_named(monkeypatch, fusion, switch):
+    """The fused launch runs unless KVLOOM_UNFUSED names it (or says all); naming the
+    other fusions leaves it on."""
+    name = fusion.__name__
+    others = ",".join(n for n in envs.FUSIONS if n != name)
+    value = {"": "", "name": name, "all": "all", "others": others}[switch]
+    monkeypatch.setenv("KVLOOM_UNFUSED", value)
+    monkeypatch.setattr(ops, "use_triton", lambda t: True)  # the CUDA choices, on CPU
+    calls = Calls(monkeypatch)
+    fused, separate = fusion(calls)
+    assert calls.ran == (separate if switch in ("name", "all") else [fused])
+
+
+def test_every_variable_is_documented_for_users():
+    """contracts/envs.py says docs/configuration.md lists its variables: keep it so."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    assert [name for name in envs.VARIABLES if f"`{name}" not in doc] == []

@@ -1,0 +1,54 @@
+"""A decoder layer's RMSNorm and the projection that reads its output, as one call.
+
+`hidden, residual = norm(hidden, residual)` followed by `proj(hidden)` is two launches at
+decode sizes; kernels/ops.rms_norm_linear makes it one (the norm in the GEMV's prologue)
+where the plain GEMV would run, bitwise the same. The models call `norm_linear` instead of
+the two modules, and keep the two calls for what the op cannot fuse (a quantized
+projection, a gathered output).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvloom.kernels.ops import rms_norm_linear, silu_and_mul
+from kvloom.workers.layers.norm import RMSNorm
+
+
+def norm_linear(
+    norm: RMSNorm,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    proj: torch.nn.Module,
+    *,
+    silu_and_mul_out: bool = False,
+    keep_normed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(proj(normed), residual, normed if keep_normed else None), where
+    `normed, residual = norm(hidden, residual)` (the first layer, residual None: normed
+    is norm(hidden) and hidden is the residual). `proj` is a linear layer with `weight`,
+    `bias`, `quant_method` (ColumnParallelLinear, ReplicatedLinear ...); with
+    `silu_and_mul_out` it is a gated MLP's [gate; up] projection and the result is
+    silu(gate) * up, as GatedMLP computes it before its down projection."""
+    plain = proj.quant_method is None and not getattr(proj, "gather_output", False)
+    if plain:
+        y, new_residual, normed = rms_norm_linear(
+            hidden,
+            residual,
+            norm.weight,
+            norm.eps,
+            proj.weight,
+            proj.bias,
+            weight_offset=norm.weight_offset,
+            silu_and_mul=silu_and_mul_out,
+            write_normed=keep_normed,
+        )
+        return y, hidden if residual is None else new_residual, normed
+    if residual is None:
+        residual, normed = hidden, norm(hidden)
+    else:
+        normed, residual = norm(hidden, residual)
+    y = proj(normed)
+    if silu_and_mul_out:
+        y = silu_and_mul(y)
+    return y, residual, normed if keep_normed else None
