@@ -53,7 +53,7 @@ for section in "$@"; do
       python3 benchmarks/attention_launch_fusion.py --out "$OUT/attention_launch_fusion.json" \
         2>&1 | grep RESULT || status=1
       ;;
-    norm-gemv)  # residual add + RMSNorm in the GEMV's prologue: fused vs two launches, µs
+    norm-gemv)  # norm in the GEMV's prologue (+ GDN's conv in its epilogue): fused vs not, µs
       timeout 500 python3 benchmarks/norm_gemv_fusion.py --out "$OUT/norm_gemv_fusion.json" \
         2>&1 | grep -E "FUSION|RESULT" || status=1
       ;;
@@ -125,11 +125,13 @@ for section in "$@"; do
         tests/test_qk_norm_rope.py tests/test_token_bitmask.py \
         tests/test_moe_router_shared_expert.py tests/test_moe_shared_expert_fold.py \
         tests/test_gemv_silu_and_mul.py tests/test_fused_moe_pairs_plan.py \
-        tests/test_rms_norm_gemv.py tests/test_gdn_decode_fusion.py
+        tests/test_rms_norm_gemv.py tests/test_gdn_decode_fusion.py \
+        tests/test_kda_decode_fusion.py
       run_group G4 tests/triton_interpret/test_kv_cache_fp8_triton.py \
         tests/triton_interpret/test_paged_attention_dcp_triton.py \
         tests/triton_interpret/test_qk_norm_rope_kv_write_triton.py \
-        tests/triton_interpret/test_mul_sigmoid_triton.py
+        tests/triton_interpret/test_mul_sigmoid_triton.py \
+        tests/triton_interpret/test_kda_gated_norm_triton.py tests/test_gdn_conv_epilogue.py
       run_group G5 tests/triton_interpret/test_batch_invariant_triton.py \
         tests/triton_interpret/test_kernels_triton_dense.py \
         tests/triton_interpret/test_mla_attention_triton.py \

@@ -12,6 +12,11 @@ replays; µs per norm + projection (one or two launches) and GB/s of weight byte
 fused launch runs with the GEMV's chosen plan ("fused") and with wider tiles of the same
 split_k ("fused_<plan>": fewer programs recompute the norm statistic). Before timing,
 every fused output (y, new residual) is compared bitwise with the two launches'.
+Gated DeltaNet's in_proj (a shape with conv channels) also times its decode conv update
+in the GEMV's epilogue (`rms_norm_gemv_conv_triton`, "conv:fused", one launch) against
+the norm + GEMV launch followed by the conv update launch ("conv:two_launches", what
+KVLOOM_UNFUSED=gdn_conv runs), each over a float32 conv state pool of one slot a row,
+compared bitwise first (y, residual, conv output, pool).
 `--tiny` runs small shapes, also on a CPU under TRITON_INTERPRET=1 (wall time of one
 call: exercises the script only).
 """
@@ -27,11 +32,13 @@ from pathlib import Path
 
 import torch
 
+from kvloom.kernels.causal_conv1d_triton import causal_conv1d_update_triton
 from kvloom.kernels.gemv_triton import (
     GemvPlan,
     choose_gemv_plan,
     gemv_silu_and_mul_triton,
     gemv_triton,
+    rms_norm_gemv_conv_triton,
     rms_norm_gemv_triton,
 )
 from kvloom.kernels.rms_norm_triton import rms_norm_triton
@@ -48,16 +55,19 @@ from gemv_plans import (  # noqa: E402
 )
 
 EPS = 1e-6
-# (name, K, weight rows, SiLU-and-mul, weight_offset): the projections that read a norm.
+CONV_WIDTH = 4  # Qwen3-Next's linear_conv_kernel_dim
+# (name, K, weight rows, SiLU-and-mul, weight_offset, conv channels): the projections that
+# read a norm; conv channels > 0: Gated DeltaNet's in_proj, whose first columns feed the
+# conv (2 * 16 * 128 + 32 * 128 at TP 1).
 SHAPES = (
-    ("qwen3_8b.qkv_proj", 4096, 6144, False, 0.0),
-    ("qwen3_8b.gate_up_proj", 4096, 24576, True, 0.0),
-    ("qwen3_next.gdn_in_proj", 2048, 12352, False, 1.0),
-    ("qwen3_next.attn_qkv_proj", 2048, 9216, False, 1.0),
-    ("qwen3_next.moe_router", 2048, 512, False, 1.0),
+    ("qwen3_8b.qkv_proj", 4096, 6144, False, 0.0, 0),
+    ("qwen3_8b.gate_up_proj", 4096, 24576, True, 0.0, 0),
+    ("qwen3_next.gdn_in_proj", 2048, 12352, False, 1.0, 8192),
+    ("qwen3_next.attn_qkv_proj", 2048, 9216, False, 1.0, 0),
+    ("qwen3_next.moe_router", 2048, 512, False, 1.0, 0),
 )
 BATCHES = (1, 2)
-TINY_SHAPES = (("tiny", 200, 74, False, 1.0), ("tiny.silu", 200, 74, True, 0.0))
+TINY_SHAPES = (("tiny", 200, 74, False, 1.0, 40), ("tiny.silu", 200, 74, True, 0.0, 0))
 
 
 def fused_plan_variants(plan: GemvPlan) -> dict[str, GemvPlan]:
@@ -96,7 +106,65 @@ def implementations(x, res, norm_w, weights, silu: bool, offset: float, plan) ->
     return launches
 
 
-def bench_shape(name, k, n, silu, offset, batches, device, timer, log) -> list[dict]:
+def conv_implementations(x, res, norm_w, weights, offset, conv_w, pool, slots) -> dict:
+    """name -> launch(i) on weight copy i: the GDN in_proj with its decode conv update."""
+    channels = conv_w.shape[0]
+
+    def two_launches(i):
+        y, new_res, _ = rms_norm_gemv_triton(x, res, norm_w, EPS, weights[i], weight_offset=offset)
+        conv = causal_conv1d_update_triton(y[:, :channels], conv_w, None, pool, slots)
+        return y, new_res, conv
+
+    def fused(i):
+        return rms_norm_gemv_conv_triton(
+            x, res, norm_w, EPS, weights[i], None, conv_w, pool, slots, weight_offset=offset
+        )
+
+    return {"conv:two_launches": two_launches, "conv:fused": fused}
+
+
+def conv_same_bits(launches: dict, pool: torch.Tensor) -> bool:
+    """conv:fused against conv:two_launches from one pool state (restored after)."""
+    start = pool.clone()
+    want = launches["conv:two_launches"](0)
+    want_pool = pool.clone()
+    pool.copy_(start)
+    got = launches["conv:fused"](0)
+    same = all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(pool, want_pool)
+    pool.copy_(start)
+    return same
+
+
+def bench_conv(name, x, res, norm_w, weights, offset, channels, copies, gen, timer, log):
+    """Rows for the in_proj + conv update: two launches against the fused one."""
+    m, k = x.shape
+    n, device = weights[0].shape[0], x.device
+    conv_w = (torch.randn(channels, CONV_WIDTH, generator=gen, device=device) * 0.5).to(x.dtype)
+    pool = torch.randn(m, channels, CONV_WIDTH - 1, generator=gen, device=device)
+    slots = torch.arange(m, dtype=torch.int32, device=device)
+    launches = conv_implementations(x, res, norm_w, weights, offset, conv_w, pool, slots)
+    same = conv_same_bits(launches, pool)
+    times = {impl: timer(launch, copies) for impl, launch in launches.items()}
+    rows = []
+    for impl, us in times.items():
+        row = dict(shape=name, k=k, n=n, silu=False, m=m, impl=impl, us=us)
+        row.update(GBps=gbps(n * k * 2, us), conv_channels=channels)
+        if impl == "conv:fused":
+            base = times["conv:two_launches"]
+            row.update(same_bits_as_two_launches=same, speedup_vs_two_launches=base / us)
+            row["saved_us"] = base - us
+        rows.append(row)
+        log(f"RESULT {name} k={k} n={n} m={m} impl={impl} us={us:.2f}")
+    fused = rows[-1]
+    flag = "" if same else " WARN"
+    log(
+        f"FUSION_CONV {name} m={m} speedup_vs_two_launches={fused['speedup_vs_two_launches']:.3f}"
+        f" saved_us={fused['saved_us']:.2f} same_bits={same}{flag}"
+    )
+    return rows
+
+
+def bench_shape(name, k, n, silu, offset, conv, batches, device, timer, log) -> list[dict]:
     dtype = torch.bfloat16
     weight_bytes = n * k * 2
     copies = weight_copies(weight_bytes) if device.type == "cuda" else 1
@@ -136,6 +204,8 @@ def bench_shape(name, k, n, silu, offset, batches, device, timer, log) -> list[d
             f"saved_us={times['norm+gemv'] - times['fused']:.2f} best={best['plan']} "
             f"best_saved_us={best['saved_us']:.2f} same_bits={same_bits}{flag}"
         )
+        if conv:
+            rows += bench_conv(name, x, res, norm_w, weights, offset, conv, copies, gen, timer, log)
     weights.clear()
     if device.type == "cuda":
         torch.cuda.empty_cache()

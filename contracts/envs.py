@@ -38,7 +38,8 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "KVLOOM_UNFUSED": (
         "",
         "decode fusions to turn off, comma-separated (A/B timing, or an escape hatch): "
-        "norm_gemv, kv_write, mul_sigmoid, gdn_decode, moe_pairs, or all",
+        "norm_gemv, kv_write, mul_sigmoid, gdn_decode, moe_pairs, gdn_conv, kda_norm, "
+        "kda_decode, or all",
     ),
     "KVLOOM_NO_FLA": (
         "",
@@ -110,8 +111,20 @@ def set_here() -> dict[str, str]:
 # the same bits): the residual add + RMSNorm in the next GEMV's prologue, the KV-cache
 # write in the q/k norm + rotary kernel, Qwen3-Next's attention output gate in one launch,
 # Gated DeltaNet's gates + recurrence + gated norm in one launch, the fused MoE's pairs
-# (decode) plan without its count and place launches.
-FUSIONS = ("norm_gemv", "kv_write", "mul_sigmoid", "gdn_decode", "moe_pairs")
+# (decode) plan without its count and place launches, Gated DeltaNet's conv update in the
+# epilogue of its (norm +) in_proj GEMV, KDA's gates + recurrence + output norm in one
+# launch; and KDA's output norm in one launch (the one not bitwise: within an ulp of the
+# torch composition it replaces).
+FUSIONS = (
+    "norm_gemv",
+    "kv_write",
+    "mul_sigmoid",
+    "gdn_decode",
+    "moe_pairs",
+    "gdn_conv",
+    "kda_norm",
+    "kda_decode",
+)
 
 
 @functools.lru_cache(maxsize=8)

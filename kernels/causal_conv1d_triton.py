@@ -6,10 +6,14 @@ the pool [num_slots, C, K-1], optional bias, silu (or no) activation fused.
 
 Work split. A program owns one (row, block of BLOCK_C channels). It loads the window
 [BLOCK_C, K] as one tile: columns 0..K-2 from the slot, column K-1 the new input. Then
-y = act(bias + sum_j window[:, j] * weight[:, j]) in float32, and the shifted state is
-the same tile stored one column to the left (column j to state column j-1, column 0
-dropped), so no register shuffle is needed. Loads precede stores within the program and
-programs own disjoint channels, so updating the slot in place is safe.
+y = act(bias + sum_j window[:, j] * weight[:, j]) in float32, taps added in order with
+explicit FMAs, and the shifted state is the same tile stored one column to the left
+(column j to state column j-1, column 0 dropped), so no register shuffle is needed. A
+barrier puts every load of the program before its stores, and programs own disjoint
+channels, so updating the slot in place is safe. That arithmetic is one @triton.jit
+helper, `conv1d_update_channels`, which Gated DeltaNet's in_proj GEMV also runs in its
+epilogue (gemv_triton.gemv_conv_triton): both launches compile without mul-add
+contraction and give the same bits.
 
 Padding rows. A row whose slot index is negative writes zeros to its output and touches
 nothing else: neither its slot nor its input is read (NaN there cannot leak). Slots that
@@ -35,9 +39,66 @@ from kvloom.kernels.arg_checks_triton import (
     next_power_of_2,
 )
 
-_ACTIVATIONS = {None: False, "silu": True, "swish": True}  # name -> apply silu
+ACTIVATIONS = {None: False, "silu": True, "swish": True}  # name -> apply silu
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _TILE_ELEMENTS = 1024  # window values per program
+
+
+@triton.jit
+def _column(tile, taps, j):
+    """Column j of a [BLOCK, WIDTH_PAD] tile, exactly (the other columns add zeros)."""
+    return tl.sum(tl.where((taps == j)[None, :], tile, 0.0), axis=1)
+
+
+@triton.jit
+def conv1d_update_channels(
+    x,
+    chans,
+    ok,
+    state_row,
+    stride_sc,
+    weight_ptr,
+    stride_wc,
+    bias_ptr,
+    WIDTH: tl.constexpr,
+    WIDTH_PAD: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    """One decode step of channels `chans` of one row: returns act(bias + sum_j window[:, j]
+    * weight[:, j]) in float32 and shifts the row's state. x: the new inputs (float32);
+    state_row: the row's slot (K-1 columns per channel, oldest first); ok: the channels to
+    compute, nothing is read or written for the others. Shared by the conv update kernel
+    and the GEMV's conv epilogue (gemv_triton), so both give the same bits: the taps are
+    added in order 0..K-1 with explicit FMAs (no contraction choice left to the compiler),
+    the bias and silu after, as causal_conv1d.causal_conv1d_update does."""
+    taps = tl.arange(0, WIDTH_PAD)
+    state_ptrs = state_row + chans[:, None] * stride_sc
+    history = tl.load(
+        state_ptrs + taps[None, :],
+        mask=ok[:, None] & (taps < WIDTH - 1)[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    window = tl.where((taps == WIDTH - 1)[None, :], x[:, None], history)
+    y = tl.zeros_like(x)
+    for j in tl.static_range(WIDTH):
+        w = tl.load(weight_ptr + chans * stride_wc + j, mask=ok, other=0.0).to(tl.float32)
+        y = tl.fma(_column(window, taps, j), w, y)
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + chans, mask=ok, other=0.0).to(tl.float32)
+    if SILU:
+        y = y * tl.sigmoid(y)
+    # A caller's channels may be replicated over threads (the GEMV's are): every thread
+    # reads its window before any thread shifts the state.
+    tl.debug_barrier()
+    # Shift: window column j becomes state column j - 1 (column 0 falls off).
+    shifted = (taps >= 1) & (taps < WIDTH)
+    tl.store(
+        state_ptrs + (taps - 1)[None, :],
+        window.to(state_row.dtype.element_ty),
+        mask=ok[:, None] & shifted[None, :],
+    )
+    return y
 
 
 @triton.jit
@@ -68,38 +129,30 @@ def _conv1d_update_kernel(
     if slot < 0:
         tl.store(out_ptrs, tl.zeros([BLOCK_C], dtype=out_ptr.dtype.element_ty), mask=chan_ok)
     else:
-        taps = tl.arange(0, WIDTH_PAD)
-        is_history = taps < WIDTH - 1
-        state_ptrs = state_ptr + slot * stride_ss + chans[:, None] * stride_sc
-        history = tl.load(
-            state_ptrs + taps[None, :],
-            mask=chan_ok[:, None] & is_history[None, :],
-            other=0.0,
-        ).to(tl.float32)
         x = tl.load(x_ptr + row * stride_xn + chans, mask=chan_ok, other=0.0).to(tl.float32)
-        window = tl.where((taps == WIDTH - 1)[None, :], x[:, None], history)
-        weight = tl.load(
-            weight_ptr + chans[:, None] * stride_wc + taps[None, :],
-            mask=chan_ok[:, None] & (taps < WIDTH)[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        y = tl.sum(window * weight, axis=1)
-        if HAS_BIAS:
-            y = y + tl.load(bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
-        if SILU:
-            y = y * tl.sigmoid(y)
-        # Shift: window column j becomes state column j - 1 (column 0 falls off).
-        shifted = (taps >= 1) & (taps < WIDTH)
-        tl.store(
-            state_ptrs + (taps - 1)[None, :],
-            window.to(state_ptr.dtype.element_ty),
-            mask=chan_ok[:, None] & shifted[None, :],
-        )
+        y = conv1d_update_channels(
+            x, chans, chan_ok, state_ptr + slot * stride_ss, stride_sc, weight_ptr, stride_wc,
+            bias_ptr, WIDTH, WIDTH_PAD, HAS_BIAS, SILU,
+        )  # fmt: skip
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=chan_ok)
 
 
 def _check_args(x, weight, bias, conv_state_pool, state_indices, activation):
-    named = (("x", x), ("weight", weight), ("conv_state_pool", conv_state_pool))
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    check_dtype("x", x)
+    if x.dim() != 2:
+        raise ValueError(f"x: expected [N, C], got shape {tuple(x.shape)}")
+    check_last_dim_contiguous("x", x)
+    check_conv_update_args(x, *x.shape, weight, bias, conv_state_pool, state_indices, activation)
+
+
+def check_conv_update_args(
+    x, num_rows, channels, weight, bias, conv_state_pool, state_indices, activation
+):
+    """The update's arguments besides x (checked by the caller): x's rows and channels,
+    and x itself only for its device. Also the GEMV's conv epilogue's check."""
+    named = (("weight", weight), ("conv_state_pool", conv_state_pool))
     for name, t in named + (("bias", bias),):
         if t is None and name == "bias":
             continue
@@ -110,11 +163,8 @@ def _check_args(x, weight, bias, conv_state_pool, state_indices, activation):
         raise ValueError(
             f"state_indices: expected a torch.Tensor, got {type(state_indices).__name__}"
         )
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {list(_ACTIVATIONS)}, got {activation!r}")
-    if x.dim() != 2:
-        raise ValueError(f"x: expected [N, C], got shape {tuple(x.shape)}")
-    num_rows, channels = x.shape
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {list(ACTIVATIONS)}, got {activation!r}")
     if weight.dim() != 2 or weight.shape[0] != channels or weight.shape[1] < 1:
         raise ValueError(f"weight: expected [{channels}, K >= 1], got shape {tuple(weight.shape)}")
     width = weight.shape[1]
@@ -132,7 +182,6 @@ def _check_args(x, weight, bias, conv_state_pool, state_indices, activation):
         raise ValueError(f"state_indices: expected int32 or int64, got {state_indices.dtype}")
     if num_rows > 1 and state_indices.stride(0) != 1:
         raise ValueError("state_indices: must be contiguous")
-    check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("weight", weight)
     check_last_dim_contiguous("conv_state_pool", conv_state_pool)
     check_same_device(
@@ -188,8 +237,9 @@ def causal_conv1d_update_triton(
         WIDTH_PAD=width_pad,
         BLOCK_C=block_c,
         HAS_BIAS=bias is not None,
-        SILU=_ACTIVATIONS[activation],
+        SILU=ACTIVATIONS[activation],
         num_warps=4,
+        enable_fp_fusion=False,  # as the GEMV's conv epilogue compiles (gemv_triton)
     )
     return out
 
@@ -324,7 +374,7 @@ def causal_conv1d_varlen_triton(
             BLOCK_C=_VARLEN_BLOCK_C,
             HAS_STATE=has_state,
             HAS_BIAS=bias is not None,
-            SILU=_ACTIVATIONS[activation],
+            SILU=ACTIVATIONS[activation],
             num_warps=4,
         )
     return out, _final_conv_state(x, cu, conv_state, has_initial_state, width, state_dtype)
@@ -334,8 +384,8 @@ def _check_varlen_args(x, weight, bias, cu_seqlens, conv_state, has_initial_stat
     for name, t in (("x", x), ("weight", weight), ("bias", bias), ("conv_state", conv_state)):
         if t is not None:
             check_dtype(name, t)
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {list(_ACTIVATIONS)}, got {activation!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {list(ACTIVATIONS)}, got {activation!r}")
     if x.dim() != 2:
         raise ValueError(f"x: expected [T, C], got shape {tuple(x.shape)}")
     channels = x.shape[1]

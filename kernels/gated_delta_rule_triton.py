@@ -30,19 +30,22 @@ reference checks both; here an out-of-range index is an out-of-bounds access and
 shared slot a race). Callers guarantee them.
 
 BV depends only on (Dk, Dv), never on the batch, so a row's result is the same whatever
-else is batched with it. Gated DeltaNet's tile budget holds a whole 128 x 128 head in one
-program (16 warps); KDA's keeps four warps and BV = 32 there.
+else is batched with it. The tile budget holds a whole 128 x 128 head in one program (16
+warps), for Gated DeltaNet and KDA alike.
 
 Fused decode step (`gdn_decode_triton`, the layer's decode-only steps). The kernel can
 also compute g and beta itself from the in_proj output's b and a columns (`gdn_gate_values`,
 the gates kernel's formula), and, where a program holds a whole value head, apply the
 gated RMSNorm to its output before the store (`gated_rms_norm_rows`, the norm kernel's):
-one launch in place of three, with the same bits as the three. For that, Gated
-DeltaNet's launches, fused or not, compile without fused multiply-adds as the gates and
-norm kernels do (the compiler would contract their formulas differently inside a
-bigger kernel), and the norm's sum of squares is order-free (`sum_of_squares`). Compiled
-offline for sm_90 (Triton 3.6 and 3.9), the plain, gates-fused and fully fused variants
-reduce the state tile in the same layout, with no register spills.
+one launch in place of three, with the same bits as the three. KDA's decode step
+(`kda_decode_triton`) likewise computes its per-channel g and beta from the f_b output
+and beta's logits (`kda_gate_values`) and applies its sigmoid-gated norm
+(`kda_gated_norm_rows`). For that, the launches, fused or not, compile without fused
+multiply-adds as the gates and norm kernels do (the compiler would contract their
+formulas differently inside a bigger kernel), and the norm's sum of squares is order-free
+(`sum_of_squares`). Compiled offline for sm_90 (Triton 3.6 and 3.9), Gated DeltaNet's
+plain, gates-fused and fully fused variants reduce the state tile in the same layout,
+with no register spills (KDA's variants are not yet checked so).
 """
 
 from __future__ import annotations
@@ -62,11 +65,16 @@ from kvloom.kernels.gated_rms_norm import check_gated_rms_norm_args
 from kvloom.kernels.gated_rms_norm_triton import gated_rms_norm_rows, gated_rms_norm_triton
 from kvloom.kernels.gdn_gates import check_gdn_gates_args
 from kvloom.kernels.gdn_gates_triton import gdn_gate_values
+from kvloom.kernels.kda_gated_norm import check_kda_gated_norm_args
+from kvloom.kernels.kda_gated_norm_triton import kda_gated_norm_rows, kda_gated_norm_triton
+from kvloom.kernels.kda_gates import check_kda_gates_args
+from kvloom.kernels.kda_gates_triton import kda_gate_values
 from kvloom.kernels.l2norm import L2NORM_EPS
 
-# Register budget of one program's state tile (Dk padded x BV float32 values): KDA's, and
-# Gated DeltaNet's, which holds a whole 128 x 128 head (16 warps, 32 values a thread, as 4
-# warps hold 4096) so that the output's gated RMSNorm can run in the same launch.
+# Register budget of one program's state tile (Dk padded x BV float32 values): the old
+# one, and the one both decode steps use, which holds a whole 128 x 128 head (16 warps, 32
+# values a thread, as 4 warps hold 4096) so that the output's norm can run in the same
+# launch.
 _TILE_ELEMENTS = 4096
 _GDN_TILE_ELEMENTS = 16384
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -121,6 +129,8 @@ def _delta_rule_decode_kernel(
     NORM: tl.constexpr,
     Z_GROUP: tl.constexpr,
     ROUND_PRODUCT: tl.constexpr,
+    KDA_GATES: tl.constexpr = False,
+    NORM_SIGMOID: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -161,6 +171,19 @@ def _delta_rule_decode_kernel(
             log_decay, beta = gdn_gate_values(b, a, a_log, dt_bias)
             s = s * tl.exp(log_decay)
             beta = beta.to(ba_ptr.dtype.element_ty).to(tl.float32)
+        elif KDA_GATES:
+            # What kda_gates_triton writes and this kernel would read back: g from the
+            # f_b output (g_ptr) per channel in float32, beta from its logits (beta_ptr)
+            # rounded to their dtype.
+            raw = tl.load(g_ptr + row * stride_gn + head * stride_gh + dims, mask=dim_ok, other=0.0)
+            dt_bias = tl.load(dt_bias_ptr + head * DK + dims, mask=dim_ok, other=0.0)
+            a_log = tl.load(a_log_ptr + head).to(tl.float32)
+            logits = tl.load(beta_ptr + row * stride_bn + head * stride_bh).to(tl.float32)
+            log_decay, beta = kda_gate_values(
+                raw.to(tl.float32), dt_bias.to(tl.float32), a_log, logits
+            )
+            s = s * tl.exp(log_decay)[:, None]
+            beta = beta.to(beta_ptr.dtype.element_ty).to(tl.float32)
         else:
             gate = g_ptr + row * stride_gn + head * stride_gh
             if PER_CHANNEL_DECAY:
@@ -184,7 +207,11 @@ def _delta_rule_decode_kernel(
             z_offs = row * stride_zn + (head // Z_GROUP) * stride_zk + (head % Z_GROUP) * stride_zj
             z = tl.load(z_ptr + z_offs + cols, mask=col_ok, other=0.0)[None, :]
             w = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            out = tl.reshape(gated_rms_norm_rows(x, z, w, norm_eps, DV, ROUND_PRODUCT), [BV])
+            if NORM_SIGMOID:  # KDA's norm (kda_gated_norm_triton's formula)
+                normed = kda_gated_norm_rows(x.to(tl.float32), z.to(tl.float32), w, norm_eps, DV)
+            else:
+                normed = gated_rms_norm_rows(x, z, w, norm_eps, DV, ROUND_PRODUCT)
+            out = tl.reshape(normed, [BV])
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -244,7 +271,7 @@ def _check_args(
         raise ValueError("state_indices: must be contiguous")
     for name, t in (("q", q), ("k", k), ("v", v), ("state", state)):
         check_last_dim_contiguous(name, t)
-    if per_channel_decay:
+    if per_channel_decay and gates:
         check_last_dim_contiguous("g", g)
     check_same_device(q=q, k=k, v=v, **dict(gates), state=state, state_indices=state_indices)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
@@ -273,8 +300,7 @@ def _decode_step(
     q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm, per_channel, block_v
 ):
     _check_args(q, k, v, g, beta, state, state_indices, per_channel, scale)
-    budget = _TILE_ELEMENTS if per_channel else _GDN_TILE_ELEMENTS
-    block_v = block_v or _block_v(q.shape[2], v.shape[2], budget)
+    block_v = block_v or _block_v(q.shape[2], v.shape[2], _GDN_TILE_ELEMENTS)
     return _launch(
         q, k, v, state, state_indices, scale, use_qk_l2norm, block_v, per_channel, g, beta
     )
@@ -288,7 +314,7 @@ def _launch(
     g [N, Hv, Dk]) or gates = (ba, A_log, dt_bias, r): computed in the kernel. norm = (z,
     weight, eps): the gated RMSNorm at the store (block_v >= Dv). Gated DeltaNet's launches
     compile without fused multiply-adds, as the gates and norm kernels do, so the fused
-    and separate launches give the same bits; KDA's keep the compiler's default."""
+    and separate launches give the same bits; so do KDA's (kda_decode_triton)."""
     num_rows, num_k_heads, head_k = q.shape
     num_v_heads, head_v = v.shape[1], v.shape[2]
     out = torch.empty((num_rows, num_v_heads, head_v), dtype=q.dtype, device=q.device)
@@ -296,6 +322,10 @@ def _launch(
         return out
     if gates is None:
         ba, a_log, dt_bias, ba_group = g, g, g, 1  # not read
+        gate_strides = (g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), 0)
+    elif per_channel:  # KDA: g and beta from (f_b output, A_log, dt_bias, beta's logits)
+        g, a_log, dt_bias, beta = gates
+        ba, ba_group = g, 1  # not read
         gate_strides = (g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), 0)
     else:
         ba, a_log, dt_bias, ba_group = gates
@@ -311,7 +341,6 @@ def _launch(
         # (weight, x) pair to a half type.
         half = (torch.float16, torch.bfloat16)
         round_product = torch.promote_types(norm_weight.dtype, q.dtype) in half
-    options = {} if per_channel else {"enable_fp_fusion": False}
     grid = (num_rows, num_v_heads, triton.cdiv(head_v, block_v))
     _delta_rule_decode_kernel[grid](
         q,
@@ -351,13 +380,15 @@ def _launch(
         BV=block_v,
         PER_CHANNEL_DECAY=per_channel,
         L2NORM=bool(use_qk_l2norm),
-        GATES_FROM_BA=gates is not None,
+        GATES_FROM_BA=gates is not None and not per_channel,
         BA_GROUP=ba_group,
         NORM=norm is not None,
         Z_GROUP=z_group,
         ROUND_PRODUCT=round_product,
+        KDA_GATES=gates is not None and per_channel,
+        NORM_SIGMOID=norm is not None and per_channel,
         num_warps=_num_warps(head_k, block_v),
-        **options,
+        enable_fp_fusion=False,  # as the gates and norm kernels: fused = separate bits
     )
     return out
 
@@ -448,3 +479,62 @@ def gdn_decode_triton(
     if block_v >= head_v:
         return _launch(*args, gates=gates, norm=(z, norm_weight, norm_eps))
     return gated_rms_norm_triton(_launch(*args, gates=gates), z, norm_weight, norm_eps)
+
+
+def _check_kda_fusion(q, v, raw_gate, A_log, dt_bias, beta_logits, gate, norm_weight, norm_eps):
+    """The fused KDA step's extra inputs: the gates' (as kda_gates_triton takes them) and
+    the norm's (as kda_gated_norm_triton, with v standing in for its x of the same shape)."""
+    num_rows, num_v_heads, head_k = v.shape[0], v.shape[1], q.shape[2]
+    shape = check_kda_gates_args(raw_gate, A_log, dt_bias, beta_logits)
+    if tuple(shape) != (num_rows, num_v_heads, head_k):
+        raise ValueError(
+            f"raw_gate: expected [{num_rows}, {num_v_heads}, {head_k}], "
+            f"got shape {list(raw_gate.shape)}"
+        )
+    check_kda_gated_norm_args(v, gate, norm_weight, norm_eps)
+    named = (("raw_gate", raw_gate), ("A_log", A_log), ("dt_bias", dt_bias))
+    named += (("beta_logits", beta_logits), ("gate", gate), ("weight", norm_weight))
+    for name, t in named:
+        check_dtype(name, t)
+        check_last_dim_contiguous(name, t)
+    check_same_device(v=v, **dict(named))
+
+
+def kda_decode_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    raw_gate: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    beta_logits: torch.Tensor,
+    state: torch.Tensor,
+    state_indices: torch.Tensor,
+    gate: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    _block_v_override: int | None = None,
+) -> torch.Tensor:
+    """A KDA decode step after the conv: gates, recurrence and output norm, bit for bit
+    `kda_gates_triton(raw_gate, A_log, dt_bias, beta_logits)`, then `recurrent_kda_triton`
+    with those g and beta, then `kda_gated_norm_triton(out, gate, norm_weight, norm_eps)`,
+    in one launch where a program holds a whole value head (`fuses_norm`; Kimi-Linear's
+    128 x 128 heads), else in two (the norm separate). Padding rows (negative index) give
+    zeros in one launch (the separate norm gives w * 0 * sigmoid(gate): -0.0 where w < 0,
+    NaN for a NaN gate); their inputs are never read there.
+
+    raw_gate [N, Hv, Dk] (f_b_proj's output), A_log [Hv], dt_bias [Hv * Dk], beta_logits
+    [N, Hv], gate [N, Hv, Dv] (g_b_proj's output), norm_weight [Dv], all strided with the
+    last dim contiguous; the rest as `recurrent_kda_triton`. No host sync."""
+    _check_args(q, k, v, None, None, state, state_indices, True, scale, computes_gates=True)
+    _check_kda_fusion(q, v, raw_gate, A_log, dt_bias, beta_logits, gate, norm_weight, norm_eps)
+    head_k, head_v = q.shape[2], v.shape[2]
+    block_v = _block_v_override or _block_v(head_k, head_v, _GDN_TILE_ELEMENTS)
+    gates = (raw_gate, A_log, dt_bias, beta_logits)
+    args = (q, k, v, state, state_indices, scale, use_qk_l2norm, block_v, True)
+    if block_v >= head_v:
+        return _launch(*args, gates=gates, norm=(gate, norm_weight, norm_eps))
+    return kda_gated_norm_triton(_launch(*args, gates=gates), gate, norm_weight, norm_eps)

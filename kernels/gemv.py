@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kvloom.kernels.activation import silu_and_mul_ref
+from kvloom.kernels.causal_conv1d import causal_conv1d_update
 from kvloom.kernels.paged_attention import compute_dtype
 from kvloom.kernels.rms_norm import rms_norm_ref
 
@@ -27,6 +28,9 @@ NORM_GEMV_MAX_M = 2
 # Longest row (hidden size) it normalizes: each program sums the row's squares in
 # K / 1024 unrolled steps; longer rows take the norm and the GEMV as two launches.
 NORM_GEMV_MAX_K = 16384
+# Most rows of the GEMV with a conv decode step in its epilogue (Gated DeltaNet's in_proj:
+# rows unrolled by hand, as the norm's); the dispatch range above.
+CONV_GEMV_MAX_M = 2
 
 
 def gemv_ref(
@@ -75,3 +79,31 @@ def rms_norm_gemv_ref(
     normed, new_residual = rms_norm_ref(x, norm_weight, eps, residual, weight_offset)
     project = gemv_silu_and_mul_ref if silu_and_mul else gemv_ref
     return project(normed, weight, bias), new_residual, normed
+
+
+def rms_norm_gemv_conv_ref(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_weight: torch.Tensor,
+    conv_state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    weight_offset: float = 0.0,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The reference of gemv_triton.rms_norm_gemv_conv_triton: rms_norm_gemv_ref, then the
+    conv decode step (causal_conv1d.causal_conv1d_update, the pool updated in place) on
+    the first C = conv_weight.shape[0] columns of its output. Returns (y, x + residual or
+    None, the conv output [M, C])."""
+    y, new_residual, _ = rms_norm_gemv_ref(
+        x, residual, norm_weight, eps, weight, bias, weight_offset=weight_offset
+    )
+    channels = conv_weight.shape[0]
+    conv = causal_conv1d_update(
+        y[:, :channels], conv_weight, None, conv_state_pool, state_indices, activation
+    )
+    return y, new_residual, conv

@@ -38,6 +38,13 @@ exactly as the plain GEMV does, rounds each to x's dtype as the plain store does
 runs the activation kernel's arithmetic once per output element. The result is bitwise
 the plain GEMV followed by `activation_triton.silu_and_mul_triton`, in one launch
 (split_k > 1: the activation moves to the reduce launch).
+
+`gemv_conv_triton` / `rms_norm_gemv_conv_triton` (CONV) are Gated DeltaNet's decode
+in_proj with the depthwise conv's decode step in the epilogue: its first C output
+features are the conv channels, each owned by one program, which after storing the
+feature's y (rounded as the plain store rounds it) runs the conv update kernel's helper
+(causal_conv1d_triton.conv1d_update_channels) on each row's state slot: bitwise the GEMV
+followed by `causal_conv1d_update_triton`, one launch (split_k > 1: two).
 """
 
 from __future__ import annotations
@@ -50,8 +57,14 @@ import triton
 import triton.language as tl
 
 from kvloom.kernels.activation_triton import silu_mul
-from kvloom.kernels.arg_checks_triton import check_dtype, check_same_device
-from kvloom.kernels.gemv import GEMV_MAX_M, NORM_GEMV_MAX_K, NORM_GEMV_MAX_M
+from kvloom.kernels.arg_checks_triton import check_dtype, check_same_device, next_power_of_2
+from kvloom.kernels.causal_conv1d_triton import ACTIVATIONS as CONV_ACTIVATIONS
+from kvloom.kernels.causal_conv1d_triton import (
+    causal_conv1d_update_triton,
+    check_conv_update_args,
+    conv1d_update_channels,
+)
+from kvloom.kernels.gemv import CONV_GEMV_MAX_M, GEMV_MAX_M, NORM_GEMV_MAX_K, NORM_GEMV_MAX_M
 from kvloom.kernels.rms_norm_triton import (
     rms_row_rstd,
     rms_scale,
@@ -442,7 +455,47 @@ def _store_row(
         # output dtype, as the plain GEMV stores it, before the activation reads it.
         gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
         y = silu_mul(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype)
-    tl.store(out_row + n_offs, y.to(dtype), mask=n_mask)
+    y = y.to(dtype)
+    tl.store(out_row + n_offs, y, mask=n_mask)
+    return y
+
+
+@triton.jit
+def _conv_epilogue(
+    y,
+    row,
+    n_offs,
+    n_mask,
+    conv_c,
+    cw_ptr,
+    stride_cw,
+    cs_ptr,
+    stride_css,
+    stride_csc,
+    slot_ptr,
+    co_ptr,
+    stride_com,
+    WIDTH: tl.constexpr,
+    WIDTH_PAD: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    """The conv update of row `row` on this tile's conv channels (features < conv_c): y,
+    the row's outputs as the GEMV stored them, is each channel's new input; the conv runs
+    causal_conv1d_triton's arithmetic (its shared helper) on the row's slot of the pool
+    and stores to co_ptr [ROWS, conv_c]. A padding row (slot < 0) gets zeros and its
+    slot is not touched, as the conv launch does. A channel is one feature, and one
+    program owns it: no other program reads or writes its state."""
+    is_conv = n_mask & (n_offs < conv_c)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    # A vector, not a scalar: the interpreter turns (vector & scalar bool) into integers.
+    live = tl.broadcast_to(slot, n_offs.shape) >= 0
+    state_row = cs_ptr + tl.maximum(slot, 0) * stride_css
+    conv = conv1d_update_channels(
+        y.to(tl.float32), n_offs, is_conv & live, state_row, stride_csc, cw_ptr, stride_cw,
+        cw_ptr, WIDTH, WIDTH_PAD, False, SILU,
+    )  # fmt: skip
+    conv = tl.where(live, conv, 0.0)
+    tl.store(co_ptr + row * stride_com + n_offs, conv.to(co_ptr.dtype.element_ty), mask=is_conv)
 
 
 @triton.jit
@@ -467,6 +520,15 @@ def _gemv_kernel(
     stride_rm,
     eps,
     weight_offset,
+    conv_c,
+    cw_ptr,
+    stride_cw,
+    cs_ptr,
+    stride_css,
+    stride_csc,
+    slot_ptr,
+    co_ptr,
+    stride_com,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CHUNKS: tl.constexpr,
@@ -482,6 +544,10 @@ def _gemv_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
     WRITE_NORMED: tl.constexpr,
+    CONV: tl.constexpr,
+    CONV_WIDTH: tl.constexpr,
+    CONV_WIDTH_PAD: tl.constexpr,
+    CONV_SILU: tl.constexpr,
 ):
     """Program (i, s): features [i * BLOCK_N, (i + 1) * BLOCK_N) of all ROWS rows over K
     range s. Rows are unrolled by hand (one accumulator each, ROWS <= 8) so every row
@@ -495,10 +561,13 @@ def _gemv_kernel(
     r_ptr (HAS_RESIDUAL), norm weight nw_ptr: every program computes each row's whole
     1 / rms first (rms_row_rstd), then normalizes each chunk as it streams the weight;
     the first feature tile stores the sum to ro_ptr and (WRITE_NORMED) the normed rows
-    to no_ptr ([ROWS, K] each)."""
+    to no_ptr ([ROWS, K] each).
+    CONV (ROWS <= 2, split_k = 1, not GATED): features < conv_c are also the channels of a
+    depthwise causal conv's decode step (_conv_epilogue), run on each row's stored y."""
     tl.static_assert(_LANES == 64)  # _lane_tree_sum is written for 64 lanes
     tl.static_assert(ROWS <= 8)
     tl.static_assert(not NORM or (ROWS <= 2 and WFMT == FMT_PLAIN))
+    tl.static_assert(not CONV or (ROWS <= 2 and not GATED))  # CONV_GEMV_MAX_M
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     if GATED:
@@ -610,9 +679,21 @@ def _gemv_kernel(
     bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + n_rows).to(tl.float32)
-    _store_row(acc0, bias, out0, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT, GATED)
+    y0 = _store_row(acc0, bias, out0, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT, GATED)
+    if CONV:
+        _conv_epilogue(
+            y0, 0, n_offs, n_mask, conv_c, cw_ptr, stride_cw, cs_ptr, stride_css, stride_csc,
+            slot_ptr, co_ptr, stride_com, CONV_WIDTH, CONV_WIDTH_PAD, CONV_SILU,
+        )  # fmt: skip
     if ROWS > 1:
-        _store_row(acc1, bias, out0 + stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT, GATED)
+        y1 = _store_row(
+            acc1, bias, out0 + stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT, GATED
+        )
+        if CONV:
+            _conv_epilogue(
+                y1, 1, n_offs, n_mask, conv_c, cw_ptr, stride_cw, cs_ptr, stride_css,
+                stride_csc, slot_ptr, co_ptr, stride_com, CONV_WIDTH, CONV_WIDTH_PAD, CONV_SILU,
+            )  # fmt: skip
     if ROWS > 2:
         _store_row(acc2, bias, out0 + 2 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT, GATED)
     if ROWS > 3:
@@ -807,6 +888,148 @@ def rms_norm_gemv_triton(
     return out, norm.residual_out, norm.normed_out
 
 
+@dataclasses.dataclass(frozen=True)
+class ConvEpilogue:
+    """A depthwise causal conv's decode step on the GEMV's first C output features
+    (`launch_gemv(conv=...)`): weight [C, K], the pool [num_slots, C, K-1] updated in place
+    at state_indices [M] (negative: a padding row), out [M, C] the conv's output."""
+
+    weight: torch.Tensor
+    state_pool: torch.Tensor
+    state_indices: torch.Tensor
+    out: torch.Tensor
+    silu: bool
+
+
+def _conv_args(conv: ConvEpilogue | None, x: torch.Tensor) -> dict:
+    """The kernel's conv arguments (placeholder pointers when there is no epilogue)."""
+    if conv is None:
+        return dict(
+            conv_c=0, cw_ptr=x, stride_cw=0, cs_ptr=x, stride_css=0, stride_csc=0, slot_ptr=x,
+            co_ptr=x, stride_com=0, CONV=False, CONV_WIDTH=1, CONV_WIDTH_PAD=1, CONV_SILU=False,
+        )  # fmt: skip
+    width = conv.weight.shape[1]
+    return dict(
+        conv_c=conv.weight.shape[0],
+        cw_ptr=conv.weight,
+        stride_cw=conv.weight.stride(0),
+        cs_ptr=conv.state_pool,
+        stride_css=conv.state_pool.stride(0),
+        stride_csc=conv.state_pool.stride(1),
+        slot_ptr=conv.state_indices,
+        co_ptr=conv.out,
+        stride_com=conv.out.stride(0),
+        CONV=True,
+        CONV_WIDTH=width,
+        CONV_WIDTH_PAD=next_power_of_2(width),
+        CONV_SILU=conv.silu,
+    )
+
+
+def gemv_conv_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_weight: torch.Tensor,
+    conv_state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    activation: str | None = "silu",
+    plan: GemvPlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gemv_triton, then causal_conv1d_update_triton on the first C = conv_weight.shape[0]
+    columns of its output, in one launch: returns (y, the conv's output [M, C]); the
+    pool is updated in place as the conv launch does.
+
+    Gated DeltaNet's decode in_proj: its first C output features are the conv channels
+    [q | k | v]. Each program, after storing its features' y (rounded to x's dtype),
+    runs the conv launch's arithmetic on those that are conv channels
+    (causal_conv1d_triton.conv1d_update_channels) for each row's slot, so y, the conv
+    output and the pool are bitwise the two launches'. A split-K plan keeps them two
+    launches (its sums are complete only in the reduce launch). x: at most
+    CONV_GEMV_MAX_M rows; otherwise arguments as gemv_triton's and
+    causal_conv1d_update_triton's (no conv bias); slot indices in range and distinct
+    among non-padding rows (not checked: no host sync).
+    """
+    _check_args(x, weight, bias)
+    return _gemv_conv(
+        x, weight, bias, conv_weight, conv_state_pool, state_indices, activation, plan, None
+    )
+
+
+def rms_norm_gemv_conv_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_weight: torch.Tensor,
+    conv_state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    *,
+    weight_offset: float = 0.0,
+    activation: str | None = "silu",
+    plan: GemvPlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """rms_norm_gemv_triton and gemv_conv_triton's conv epilogue in one launch: returns
+    (y, x + residual or None, the conv's output [M, C]), bitwise the norm + GEMV launch
+    followed by the conv update launch (two launches with a split-K plan)."""
+    _check_args(x, weight, bias)
+    _check_norm_args(x, residual, norm_weight, weight)
+    m, k = x.shape
+    norm = NormPrologue(
+        weight=norm_weight,
+        eps=eps,
+        weight_offset=weight_offset,
+        residual=residual,
+        residual_out=torch.empty((m, k), dtype=x.dtype, device=x.device)
+        if residual is not None
+        else None,
+        normed_out=None,
+    )
+    y, conv_out = _gemv_conv(
+        x, weight, bias, conv_weight, conv_state_pool, state_indices, activation, plan, norm
+    )
+    return y, norm.residual_out, conv_out
+
+
+def _gemv_conv(
+    x, weight, bias, conv_weight, conv_state_pool, state_indices, activation, plan, norm
+):
+    """gemv_conv_triton's work after the GEMV's own checks, with an optional norm prologue."""
+    m, k = x.shape
+    if m > CONV_GEMV_MAX_M:
+        raise ValueError(f"x: {m} rows exceed CONV_GEMV_MAX_M={CONV_GEMV_MAX_M}")
+    channels = conv_weight.shape[0] if isinstance(conv_weight, torch.Tensor) else -1
+    if not 1 <= channels <= weight.shape[0]:
+        raise ValueError(
+            f"conv_weight: expected [C, K] with 1 <= C <= {weight.shape[0]} (the GEMV's "
+            f"features), got {getattr(conv_weight, 'shape', conv_weight)}"
+        )
+    check_conv_update_args(
+        x, m, channels, conv_weight, None, conv_state_pool, state_indices, activation
+    )
+    if plan is None:
+        plan = choose_gemv_plan(max(m, 1), weight.shape[0], k, x.dtype)
+    out = torch.empty((m, weight.shape[0]), dtype=x.dtype, device=x.device)
+    if plan.split_k > 1:  # the GEMV (+ norm) launches, then the conv launch
+        launch_gemv(x, weight, bias, out, plan, norm=norm)
+        conv_out = causal_conv1d_update_triton(
+            out[:, :channels], conv_weight, None, conv_state_pool, state_indices, activation
+        )
+        return out, conv_out
+    conv = ConvEpilogue(
+        weight=conv_weight,
+        state_pool=conv_state_pool,
+        state_indices=state_indices,
+        out=torch.empty((m, channels), dtype=x.dtype, device=x.device),
+        silu=CONV_ACTIVATIONS[activation],
+    )
+    launch_gemv(x, weight, bias, out, plan, norm=norm, conv=conv)
+    return out, conv.out
+
+
 def _check_norm_args(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, weight: torch.Tensor
 ) -> None:
@@ -845,14 +1068,20 @@ def launch_gemv(
     group: int = 0,
     silu_and_mul: bool = False,
     norm: NormPrologue | None = None,
+    conv: ConvEpilogue | None = None,
 ) -> torch.Tensor:
     """Fills out [M, N] (any float dtype) with x @ W^T (+ bias) and returns it; W is
     `weight` stored as `fmt` with `scales` [N, K / group] (group 0: one per row). With
     `silu_and_mul`, W is [gate; up] (2N rows) and out [M, N] (x's dtype) gets
-    silu(gate) * up. With `norm`, x is first RMS-normalized (NormPrologue). Callers
-    check the arguments; this only launches."""
+    silu(gate) * up. With `norm`, x is first RMS-normalized (NormPrologue). With `conv`
+    (split_k = 1, at most 2 rows, not gated), the first C features also go through a
+    conv decode step (ConvEpilogue). Callers check the arguments; this only launches."""
     if not isinstance(plan, GemvPlan):
         raise ValueError(f"plan: expected a GemvPlan or None, got {type(plan).__name__}")
+    if conv is not None and (plan.split_k > 1 or silu_and_mul or x.shape[0] > CONV_GEMV_MAX_M):
+        raise ValueError(
+            f"conv: the epilogue needs split_k = 1, <= {CONV_GEMV_MAX_M} rows, no silu_and_mul"
+        )
     m, k = x.shape
     n = out.shape[1]
     if m == 0 or n == 0:
@@ -863,6 +1092,9 @@ def launch_gemv(
     # prologue compiles as rms_norm_triton's does, for the same reason.
     act_options = dict(enable_fp_fusion=False) if silu_and_mul else {}
     norm_options = dict(enable_fp_fusion=False) if norm is not None else {}
+    # The conv epilogue compiles as the conv update launch does (causal_conv1d_triton).
+    if conv is not None:
+        norm_options = dict(enable_fp_fusion=False)
     split_len = split_k_len(k, plan.split_k)
     common = dict(
         ROWS=m,
@@ -874,6 +1106,7 @@ def launch_gemv(
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **_norm_args(x, norm),
+        **_conv_args(conv, x),
     )
     s = scales if scales is not None else weight  # placeholder pointers when absent
     b = bias if bias is not None else weight

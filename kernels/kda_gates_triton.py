@@ -36,6 +36,16 @@ from kvloom.kernels.kda_gates import check_kda_gates_args
 BLOCK_ELEMENTS = 1024  # tokens x channels of g per program
 
 
+@triton.jit
+def kda_gate_values(raw, dt_bias, a_log, logits):
+    """float32 g = -exp(A_log) * softplus(raw + dt_bias) and beta = sigmoid(logits) before
+    its rounding: the one formula of this kernel and of the fused KDA decode step
+    (gated_delta_rule_triton.kda_decode_triton), so both give the same bits."""
+    g = -exp_f32(a_log) * softplus_f32(raw + dt_bias)
+    beta = tl.math.div_rn(tl.full(logits.shape, 1.0, tl.float32), 1.0 + exp_f32(-logits))
+    return g, beta
+
+
 # Tokens change every step: no recompiles for their value (1, multiples of 16).
 @triton.jit(do_not_specialize=["num_tokens"])
 def _kda_gates_kernel(
@@ -68,13 +78,12 @@ def _kda_gates_kernel(
     raw = tl.load(raw_ptrs, mask=mask, other=0.0).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + head * head_k + channels, mask=channel_ok, other=0.0)
     a_log = tl.load(a_log_ptr + head).to(tl.float32)
-    g = -exp_f32(a_log) * softplus_f32(raw + dt_bias.to(tl.float32)[None, :])
+    logits = tl.load(logits_ptr + rows * stride_logits + head, mask=token_ok, other=0.0)
+    logits = logits.to(tl.float32)
+    g, beta = kda_gate_values(raw, dt_bias.to(tl.float32)[None, :], a_log, logits)
     g_ptrs = g_ptr + rows[:, None] * stride_g_t + head * stride_g_h + channels[None, :]
     tl.store(g_ptrs, g, mask=mask)
 
-    logits = tl.load(logits_ptr + rows * stride_logits + head, mask=token_ok, other=0.0)
-    logits = logits.to(tl.float32)
-    beta = tl.math.div_rn(tl.full(logits.shape, 1.0, tl.float32), 1.0 + exp_f32(-logits))
     beta_out = beta.to(beta_ptr.dtype.element_ty)
     tl.store(beta_ptr + rows * stride_beta + head, beta_out, mask=token_ok)
 

@@ -16,7 +16,13 @@ from kvloom.kernels.dispatch import TRITON_DTYPES, batch_invariant, use_triton
 from kvloom.kernels.fp8_gemm_dispatch import scaled_mm_blocker, try_fp8_linear_scaled_mm
 from kvloom.kernels.gated_rms_norm import gated_rms_norm_ref
 from kvloom.kernels.gdn_gates import gdn_gates_ref
-from kvloom.kernels.gemv import GEMV_DISPATCH_MAX_M, NORM_GEMV_MAX_K, NORM_GEMV_MAX_M
+from kvloom.kernels.gemv import (
+    CONV_GEMV_MAX_M,
+    GEMV_DISPATCH_MAX_M,
+    NORM_GEMV_MAX_K,
+    NORM_GEMV_MAX_M,
+)
+from kvloom.kernels.kda_gated_norm import kda_gated_norm_ref
 from kvloom.kernels.kda_gates import kda_gates_ref
 from kvloom.kernels.kv_cache_write import is_fp8, write_kv_cache_ref
 from kvloom.kernels.mla_attention import mla_attention_ref, write_mla_cache_ref
@@ -399,6 +405,67 @@ def rms_norm_linear(
     return project(normed, weight, bias), new_res, normed if write_normed else None
 
 
+def _takes_gemv_conv(x, weight, conv_weight, conv_state_pool) -> bool:
+    """Whether `rms_norm_linear_conv` runs the conv in the GEMV's epilogue: where `linear`
+    would run the GEMV on [T, K] rows, at most CONV_GEMV_MAX_M of them, for conv weights
+    and pools the kernel reads, unless KVLOOM_UNFUSED names gdn_conv."""
+    return (
+        not batch_invariant()
+        and x.dim() == 2
+        and _takes_gemv(x, weight)
+        and x.shape[0] <= CONV_GEMV_MAX_M
+        and conv_weight.dtype in TRITON_DTYPES
+        and conv_state_pool.dtype in TRITON_DTYPES
+        and 1 <= conv_weight.shape[0] <= weight.shape[0]
+        and not envs.unfused("gdn_conv")
+    )
+
+
+def rms_norm_linear_conv(
+    x,
+    residual,
+    norm_weight,
+    eps,
+    weight,
+    bias,
+    conv_weight,
+    conv_state_pool,
+    state_indices,
+    *,
+    weight_offset: float = 0.0,
+    activation: str | None = "silu",
+):
+    """Gated DeltaNet's decode projection: `rms_norm_linear` (x [T, K]), then
+    `causal_conv1d_update` on the first C = conv_weight.shape[0] columns of its output
+    (the conv channels), the pool updated in place at state_indices (-1: padding row).
+    Returns (y [T, N], new_residual, conv output [T, C]). Where the GEMV runs, the conv
+    runs in its epilogue (gemv_triton: bitwise the separate launches), with the norm in
+    its prologue where `rms_norm_linear` would fuse that: one launch. Elsewhere (and
+    with KVLOOM_UNFUSED=gdn_conv) the two calls, so CPU numerics are the references'."""
+    if _takes_gemv_conv(x, weight, conv_weight, conv_state_pool):
+        from kvloom.kernels import gemv_triton
+
+        conv_args = (conv_weight, conv_state_pool, state_indices)
+        if _takes_norm_gemv(x, residual, norm_weight, weight, False):
+            return gemv_triton.rms_norm_gemv_conv_triton(
+                x, residual, norm_weight, eps, weight, bias, *conv_args,
+                weight_offset=weight_offset, activation=activation,
+            )  # fmt: skip
+        normed, new_residual = rms_norm(x, norm_weight, eps, residual, weight_offset)
+        y, conv = gemv_triton.gemv_conv_triton(
+            normed, weight, bias, *conv_args, activation=activation
+        )
+        return y, new_residual, conv
+    y, new_residual, _ = rms_norm_linear(
+        x, residual, norm_weight, eps, weight, bias, weight_offset=weight_offset
+    )
+    channels = conv_weight.shape[0]
+    conv = causal_conv1d_update(
+        y[:, :channels], conv_weight, None, conv_state_pool, state_indices, activation
+    )
+    return y, new_residual, conv
+
+
 def gdn_gates(ba, A_log, dt_bias, group_v_heads):
     """Gated DeltaNet's decay g (float32) and beta from the in_proj_ba output, read in place."""
     if use_triton(ba):
@@ -416,6 +483,19 @@ def kda_gates(raw_gate, A_log, dt_bias, beta_logits):
 
         return kda_gates_triton(raw_gate, A_log, dt_bias, beta_logits)
     return kda_gates_ref(raw_gate, A_log, dt_bias, beta_logits)
+
+
+def kda_gated_norm(x, gate, weight, eps):
+    """KDA's output norm, weight * rmsnorm(x) * sigmoid(gate) per head in float32: one
+    launch at decode where the decode fusions apply (half precision on CUDA, decode rows,
+    not the deterministic mode) unless KVLOOM_UNFUSED names kda_norm; elsewhere the torch
+    composition (~12 launches), so CPU and prefill numerics stay the reference's."""
+    fused = _decode_fusion(x) and gate.dtype == x.dtype and weight.dtype in TRITON_DTYPES
+    if fused and not envs.unfused("kda_norm"):
+        from kvloom.kernels.kda_gated_norm_triton import kda_gated_norm_triton
+
+        return kda_gated_norm_triton(x, gate, weight, eps)
+    return kda_gated_norm_ref(x, gate, weight, eps)
 
 
 def gated_rms_norm(x, gate, weight, eps):
@@ -446,6 +526,37 @@ def gdn_decode_step(
     g, beta = gdn_gates(ba, A_log, dt_bias, ba_group)
     core = recurrent_gated_delta_rule(q, k, v, g, beta, state, state_indices, use_qk_l2norm=True)
     return gated_rms_norm(core, z, norm_weight, norm_eps)
+
+
+def kda_decode_step(
+    q, k, v, raw_gate, A_log, dt_bias, beta_logits, state, state_indices, gate, norm_weight,
+    norm_eps,
+):  # fmt: skip
+    """KDA's decode step after the conv: kda_gates, recurrent_kda (q, k L2-normalised) and
+    the output norm kda_gated_norm -> the normed output [N, H, Dv] in q's dtype. Where
+    the decode fusions apply (half precision on CUDA, decode rows, not the deterministic
+    mode) one launch computes the gates in the recurrence and the norm at its store (two
+    where a value head is too wide for one program), bit for bit the three Triton
+    launches; elsewhere, or where KVLOOM_UNFUSED names kda_decode (or kda_norm), the three
+    calls as they were."""
+    fused = (
+        _decode_fusion(q)
+        and state.dtype in TRITON_DTYPES
+        and gate.dtype == q.dtype
+        and norm_weight.dtype in TRITON_DTYPES
+        and not envs.unfused("kda_decode")
+        and not envs.unfused("kda_norm")
+    )
+    if fused:
+        from kvloom.kernels.gated_delta_rule_triton import kda_decode_triton
+
+        return kda_decode_triton(
+            q, k, v, raw_gate, A_log, dt_bias, beta_logits, state, state_indices, gate,
+            norm_weight, norm_eps, use_qk_l2norm=True,
+        )  # fmt: skip
+    g, beta = kda_gates(raw_gate, A_log, dt_bias, beta_logits)
+    core = recurrent_kda(q, k, v, g, beta, state, state_indices, use_qk_l2norm=True)
+    return kda_gated_norm(core.to(q.dtype), gate, norm_weight, norm_eps)
 
 
 def recurrent_kda(q, k, v, g, beta, state, state_indices, *, scale=None, use_qk_l2norm=False):

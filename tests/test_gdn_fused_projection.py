@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kvloom.kernels.gated_delta_rule_triton import fuses_norm
 from kvloom.workers.layers import gated_deltanet as gdn_module
 from kvloom.workers.layers.gated_deltanet import GatedDeltaNet
+from kvloom.workers.models import qwen3_next as qwen3_next_module
 from kvloom.workers.models.qwen3_5 import Qwen3_5ForCausalLM
 from kvloom.workers.models.qwen3_next import Qwen3NextForCausalLM
 from tests.quant_checkpoints import write_quantized
@@ -104,6 +105,8 @@ KERNELS = (
     "recurrent_gated_delta_rule",
     "gated_rms_norm",
     "gdn_decode_step",
+    "rms_norm_linear_conv",
+    "norm_linear",
 )
 # Ops that only make views (no launch).
 VIEWS = {
@@ -144,8 +147,9 @@ class LaunchRecorder(TorchDispatchMode):
         return run
 
 
-def decode_launches(model_dir, monkeypatch) -> dict[int, list[str]]:
-    """Each GDN layer's launches (ops that are not views) in a decode-only step."""
+def decode_launches(model_dir, monkeypatch, decoder_layer=False) -> dict[int, list[str]]:
+    """Each GDN layer's launches (ops that are not views) in a decode-only step: the
+    layer called alone, or (`decoder_layer`) its decoder layer, norms and MLP included."""
     model = load_rank(model_dir, None)
     with torch.inference_mode():
         for rows in TP_STEPS[:-1]:
@@ -159,13 +163,19 @@ def decode_launches(model_dir, monkeypatch) -> dict[int, list[str]]:
         launches = {}
         for index, gdn in gdn_layers(model).items():
             hidden = torch.randn(ids.shape[0], CFG["hidden_size"], dtype=torch.float64)
+            residual = torch.randn_like(hidden)
             recorder = LaunchRecorder()
             with monkeypatch.context() as patch:
                 for name in KERNELS:
                     kernel = recorder.kernel(name, getattr(gdn_module, name))
                     patch.setattr(gdn_module, name, kernel)
+                norm_linear = recorder.kernel("norm_linear", qwen3_next_module.norm_linear)
+                patch.setattr(qwen3_next_module, "norm_linear", norm_linear)
                 with recorder:
-                    gdn(hidden, batch)
+                    if decoder_layer:
+                        model.model.layers[index](batch.positions, hidden, residual, batch)
+                    else:
+                        gdn(hidden, batch)
             launches[index] = [op for op in recorder.ops if op not in VIEWS]
     return launches
 
@@ -180,6 +190,15 @@ def test_decode_step_runs_one_projection_gemm_and_no_cat(src, monkeypatch):
     # The Triton plan holds a whole value head (so the norm is in the same launch) at this
     # config's head dims and at Qwen3-Next's.
     assert fuses_norm(DK, DV) and fuses_norm(128, 128)
+
+
+def test_decoder_layer_decode_step_folds_the_conv_into_the_projection(src, monkeypatch):
+    """In the decoder layer, a decode-only GDN step is three launches: the input norm, in_proj
+    and conv update as one op (ops.rms_norm_linear_conv: one launch on CUDA, its dispatch
+    tested in tests/test_gdn_conv_epilogue.py), the fused gates + recurrence + gated norm,
+    out_proj; then the post-attention norm with the MLP's first projection."""
+    for ops in decode_launches(src, monkeypatch, decoder_layer=True).values():
+        assert ops[:4] == ["rms_norm_linear_conv", "gdn_decode_step", "linear", "norm_linear"], ops
 
 
 def test_quantized_projections_stay_separate(src, tmp_path):

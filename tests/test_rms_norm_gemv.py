@@ -243,6 +243,13 @@ def test_benchmark_tiny_run_writes_json(tmp_path):
     fused = [r for r in result["rows"] if r["impl"].startswith("fused")]
     assert len(fused) > runs  # wider-tile variants too
     assert all(r["same_bits_as_two_launches"] and r["speedup_vs_two_launches"] > 0 for r in fused)
+    # The GDN in_proj's conv epilogue (shapes with conv channels): fused vs two launches.
+    conv_runs = sum(1 for s in norm_gemv_fusion.TINY_SHAPES if s[-1]) * len(
+        norm_gemv_fusion.BATCHES
+    )
+    conv = [r for r in result["rows"] if r["impl"] == "conv:fused"]
+    assert conv_runs >= 1 and len(conv) == impls.count("conv:two_launches") == conv_runs
+    assert all(r["same_bits_as_two_launches"] for r in conv)
 
 
 # ---------------------------------------------------------------- GPU: real shapes
@@ -351,9 +358,13 @@ def test_decode_is_bitwise_the_same_fused(monkeypatch, tiny_model, hybrid_model,
     for fuse in (False, True):
         with monkeypatch.context() as patch:
             _force_decode_kernels(patch, fuse)
-            fused = Counter(patch, gt, "rms_norm_gemv_triton")
-            launches = [fused, Counter(patch, rt, "rms_norm_triton")]
-            launches += [Counter(patch, gt, name) for name in ("gemv_triton", GATED)]
+            # Qwen3-Next's GDN in_proj at decode: the norm + GEMV with the conv update in
+            # its epilogue (tests/test_gdn_conv_epilogue.py), or the GEMV with it.
+            fused_kinds = [Counter(patch, gt, "rms_norm_gemv_triton")]
+            fused_kinds.append(Counter(patch, gt, "rms_norm_gemv_conv_triton"))
+            launches = [*fused_kinds, Counter(patch, rt, "rms_norm_triton")]
+            gemvs = ("gemv_triton", GATED, "gemv_conv_triton")
+            launches += [Counter(patch, gt, name) for name in gemvs]
             llm = LLM(
                 str(path), dtype="bfloat16", progress=False, block_size=16, enforce_eager=True
             )
@@ -374,7 +385,8 @@ def test_decode_is_bitwise_the_same_fused(monkeypatch, tiny_model, hybrid_model,
             small_steps = sum(1 for n in rows if n <= NORM_GEMV_MAX_M)
             total = sum(c.calls for c in launches)
             layers = len(model.model.layers)
-            results[fuse] = (out, states, fused.calls, total, layers, small_steps)
+            fused_calls = sum(c.calls for c in fused_kinds)
+            results[fuse] = (out, states, fused_calls, total, layers, small_steps)
     plain, plain_states, plain_calls, plain_total, _, _ = results[False]
     got, got_states, fused_calls, fused_total, layers, small_steps = results[True]
     # Every step of at most NORM_GEMV_MAX_M rows (the decodes, and a short prefill chunk

@@ -102,7 +102,34 @@ def moe_pairs(calls):
     return "pairs", ["sorted"]
 
 
-@pytest.mark.parametrize("fusion", [norm_gemv, kv_write, mul_sigmoid, gdn_decode, moe_pairs])
+def kda_norm(calls):
+    import kvloom.kernels.kda_gated_norm_triton as kda_norm_triton
+
+    x = torch.ones(1, 2, 8, dtype=BF16)
+    calls.stub(kda_norm_triton, "kda_gated_norm_triton", x)
+    calls.stub(ops, "kda_gated_norm_ref", x)
+    ops.kda_gated_norm(x, x, torch.ones(8, dtype=BF16), 1e-6)
+    return "kda_gated_norm_triton", ["kda_gated_norm_ref"]
+
+
+def gdn_conv(calls):
+    x, w, conv_w = torch.ones(1, 64, dtype=BF16), torch.ones(48, 64), torch.ones(32, 4)
+    w, conv_w = w.to(BF16), conv_w.to(BF16)
+    y, conv = torch.ones(1, 48, dtype=BF16), torch.ones(1, 32, dtype=BF16)
+    # The norm's launch (or not: norm_gemv) is not this switch's business.
+    calls.patch.setattr(ops, "_takes_norm_gemv", lambda *args: False)
+    calls.patch.setattr(ops, "rms_norm", lambda *args: (x, x))
+    calls.stub(gemv_triton, "gemv_conv_triton", (y, conv))
+    calls.stub(ops, "rms_norm_linear", (y, x, None))
+    calls.stub(ops, "causal_conv1d_update", conv)
+    pool, slots = torch.zeros(2, 32, 3), torch.zeros(1, dtype=torch.int32)
+    ops.rms_norm_linear_conv(x, x, torch.ones(64, dtype=BF16), 1e-6, w, None, conv_w, pool, slots)
+    return "gemv_conv_triton", ["rms_norm_linear", "causal_conv1d_update"]
+
+
+@pytest.mark.parametrize(
+    "fusion", [norm_gemv, kv_write, mul_sigmoid, gdn_decode, moe_pairs, kda_norm, gdn_conv]
+)
 @pytest.mark.parametrize("switch", ["", "name", "all", "others"])
 def test_each_fusion_falls_back_when_named(monkeypatch, fusion, switch):
     """The fused launch runs unless KVLOOM_UNFUSED names it (or says all); naming the

@@ -42,6 +42,9 @@ checkpoint keeps the two released linears and the cat (`fuse_projections=False`;
 model decides with `gdn_fusion`). A decode-only step then runs four launches (in_proj,
 conv update, `gdn_decode_step`: gates + recurrence + gated norm, out_proj) where the
 separate gates, recurrence and norm took three (kernels/gated_delta_rule_triton.py).
+The decoder layer's input norm joins in_proj's launch (`norm_project`), and at a
+decode-only step so does the conv update (the GEMV's epilogue, kernels/gemv_triton.py):
+three launches with the norm (norm + in_proj + conv, `gdn_decode_step`, out_proj).
 """
 
 from __future__ import annotations
@@ -61,11 +64,14 @@ from kvloom.kernels.ops import (
     gdn_decode_step,
     gdn_gates,
     recurrent_gated_delta_rule,
+    rms_norm_linear_conv,
 )
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.device_copy import to_device
 from kvloom.workers.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape
 from kvloom.workers.layers.linear_state_pages import LinearStatePages, uniform_resume_len
+from kvloom.workers.layers.norm import RMSNorm
+from kvloom.workers.layers.norm_linear import norm_linear
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
 from kvloom.workers.row_kinds import RowClasses
 
@@ -299,16 +305,47 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
             v.reshape(tokens, self.num_v_heads, self.head_v_dim),
         )
 
+    def norm_project(
+        self,
+        norm: RMSNorm,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The decoder layer's input norm and in_proj (fused projections only): returns
+        (projected, residual, convolved) for `forward(projected=, convolved=)`. At a
+        decode-only step the conv update runs here too (`convolved`, the conv's output;
+        one launch with the norm and the GEMV on CUDA: ops.rms_norm_linear_conv), else
+        convolved is None and `forward` runs the conv."""
+        if not (batch.decode_only and not batch_invariant()):
+            projected, residual, _ = norm_linear(norm, hidden, residual, self.in_proj)
+            return projected, residual, None
+        slots = batch.group_for(self.layer_index).state_indices
+        projected, new_residual, convolved = rms_norm_linear_conv(
+            hidden, residual, norm.weight, norm.eps, self.in_proj.weight, self.in_proj.bias,
+            self.conv1d.weight, self.conv_state, slots, weight_offset=norm.weight_offset,
+            activation=self.activation,
+        )  # fmt: skip
+        return projected, hidden if residual is None else new_residual, convolved
+
     def forward(
-        self, hidden: torch.Tensor, batch: ForwardBatch, projected: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        projected: torch.Tensor | None = None,
+        convolved: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """hidden [T, H] -> [T, H]; reads and writes each row's state page. `projected`
         (fused only): in_proj's output, computed by the caller (the decoder layer fuses it
-        with its norm); hidden's values are then unused, only its rows, dtype and device."""
+        with its norm); hidden's values are then unused, only its rows, dtype and device.
+        `convolved`: the decode step's conv output, computed with it (`norm_project`)."""
         mixed, z, ba = self._split_projections(hidden, projected)
         slots = batch.group_for(self.layer_index).state_indices
         if batch.decode_only and not batch_invariant():
-            return self.out_proj(self._decode_step(mixed, z, ba, slots).flatten(1))
+            core = self._decode_step(mixed, z, ba, slots, convolved)
+            return self.out_proj(core.flatten(1))
+        if convolved is not None:
+            raise ValueError("convolved: given only for a decode-only step (norm_project)")
         g, beta = self._gates(ba)
         if batch_invariant():
             core = self._serial_all(mixed, g, beta, slots, batch)
@@ -358,13 +395,16 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
         normed = self.norm(core, z)
         return self.out_proj(normed.flatten(1))
 
-    def _decode_step(self, mixed, z, ba, slots: torch.Tensor) -> torch.Tensor:
-        """A decode-only step after the projection -> the normed output: the conv update,
-        then gates, recurrence and norm in one launch on CUDA (`gdn_decode_step`). No host
-        sync, so CUDA graphs capture it; padding rows carry slot -1 (never read)."""
-        x = causal_conv1d_update(
-            mixed, self.conv1d.weight, None, self.conv_state, slots, self.activation
-        )
+    def _decode_step(self, mixed, z, ba, slots: torch.Tensor, convolved=None) -> torch.Tensor:
+        """A decode-only step after the projection -> the normed output: the conv update
+        (unless `norm_project` ran it: `convolved`), then gates, recurrence and norm in one
+        launch on CUDA (`gdn_decode_step`). No host sync, so CUDA graphs capture it;
+        padding rows carry slot -1 (never read)."""
+        x = convolved
+        if x is None:
+            x = causal_conv1d_update(
+                mixed, self.conv1d.weight, None, self.conv_state, slots, self.activation
+            )
         q, k, v = self._split_heads(x)
         return gdn_decode_step(
             q, k, v, ba, self.A_log, self.dt_bias, self.ba_group, self.recurrent_state, slots,

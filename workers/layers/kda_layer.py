@@ -33,6 +33,8 @@ from kvloom.kernels.ops import (
     causal_conv1d_update,
     causal_conv1d_varlen,
     chunk_kda,
+    kda_decode_step,
+    kda_gated_norm,
     kda_gates,
     recurrent_kda,
 )
@@ -50,7 +52,7 @@ from kvloom.workers.linear_rows import LinearRows
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm over each head's output times sigmoid(gate), all in float32 (float64 for
-    float64 input), as transformers' KimiLinearRMSNormGated."""
+    float64 input), as transformers' KimiLinearRMSNormGated (kernels/kda_gated_norm.py)."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype):
         super().__init__()
@@ -62,11 +64,8 @@ class GatedRMSNorm(nn.Module):
         self.weight.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        h = x.to(acc)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight.to(acc) * h * torch.sigmoid(gate.to(acc))
-        return h.to(x.dtype)
+        # One launch at decode on CUDA in half precision, else the torch composition.
+        return kda_gated_norm(x, gate, self.weight, self.eps)
 
 
 class FusedShortConv(nn.Module):
@@ -189,32 +188,38 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
         super().allocate_cache(pages, spec)
 
     # -- forward ----------------------------------------------------------------------
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, batch: ForwardBatch, projected: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """hidden [T, hidden] -> [T, hidden]. `projected`: qkv_proj(hidden), computed by the
+        caller (the decoder layer fuses its input norm into that GEMV)."""
         num_tokens = hidden.shape[0]
         heads = (num_tokens, self.num_heads, self.head_dim)
         slots = batch.group_for(self.layer_index).state_indices
-        mixed, beta_logits, f_a, g_a = self._project(hidden)
-        # g float32 [T, H, Dk], beta in the activations' dtype: one launch on CUDA.
-        g, beta = kda_gates(self.f_b_proj(f_a).view(heads), self.A_log, self.dt_bias, beta_logits)
-
-        resume = uniform_resume_len(batch, num_tokens)
+        mixed, beta_logits, f_a, g_a = self._project(hidden, projected)
+        raw_gate = self.f_b_proj(f_a).view(heads)
+        gate = self.g_b_proj(g_a).view(heads)
         if batch.decode_only:
-            core = self._decode_all(mixed, g, beta, slots)
-        elif resume is not None:  # a verification: token by token, no host-side bounds
+            out = self._decode_normed(mixed, raw_gate, beta_logits, gate, slots)
+            return self.o_proj(out.reshape(num_tokens, -1))
+
+        # g float32 [T, H, Dk], beta in the activations' dtype: one launch on CUDA.
+        g, beta = kda_gates(raw_gate, self.A_log, self.dt_bias, beta_logits)
+        resume = uniform_resume_len(batch, num_tokens)
+        if resume is not None:  # a verification: token by token, no host-side bounds
             core = self.resume_token_by_token(mixed, g, beta, slots, resume)
         else:
             core = hidden.new_zeros(heads)
             self._mixed_rows(mixed, g, beta, batch, slots, core)
-
-        gate = self.g_b_proj(g_a).view(heads)
         out = self.o_norm(core, gate).reshape(num_tokens, -1)
         return self.o_proj(out)
 
-    def _project(self, hidden: torch.Tensor):
+    def _project(self, hidden: torch.Tensor, projected: torch.Tensor | None = None):
         """q | k | v (the convs' input), beta's logits and the forget and output gates'
         low-rank inputs f_a, g_a: two GEMMs where fused. The parts are views of the fused
-        outputs (strided rows, which every consumer reads)."""
-        mixed = self.qkv_proj(hidden)
+        outputs (strided rows, which every consumer reads). `projected`: qkv_proj's output,
+        computed by the caller."""
+        mixed = self.qkv_proj(hidden) if projected is None else projected
         if self.b_proj is None:
             mixed, beta_logits = mixed.split([3 * self.local_width, self.num_heads], dim=-1)
         else:
@@ -232,15 +237,29 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
             self._decode(mixed, g, beta, split, slots, core)
 
     def _decode_all(self, mixed, g, beta, slots: torch.Tensor) -> torch.Tensor:
-        """Every token is its row's one-token decode (`batch.decode_only`): the single-step
-        kernels over all rows with no host sync, so CUDA graphs capture it. Padding rows
-        carry slot -1: their state is never read or written."""
+        """Every token is its row's one-token decode: the single-step kernels over all rows
+        with no host sync, so CUDA graphs capture it (`resume_token_by_token` calls it once
+        per token). Padding rows carry slot -1: their state is never read or written."""
+        q, k, v = self._conv_update(mixed, slots)
+        out = recurrent_kda(q, k, v, g, beta, self.recurrent_state, slots, use_qk_l2norm=True)
+        return out.to(mixed.dtype)
+
+    def _conv_update(self, mixed, slots: torch.Tensor):
         x = causal_conv1d_update(
             mixed, self.conv1d.weight, None, self.conv_state, slots, self.activation
         )
-        q, k, v = self._split_heads(x)
-        out = recurrent_kda(q, k, v, g, beta, self.recurrent_state, slots, use_qk_l2norm=True)
-        return out.to(mixed.dtype)
+        return self._split_heads(x)
+
+    def _decode_normed(self, mixed, raw_gate, beta_logits, gate, slots: torch.Tensor):
+        """`batch.decode_only`: as `_decode_all` with the gates before and the output norm
+        after, in one launch at decode on CUDA (kda_decode_step). Returns the normed
+        output [T, H, D]."""
+        q, k, v = self._conv_update(mixed, slots)
+        norm = self.o_norm
+        return kda_decode_step(
+            q, k, v, raw_gate, self.A_log, self.dt_bias, beta_logits, self.recurrent_state,
+            slots, gate, norm.weight, norm.eps,
+        )  # fmt: skip
 
     def _split_heads(self, mixed: torch.Tensor):
         q, k, v = mixed.split([self.local_width] * 3, dim=-1)

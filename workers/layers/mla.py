@@ -119,7 +119,11 @@ class MultiHeadLatentAttention(nn.Module):
         )
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, batch: ForwardBatch, projected: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """hidden [T, hidden] -> [T, hidden]. `projected`: kv_a_proj_with_mqa(hidden),
+        computed by the caller (the decoder layer fuses its input norm into that GEMV)."""
         num_tokens = hidden.shape[0]
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)
@@ -127,9 +131,9 @@ class MultiHeadLatentAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         q = q.view(num_tokens, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split(
-            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
-        )
+        if projected is None:
+            projected = self.kv_a_proj_with_mqa(hidden)
+        latent, k_pe = projected.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
 
         meta = batch.group_for(self.layer_index)

@@ -43,6 +43,7 @@ from kvloom.workers.layers.moe import (
     route_grouped_sigmoid_topk,
 )
 from kvloom.workers.layers.norm import RMSNorm
+from kvloom.workers.layers.norm_linear import norm_linear
 from kvloom.workers.layers.quantization.config import (
     QuantizationConfig,
     parse_quantization_config,
@@ -284,10 +285,14 @@ class KimiMoE(nn.Module):
             else None
         )
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, shared_act: torch.Tensor | None = None) -> torch.Tensor:
+        """`shared_act`: silu(gate) * up of the (unfolded) shared experts on `hidden`,
+        computed by the caller (the decoder layer fuses its norm into that GEMV)."""
         weights, ids = self.gate(hidden)
         out = self.experts(hidden, weights, ids)
-        if self.shared_experts is not None:
+        if shared_act is not None:
+            out = out + self.shared_experts.down_proj(shared_act)
+        elif self.shared_experts is not None:
             out = out + self.shared_experts(hidden)
         return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
 
@@ -349,14 +354,33 @@ class KimiDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
 
     def forward(self, hidden, residual, batch: ForwardBatch):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # Each norm and a projection that reads it: one launch at decode sizes (norm_linear).
+        attn = self.self_attn
+        # KDA: into qkv_proj (fg_a_proj reads the normed rows the launch stores); MLA: into
+        # kv_a_proj_with_mqa, there in both q variants (q_proj / q_a_proj read the rows).
+        first = attn.qkv_proj if isinstance(attn, KimiDeltaAttention) else attn.kv_a_proj_with_mqa
+        projected, residual, normed = norm_linear(
+            self.input_layernorm, hidden, residual, first, keep_normed=True
+        )
+        hidden = attn(normed, batch, projected=projected)
+        post, mlp = self.post_attention_layernorm, self.mlp
+        if isinstance(mlp, GatedMLP):
+            act, residual, _ = norm_linear(
+                post, hidden, residual, mlp.gate_up_proj, silu_and_mul_out=True
+            )
+            return mlp.down_proj(act), residual
+        if mlp.shared_experts is not None:
+            # Unfolded shared experts: the norm in their gate_up GEMV; the float32 router
+            # and the routed experts read the normed rows it stores.
+            act, residual, normed = norm_linear(
+                post, hidden, residual, mlp.shared_experts.gate_up_proj,
+                silu_and_mul_out=True, keep_normed=True,
+            )  # fmt: skip
+            return mlp(normed, shared_act=act), residual
+        # A folded shared expert: the router's GEMV is float32 (routing precision), which
+        # the norm's bf16 prologue does not feed, so the norm stays its own launch.
+        hidden, residual = post(hidden, residual)
+        return mlp(hidden), residual
 
 
 class KimiLinearModel(nn.Module):

@@ -371,8 +371,9 @@ class Qwen3NextDecoderLayer(nn.Module):
             hidden = attn.attend(positions, qkv, batch)
         elif self.linear_attn.fused:
             gdn = self.linear_attn
-            projected, residual, _ = norm_linear(norm, hidden, residual, gdn.in_proj)
-            hidden = gdn(hidden, batch, projected=projected)  # hidden: its shape only
+            # The norm, in_proj and (decode-only) the conv update: one launch at decode.
+            projected, residual, convolved = gdn.norm_project(norm, hidden, residual, batch)
+            hidden = gdn(hidden, batch, projected=projected, convolved=convolved)
         else:  # the unfused GDN projections (a quantized checkpoint): norm, two linears
             if residual is None:
                 residual, hidden = hidden, norm(hidden)
