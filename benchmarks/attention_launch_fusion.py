@@ -21,7 +21,6 @@ exercises the script only).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -174,18 +173,12 @@ def main(argv: list[str] | None = None) -> dict:
     for name, shape in gates.items():
         for tokens in BATCHES:
             rows.append(bench_gate(name, shape, tokens, device, timer, print))
-    result = {
-        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "torch": torch.__version__,
-        "timing": "cuda_graph" if cuda else "cpu_interpreter_wall",
-        "repeats_per_graph": REPEATS,
-        "rows": rows,
-        "elapsed_s": time.monotonic() - start,
-    }
-    print(f"elapsed_s {result['elapsed_s']:.1f}")
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
-    return result
+    return graph_timing.write_result(
+        args.out,
+        start,
+        rows,
+        repeats_per_graph=REPEATS,
+    )
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ the wall time of one call: that only exercises the script.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -41,6 +40,7 @@ from kvloom.kernels.gated_rms_norm_triton import gated_rms_norm_triton  # noqa: 
 from kvloom.kernels.gdn_gates_triton import gdn_gates_triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+import graph_timing  # noqa: E402
 from gemv_plans import (  # noqa: E402
     LAUNCHES_PER_GRAPH,
     REPLAYS,
@@ -177,19 +177,13 @@ def main(argv: list[str] | None = None) -> dict:
         timer,
         print,
     )
-    result = {
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "timing": "cuda_graph" if device.type == "cuda" else "cpu_interpreter_wall",
-        "launches_per_graph": LAUNCHES_PER_GRAPH,
-        "replays": REPLAYS,
-        "rows": rows,
-        "elapsed_s": time.monotonic() - start,
-    }
-    print(f"elapsed_s {result['elapsed_s']:.1f}")
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
-    return result
+    return graph_timing.write_result(
+        args.out,
+        start,
+        rows,
+        launches_per_graph=LAUNCHES_PER_GRAPH,
+        replays=REPLAYS,
+    )
 
 
 if __name__ == "__main__":

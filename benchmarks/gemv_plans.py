@@ -20,8 +20,8 @@ once per M); `--tiny` runs small shapes, also on a CPU under TRITON_INTERPRET=1,
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +38,9 @@ from kvloom.kernels.gemv_triton import (
     gemv_triton,
     is_even_k,
 )
+
+sys.path.insert(0, str(Path(__file__).parent))  # as a module of tests too
+import graph_timing  # noqa: E402
 
 # (K, N): Qwen3-8B qkv, o_proj, gate_up, down; then 1.7B/4B-class and small projections.
 SHAPES_KN = (
@@ -318,24 +321,16 @@ def main(argv: list[str] | None = None) -> dict:
         print("# paste into kernels/gemv_triton.py:")
         print(format_table(table, notes))
     defaults = {f"{n}x{k}": default_gemv_plan(n, k).name for k, n in shapes}
-    result = {
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "timing": "cuda_graph" if device.type == "cuda" else "cpu_interpreter_wall",
-        "launches_per_graph": LAUNCHES_PER_GRAPH,
-        "replays": REPLAYS,
-        "l2_flush_bytes": L2_FLUSH_BYTES,
-        "default_plans": defaults,
-        "rows": rows,
-        "table": {
-            f"{n}x{k}": {m: p.name for m, p in by_m.items()} for (n, k), by_m in table.items()
-        },
-        "elapsed_s": time.monotonic() - start,
-    }
-    print(f"elapsed_s {result['elapsed_s']:.1f}")
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
-    return result
+    return graph_timing.write_result(
+        args.out,
+        start,
+        rows,
+        launches_per_graph=LAUNCHES_PER_GRAPH,
+        replays=REPLAYS,
+        l2_flush_bytes=L2_FLUSH_BYTES,
+        default_plans=defaults,
+        table={f"{n}x{k}": {m: p.name for m, p in by_m.items()} for (n, k), by_m in table.items()},
+    )
 
 
 if __name__ == "__main__":

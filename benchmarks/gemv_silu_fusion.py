@@ -16,7 +16,6 @@ script only).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from kvloom.kernels.activation_triton import silu_and_mul_triton
 from kvloom.kernels.gemv_triton import choose_gemv_plan, gemv_silu_and_mul_triton, gemv_triton
 
 sys.path.insert(0, str(Path(__file__).parent))
+import graph_timing  # noqa: E402
 from gemv_plans import (  # noqa: E402
     L2_FLUSH_BYTES,
     LAUNCHES_PER_GRAPH,
@@ -107,20 +107,14 @@ def main(argv: list[str] | None = None) -> dict:
     rows: list[dict] = []
     for k, i in shapes:
         rows += bench_shape(k, i, BATCHES, device, timer, print)
-    result = {
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "timing": "cuda_graph" if device.type == "cuda" else "cpu_interpreter_wall",
-        "launches_per_graph": LAUNCHES_PER_GRAPH,
-        "replays": REPLAYS,
-        "l2_flush_bytes": L2_FLUSH_BYTES,
-        "rows": rows,
-        "elapsed_s": time.monotonic() - start,
-    }
-    print(f"elapsed_s {result['elapsed_s']:.1f}")
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
-    return result
+    return graph_timing.write_result(
+        args.out,
+        start,
+        rows,
+        launches_per_graph=LAUNCHES_PER_GRAPH,
+        replays=REPLAYS,
+        l2_flush_bytes=L2_FLUSH_BYTES,
+    )
 
 
 if __name__ == "__main__":

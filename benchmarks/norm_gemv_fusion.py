@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ from kvloom.kernels.gemv_triton import (
 from kvloom.kernels.rms_norm_triton import rms_norm_triton
 
 sys.path.insert(0, str(Path(__file__).parent))
+import graph_timing  # noqa: E402
 from gemv_plans import (  # noqa: E402
     L2_FLUSH_BYTES,
     LAUNCHES_PER_GRAPH,
@@ -224,20 +224,14 @@ def main(argv: list[str] | None = None) -> dict:
     rows: list[dict] = []
     for shape in shapes:
         rows += bench_shape(*shape, BATCHES, device, timer, print)
-    result = {
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "timing": "cuda_graph" if device.type == "cuda" else "cpu_interpreter_wall",
-        "launches_per_graph": LAUNCHES_PER_GRAPH,
-        "replays": REPLAYS,
-        "l2_flush_bytes": L2_FLUSH_BYTES,
-        "rows": rows,
-        "elapsed_s": time.monotonic() - start,
-    }
-    print(f"elapsed_s {result['elapsed_s']:.1f}")
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
-    return result
+    return graph_timing.write_result(
+        args.out,
+        start,
+        rows,
+        launches_per_graph=LAUNCHES_PER_GRAPH,
+        replays=REPLAYS,
+        l2_flush_bytes=L2_FLUSH_BYTES,
+    )
 
 
 if __name__ == "__main__":
