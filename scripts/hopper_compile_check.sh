@@ -41,7 +41,7 @@ KVLOOM_HOPPER_COMPILE_REPORT="$OUT/tests.json" python -m pytest -p tests.hopper_
   --tb=no -p no:cacheprovider -m "not slow" \
   --deselect tests/triton_interpret/test_kernels_triton_fresh_process.py \
   --deselect tests/test_hopper_compile.py "${tests[@]}" > "$OUT/tests.log" 2>&1
-grep -A12 "^HOPPER BUILD" "$OUT/tests.log" | grep -E "^(HOPPER|BUILD|    )" || {
+grep -A40 "^HOPPER BUILD" "$OUT/tests.log" | grep -E "^(HOPPER|BUILD|SPILLS|    )" || {
   echo "no build summary: see $OUT/tests.log" >&2
   status=1
 }
@@ -50,6 +50,6 @@ for bench in "${benches[@]}"; do
   name=$(basename "$bench" .py)
   python -m tests.hopper_compile "$bench" > "$OUT/$name.log" 2>&1 || status=1
   echo "$bench: $(grep -E "^(HOPPER BUILD|SCRIPT FAILED)" "$OUT/$name.log" | tr '\n' ' ')"
-  grep -A3 "^BUILD FAILED" "$OUT/$name.log"
+  grep -E -A3 "^(BUILD FAILED|SPILLS)" "$OUT/$name.log"
 done
 exit $status

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -52,9 +55,32 @@ HOPPER_PROPERTIES = {
 REPORT_ENV = "KVLOOM_HOPPER_COMPILE_REPORT"
 
 
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+HOPPER_REGISTERS = 65536  # per SM and per block
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """{"REG", "STACK", "SHARED", "LOCAL", ...} of a built kernel, from cuobjdump (bundled
+    with Triton): registers per thread, and LOCAL bytes (register spills) per thread."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        text = subprocess.run(
+            [str(CUOBJDUMP), "-res-usage", file.name], capture_output=True, text=True
+        ).stdout
+    return {key: int(value) for key, value in re.findall(r"([A-Z]+):(\d+)", text)}
+
+
 class _CompileOnlyUtils:
     def load_binary(self, name, kernel, shared, device):
-        return object(), object(), 0, 0, 1024  # module, function, regs, spills, threads
+        """What cuModuleLoadData would say: registers, spilled bytes, and the largest block
+        the registers allow (CompiledKernel checks num_warps against it)."""
+        usage = resource_usage(kernel)
+        # Spilled registers live in the stack frame (ptxas -v: "spill stores").
+        regs, spills = usage.get("REG", 0), usage.get("STACK", 0) + usage.get("LOCAL", 0)
+        per_thread = max(8, -(-regs // 8) * 8)  # allocated in units of 8
+        max_threads = min(1024, HOPPER_REGISTERS // per_thread // 32 * 32)
+        return object(), object(), regs, spills, max_threads
 
     def get_device_properties(self, device):
         return dict(HOPPER_PROPERTIES)
@@ -102,6 +128,28 @@ class BuildReport:
     def __init__(self) -> None:
         self.built: dict[str, int] = {}
         self.failures: list[dict] = []
+        self.registers: dict[str, int] = {}  # kernel -> most registers per thread seen
+        self.spills: dict[str, int] = {}  # kernel -> most LOCAL bytes per thread seen
+
+        self.spilling: list[dict] = []  # variants with a stack frame: kernel, constexprs
+
+    def record_usage(self, src, kernel) -> None:
+        name = src.fn.__name__
+        usage = resource_usage(kernel.asm["cubin"])
+        regs, spills = usage.get("REG", 0), usage.get("STACK", 0) + usage.get("LOCAL", 0)
+        self.registers[name] = max(self.registers.get(name, 0), regs)
+        if spills:
+            self.spills[name] = max(self.spills.get(name, 0), spills)
+            names = src.fn.arg_names
+            constexprs = {
+                names[key[0]] if isinstance(key, tuple) and len(key) == 1 else str(key): value
+                for key, value in src.constants.items()
+            }
+            constexprs["num_warps"] = kernel.metadata.num_warps
+            constexprs["num_stages"] = kernel.metadata.num_stages
+            self.spilling.append(
+                {"kernel": name, "bytes": spills, "registers": regs, "constexprs": constexprs}
+            )
 
     def wrap_compile(self):
         from triton import compiler
@@ -118,6 +166,8 @@ class BuildReport:
                 )
                 raise
             self.built[name] = self.built.get(name, 0) + 1
+            if hasattr(src, "fn") and "cubin" in kernel.asm:
+                self.record_usage(src, kernel)
             return kernel
 
         compiler.compile = compile
@@ -128,6 +178,9 @@ class BuildReport:
             "triton": triton.__version__,
             "kernels_built": dict(sorted(self.built.items())),
             "variants_built": sum(self.built.values()),
+            "max_registers": dict(sorted(self.registers.items())),
+            "spilled_bytes": dict(sorted(self.spills.items())),
+            "spilling_variants": self.spilling,
             "failures": self.failures,
         }
 
@@ -190,6 +243,8 @@ def pytest_terminal_summary(terminalreporter):
         f"{summary['variants_built']} variants of {len(summary['kernels_built'])} kernels "
         f"built, {len(summary['failures'])} failures"
     )
+    for name, spilled in summary["spilled_bytes"].items():
+        write(f"SPILLS {name}: up to {spilled} bytes per thread in local memory (stack frame)")
     for failure in summary["failures"]:
         write(f"BUILD FAILED {failure['kernel']} ({failure.get('test', '?')}) {failure['where']}")
         for line in failure["error"].splitlines():
@@ -227,8 +282,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary['variants_built']} variants of {len(summary['kernels_built'])} kernels "
         f"built, {len(summary['failures'])} failures"
     )
+    for name, spilled in summary["spilled_bytes"].items():
+        print(f"SPILLS {name}: up to {spilled} bytes per thread in local memory (stack frame)")
     for failure in summary["failures"]:
         print(f"BUILD FAILED {failure['kernel']} {failure['where']}\n    {failure['error']}")
+    if os.environ.get(REPORT_ENV):
+        Path(os.environ[REPORT_ENV]).write_text(json.dumps(summary, indent=2))
     return 1 if summary["failures"] else 0
 
 

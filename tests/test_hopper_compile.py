@@ -78,6 +78,7 @@ def test_a_kernel_the_compiler_rejects_is_reported(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["target"] == "cuda sm_90"
     assert report["kernels_built"] == {"_double": 1}
+    assert 0 < report["max_registers"]["_double"] <= 255 and report["spilled_bytes"] == {}
     [failure] = report["failures"]
     assert failure["kernel"] == "_first_negative"
     assert failure["test"].endswith("test_probe.py::test_first_negative")
