@@ -71,14 +71,20 @@ TINY_SHAPES = (("tiny", 200, 74, False, 1.0, 40), ("tiny.silu", 200, 74, True, 0
 
 
 def fused_plan_variants(plan: GemvPlan) -> dict[str, GemvPlan]:
-    """Wider tiles than the GEMV's chosen plan (same split_k, so the same bits): every
-    program recomputes the rows' 1 / rms, so fewer programs may pay off for the fused
-    launch even where the plain GEMV prefers narrow tiles."""
+    """Other tilings than the GEMV's chosen plan (same split_k, so the same bits). Wider
+    tiles: every program recomputes the rows' 1 / rms, so fewer programs may pay off for
+    the fused launch even where the plain GEMV prefers narrow tiles. The chosen plan
+    without software pipelining (num_stages 1): built for sm_90, the pipelined fused
+    variants of several decode shapes keep 128-2080 bytes per thread in a stack frame
+    (spills; scripts/hopper_compile_check.sh), the unpipelined ones none."""
     variants = {}
     for block_n in (16, 32, 64):
         if block_n > plan.block_n:
             wide = dataclasses.replace(plan, block_n=block_n, num_warps=max(4, block_n // 8))
             variants[f"fused_{wide.name}"] = wide
+    if plan.num_stages > 1:
+        flat = dataclasses.replace(plan, num_stages=1)
+        variants[f"fused_{flat.name}"] = flat
     return variants
 
 
