@@ -73,13 +73,14 @@ TINY_SHAPES = (("tiny", 200, 74, False, 1.0, 40), ("tiny.silu", 200, 74, True, 0
 def fused_plan_variants(plan: GemvPlan) -> dict[str, GemvPlan]:
     """Other tilings than the GEMV's chosen plan (same split_k, so the same bits). Wider
     tiles: every program recomputes the rows' 1 / rms, so fewer programs may pay off for
-    the fused launch even where the plain GEMV prefers narrow tiles. The chosen plan
-    without software pipelining (num_stages 1): built for sm_90, the pipelined fused
-    variants of several decode shapes keep 128-2080 bytes per thread in a stack frame
-    (spills; scripts/hopper_compile_check.sh), the unpipelined ones none."""
+    the fused launch even where the plain GEMV prefers narrow tiles. Narrower tiles and
+    the chosen plan without software pipelining (num_stages 1): built for sm_90, several
+    fused decode plans keep 128-2,080 bytes per thread in a stack frame (register spills,
+    benchmarks/norm_gemv_stack_frames.py), Qwen3-8B's gate_up at n64_k128_w8_s4 among
+    them, where n32_k128_w4_s4 and the unpipelined plans keep none."""
     variants = {}
     for block_n in (16, 32, 64):
-        if block_n > plan.block_n:
+        if block_n != plan.block_n:
             wide = dataclasses.replace(plan, block_n=block_n, num_warps=max(4, block_n // 8))
             variants[f"fused_{wide.name}"] = wide
     if plan.num_stages > 1:
