@@ -41,6 +41,11 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "norm_gemv, kv_write, mul_sigmoid, gdn_decode, moe_pairs, gdn_conv, kda_norm, "
         "kda_decode, or all",
     ),
+    "KVLOOM_FUSED": (
+        "",
+        "decode fusions that are off by default to turn on, comma-separated: norm_gemv "
+        "(same bits, but slower on an H200), or all; KVLOOM_UNFUSED wins over it",
+    ),
     "KVLOOM_NO_FLA": (
         "",
         "1: linear-attention prefill (Gated DeltaNet, KDA) on CUDA skips fla-core's kernels",
@@ -127,24 +132,34 @@ FUSIONS = (
 )
 
 
-@functools.lru_cache(maxsize=8)
-def _unfused_names(raw: str) -> frozenset[str]:
+# Fusions off unless KVLOOM_FUSED names them: same bits, but an H200 measured them slower
+# than the launches they replace (docs/benchmarks/gpu_fast_path.md, eleventh session: the
+# norm + GEMV launch took 2-5x the two launches' time at every decode shape, Qwen3-8B's
+# batch-1 decode 7.02 ms/token with it, 4.74 without).
+OPT_IN_FUSIONS = ("norm_gemv",)
+
+
+@functools.lru_cache(maxsize=16)
+def _fusion_names(variable: str, raw: str) -> frozenset[str]:
     names = {part.strip() for part in raw.split(",") if part.strip()}
     if "all" in names:
         return frozenset(FUSIONS)
     unknown = sorted(names - set(FUSIONS))
     if unknown:
         raise ValueError(
-            f"KVLOOM_UNFUSED: unknown fusion(s) {unknown}; choose from {list(FUSIONS)} or all"
+            f"{variable}: unknown fusion(s) {unknown}; choose from {list(FUSIONS)} or all"
         )
     return frozenset(names)
 
 
 def unfused(name: str) -> bool:
-    """Whether KVLOOM_UNFUSED turns the decode fusion `name` (one of FUSIONS) off."""
+    """Whether the decode fusion `name` (one of FUSIONS) is off: KVLOOM_UNFUSED names it,
+    or it is opt-in (OPT_IN_FUSIONS) and KVLOOM_FUSED does not name it."""
     if name not in FUSIONS:
         raise KeyError(f"{name} is not a fusion of contracts/envs.py's FUSIONS")
-    return name in _unfused_names(get("KVLOOM_UNFUSED"))
+    if name in _fusion_names("KVLOOM_UNFUSED", get("KVLOOM_UNFUSED")):
+        return True
+    return name in OPT_IN_FUSIONS and name not in _fusion_names("KVLOOM_FUSED", get("KVLOOM_FUSED"))
 
 
 def flag(name: str) -> bool:

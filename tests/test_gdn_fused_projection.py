@@ -33,6 +33,13 @@ from tests.test_oracle_qwen3_next import (
 )
 from tests.test_qwen3_next_gate_fusion import load, ranks
 
+
+@pytest.fixture(autouse=True)
+def _norm_gemv_on(monkeypatch):
+    """norm_gemv is opt-in (contracts/envs.py OPT_IN_FUSIONS): these tests check it."""
+    monkeypatch.setenv("KVLOOM_FUSED", "norm_gemv")
+
+
 CFG = TINY_QWEN3_NEXT
 HK, HV = CFG["linear_num_key_heads"], CFG["linear_num_value_heads"]
 DK, DV, R = CFG["linear_key_head_dim"], CFG["linear_value_head_dim"], HV // HK

@@ -292,4 +292,5 @@ def test_gpu_cuda_graph_replay():
     torch.cuda.synchronize()
     want = kda_decode_triton(**eager_args, use_qk_l2norm=True)
     assert torch.equal(graph_out, want)
-    assert torch.equal(graph_args["state"], eager_args["state"])
+    # The whole pool, its NaN (unused) slots included, as bits: NaN != NaN as floats.
+    assert torch.equal(graph_args["state"].view(torch.int8), eager_args["state"].view(torch.int8))

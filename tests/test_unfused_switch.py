@@ -17,6 +17,13 @@ import kvloom.kernels.qk_norm_rope_triton as rope_triton
 from kvloom.contracts import envs
 from kvloom.kernels import fused_moe_triton, ops
 
+
+@pytest.fixture(autouse=True)
+def _norm_gemv_on(monkeypatch):
+    """norm_gemv is opt-in (contracts/envs.py OPT_IN_FUSIONS): these tests check it."""
+    monkeypatch.setenv("KVLOOM_FUSED", "norm_gemv")
+
+
 BF16 = torch.bfloat16
 
 
@@ -34,6 +41,27 @@ def test_names_are_checked_and_all_means_every_fusion(monkeypatch):
         envs.unfused("norm_gemv")
     with pytest.raises(KeyError, match="not a fusion"):
         envs.unfused("nothing")
+
+
+def test_norm_gemv_is_opt_in_and_unfused_wins(monkeypatch):
+    """An H200 measured the norm + GEMV launch slower than its two launches: off unless
+    KVLOOM_FUSED names it; KVLOOM_UNFUSED beats KVLOOM_FUSED; names are checked."""
+    monkeypatch.delenv("KVLOOM_UNFUSED", raising=False)
+    monkeypatch.delenv("KVLOOM_FUSED", raising=False)
+    assert envs.OPT_IN_FUSIONS == ("norm_gemv",)
+    assert [envs.unfused(name) for name in envs.FUSIONS] == [
+        name == "norm_gemv" for name in envs.FUSIONS
+    ]
+    monkeypatch.setenv("KVLOOM_FUSED", "norm_gemv")
+    assert not any(envs.unfused(name) for name in envs.FUSIONS)
+    monkeypatch.setenv("KVLOOM_FUSED", "all")
+    assert not any(envs.unfused(name) for name in envs.FUSIONS)
+    monkeypatch.setenv("KVLOOM_UNFUSED", "norm_gemv")
+    assert envs.unfused("norm_gemv") and not envs.unfused("kv_write")
+    monkeypatch.delenv("KVLOOM_UNFUSED")
+    monkeypatch.setenv("KVLOOM_FUSED", "norm_gemm")
+    with pytest.raises(ValueError, match="KVLOOM_FUSED.*norm_gemm"):
+        envs.unfused("norm_gemv")
 
 
 class Calls:
