@@ -180,3 +180,9 @@ def certificate(tmp_path_factory):
         capture_output=True,
     )  # fmt: skip
     return cert, key
+
+
+@pytest.fixture
+def norm_gemv_on(monkeypatch):
+    """Turn on the opt-in norm_gemv fusion (contracts/envs.py OPT_IN_FUSIONS) for its tests."""
+    monkeypatch.setenv("KVLOOM_FUSED", "norm_gemv")

@@ -33,11 +33,8 @@ from tests.test_oracle_qwen3_next import (
 )
 from tests.test_qwen3_next_gate_fusion import load, ranks
 
-
-@pytest.fixture(autouse=True)
-def _norm_gemv_on(monkeypatch):
-    """norm_gemv is opt-in (contracts/envs.py OPT_IN_FUSIONS): these tests check it."""
-    monkeypatch.setenv("KVLOOM_FUSED", "norm_gemv")
+# norm_gemv is opt-in (contracts/envs.py OPT_IN_FUSIONS): these tests check it.
+pytestmark = pytest.mark.usefixtures("norm_gemv_on")
 
 
 CFG = TINY_QWEN3_NEXT

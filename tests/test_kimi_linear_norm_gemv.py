@@ -26,11 +26,8 @@ from tests.test_gemv import randn
 from tests.test_oracle_kimi_linear import KIMI_Q_LORA, build_kimi
 from tests.test_rms_norm_gemv import GATED, Counter, _force_decode_kernels
 
-
-@pytest.fixture(autouse=True)
-def _norm_gemv_on(monkeypatch):
-    """norm_gemv is opt-in (contracts/envs.py OPT_IN_FUSIONS): these tests check it."""
-    monkeypatch.setenv("KVLOOM_FUSED", "norm_gemv")
+# norm_gemv is opt-in (contracts/envs.py OPT_IN_FUSIONS): these tests check it.
+pytestmark = pytest.mark.usefixtures("norm_gemv_on")
 
 
 def fused_sites(model) -> int:

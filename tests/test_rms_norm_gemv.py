@@ -30,11 +30,8 @@ from kvloom.kernels.rms_norm_triton import rms_norm_triton
 from tests.kernel_env import CUDA, DEVICE, gpu, needs_cuda
 from tests.test_gemv import nan_filled_empty, randn  # noqa: F401 (autouse)
 
-
-@pytest.fixture(autouse=True)
-def _norm_gemv_on(monkeypatch):
-    """norm_gemv is opt-in (contracts/envs.py OPT_IN_FUSIONS): these tests check it."""
-    monkeypatch.setenv("KVLOOM_FUSED", "norm_gemv")
+# norm_gemv is opt-in (contracts/envs.py OPT_IN_FUSIONS): these tests check it.
+pytestmark = pytest.mark.usefixtures("norm_gemv_on")
 
 
 EPS = 1e-6

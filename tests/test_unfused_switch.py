@@ -17,11 +17,8 @@ import kvloom.kernels.qk_norm_rope_triton as rope_triton
 from kvloom.contracts import envs
 from kvloom.kernels import fused_moe_triton, ops
 
-
-@pytest.fixture(autouse=True)
-def _norm_gemv_on(monkeypatch):
-    """norm_gemv is opt-in (contracts/envs.py OPT_IN_FUSIONS): these tests check it."""
-    monkeypatch.setenv("KVLOOM_FUSED", "norm_gemv")
+# norm_gemv is opt-in (contracts/envs.py OPT_IN_FUSIONS): these tests check it.
+pytestmark = pytest.mark.usefixtures("norm_gemv_on")
 
 
 BF16 = torch.bfloat16
