@@ -2,9 +2,9 @@
 Qwen3-Next shape (16 key heads, 32 value heads, 128 x 128 heads, conv width 4, bfloat16,
 float32 state): the conv update, then
 
-  three   gdn_gates, recurrence, gated RMSNorm: three launches (block_v 32 is the plan
-          before the fusion; 128 the plan the recurrence now shares with `one`)
-  two     gates computed in the recurrence (block_v 32), the norm separate
+  three   gdn_gates, recurrence, gated RMSNorm: three launches (block_v 32, or 128 as `one`)
+  two     gates computed in the recurrence (block_v 32), the norm separate: the production
+          plan since an H100 timed it fastest at every row count (gpu_fast_path.md)
   one     gates, recurrence and norm in one launch (block_v 128: a program per value head)
 
     python3 benchmarks/gdn_decode_fusion.py --out $OUT/gdn_decode_fusion.json
@@ -58,9 +58,9 @@ EPS = 1e-6
 # name -> (block_v, fused gates, fused norm); block_v None: the production plan.
 VARIANTS = {
     "three_bv32": (32, False, False),
-    "three_bv128": (None, False, False),
+    "three_bv128": (128, False, False),
     "two_bv32": (32, True, False),
-    "one_bv128": (None, True, True),
+    "one_bv128": (128, True, True),
 }
 TINY_VARIANTS = {"three": (8, False, False), "two": (8, True, False), "one": (None, True, True)}
 

@@ -513,8 +513,9 @@ def gdn_decode_step(
     """Gated DeltaNet's decode step after the conv: gdn_gates, recurrent_gated_delta_rule
     (q, k L2-normalised) and gated_rms_norm -> the normed output [N, Hv, Dv]. Where the
     Triton decode kernel runs, one launch computes the gates in the recurrence and the norm
-    at its store (two where a value head is too wide for one program), bit for bit the
-    three launches; elsewhere the three calls as they were."""
+    at its store where a value head fits one program's tile (up to 64 x 64; Qwen3-Next's
+    128 x 128 heads take the faster narrow tiles and a separate norm: two launches), bit
+    for bit the three launches; elsewhere the three calls as they were."""
     fused = use_triton(q) and use_triton(ba) and state.dtype in TRITON_DTYPES
     if fused and not envs.unfused("gdn_decode"):
         from kvloom.kernels.gated_delta_rule_triton import gdn_decode_triton

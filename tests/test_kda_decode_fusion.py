@@ -111,7 +111,7 @@ def check_fused(args, used, block_v=None):
 def test_fused_equals_three_launches_bitwise(dtype, rows, num_pad, dim):
     args, used = make_step(rows, 3, dim, dtype, seed=zlib.crc32(repr((dtype, rows, dim)).encode()))
     args_pad, used_pad = make_step(rows, 3, dim, dtype, seed=rows + dim, num_pad=num_pad)
-    assert fuses_norm(dim, dim)  # one launch at these head dims
+    assert fuses_norm(dim, dim, per_channel_decay=True)  # one launch at these head dims
     check_fused(args, used)
     check_fused(args_pad, used_pad)
 
@@ -260,7 +260,9 @@ def test_decode_step_launches(monkeypatch):
     the decoder layer's norm_linear: not part of this record.)"""
     launches = decode_launches(monkeypatch)
     assert launches == ["linear"] * 4 + ["causal_conv1d_update", "kda_decode_step", "linear"]
-    assert fuses_norm(128, 128)  # Kimi-Linear's heads: the norm in the same launch
+    assert fuses_norm(
+        128, 128, per_channel_decay=True
+    )  # Kimi-Linear's heads: the norm in the same launch
 
 
 # ---------------------------------------------------------------- on the GPU
