@@ -134,13 +134,15 @@ def same_bits(layer: Layer, variant, block_v) -> bool:
     return bool(ok)
 
 
-def bench(shapes, rows_list, variants, device, timer, log) -> list[dict]:
+def bench(shapes, rows_list, variants, device, timer, log, layer_cls=Layer) -> list[dict]:
+    """`layer_cls`: this Layer or one with its constructor, step, state, state_snapshot and
+    restore (benchmarks/kda_decode_fusion.py's KDA layer)."""
     results = []
     for shape_name, (hk, hv, dk, dv, width) in shapes.items():
         for rows in rows_list:
             state_bytes = rows * hv * dk * dv * 4
             copies = weight_copies(state_bytes) if device.type == "cuda" else 1
-            layer = Layer(rows, hk, hv, dk, dv, width, copies, device, seed=rows * 131 + hv)
+            layer = layer_cls(rows, hk, hv, dk, dv, width, copies, device, seed=rows * 131 + hv)
             times = {}
             for name, variant in variants.items():
                 bits_ok = same_bits(layer, variant, variant[0])
@@ -160,8 +162,22 @@ def bench(shapes, rows_list, variants, device, timer, log) -> list[dict]:
     return results
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(
+    argv: list[str] | None = None,
+    *,
+    doc: str = __doc__,
+    layer_cls=Layer,
+    shapes=SHAPES,
+    tiny_shapes=TINY_SHAPES,
+    rows=ROWS,
+    tiny_rows=TINY_ROWS,
+    variants=VARIANTS,
+    tiny_variants=TINY_VARIANTS,
+    **fields,
+) -> dict:
+    """The command line. The keywords let benchmarks/kda_decode_fusion.py run this same
+    bench over its own layer, shapes and variants; `fields` go into the JSON as they are."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--out", type=Path, help="JSON results")
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU interpreter)")
     args = parser.parse_args(argv)
@@ -169,20 +185,22 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tiny = args.tiny or device.type != "cuda"
     timer = time_graph_us if device.type == "cuda" else time_wall_us
-    rows = bench(
-        TINY_SHAPES if tiny else SHAPES,
-        TINY_ROWS if tiny else ROWS,
-        TINY_VARIANTS if tiny else VARIANTS,
+    results = bench(
+        tiny_shapes if tiny else shapes,
+        tiny_rows if tiny else rows,
+        tiny_variants if tiny else variants,
         device,
         timer,
         print,
+        layer_cls,
     )
     return graph_timing.write_result(
         args.out,
         start,
-        rows,
+        results,
         launches_per_graph=LAUNCHES_PER_GRAPH,
         replays=REPLAYS,
+        **fields,
     )
 
 

@@ -57,8 +57,11 @@ for section in "$@"; do
       timeout 500 python3 benchmarks/norm_gemv_fusion.py --out "$OUT/norm_gemv_fusion.json" \
         2>&1 | grep -E "FUSION|RESULT" || status=1
       ;;
-    gdn-decode)  # Gated DeltaNet decode: gates + recurrence + gated norm in one launch, µs
+    gdn-decode)  # Gated DeltaNet, then KDA (Kimi-Linear) decode: gates + recurrence +
+      # norm in three, two or one launch, narrow (block_v 32) and wide (128) tiles, µs
       timeout 500 python3 benchmarks/gdn_decode_fusion.py --out "$OUT/gdn_decode_fusion.json" \
+        2>&1 | tail -20 || status=1
+      timeout 300 python3 benchmarks/kda_decode_fusion.py --out "$OUT/kda_decode_fusion.json" \
         2>&1 | tail -20 || status=1
       ;;
     moe-pairs)  # fused MoE: the pairs (decode) plan vs the sorted plan, µs per layer
@@ -66,11 +69,14 @@ for section in "$@"; do
         --tokens 1 2 4 8 --out "$OUT/moe_layer_launches_pairs.json" 2>&1 | tail -20 || status=1
       ;;
     fusion-ab)  # batch-1 ms/token with the decode fusions on, and with some off
-      # FUSION_AB: KVLOOM_UNFUSED values to run ("none": every fusion on; "all": none;
-      # or one name of contracts/envs.py's FUSIONS); about 1-2 min per run and shape.
+      # FUSION_AB: KVLOOM_UNFUSED values to run ("none": every default fusion on; "all":
+      # none; or one name of contracts/envs.py's FUSIONS), or +NAME to turn on an opt-in
+      # one (KVLOOM_FUSED=NAME, e.g. +pdl); about 1-2 min per run and shape.
       for off in ${FUSION_AB:-none all}; do
         for shape in ${FUSION_SHAPES:-qwen3-8b qwen3-next-24l}; do
-          KVLOOM_UNFUSED=$([ "$off" = none ] || echo "$off") python3 -m kvloom.cluster.cli \
+          KVLOOM_FUSED=$([[ $off == +* ]] && echo "${off#+}") \
+          KVLOOM_UNFUSED=$([ "$off" = none ] || [[ $off == +* ]] || echo "$off") \
+            python3 -m kvloom.cluster.cli \
             bench latency --shape "$shape" --out "$OUT/fusion_ab_${shape}_$off.json" 2>&1 \
             | grep "^RESULT ms_per_token" | sed "s/^RESULT /RESULT $shape unfused=$off /"
           [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -125,7 +131,7 @@ for section in "$@"; do
       run_group G3b -m gpu tests/test_greedy_argmax.py tests/test_gemv.py \
         tests/test_moe_router.py tests/test_moe_router_sigmoid.py \
         tests/test_moe_router_shared_expert.py tests/test_token_bitmask.py \
-        tests/test_gemv_silu_and_mul.py tests/test_rms_norm_gemv.py
+        tests/test_gemv_silu_and_mul.py tests/test_rms_norm_gemv.py tests/test_gemv_pdl.py
       run_group G3c -m gpu tests/test_fused_moe.py tests/test_fused_moe_pairs_plan.py \
         tests/test_moe_shared_expert_fold.py tests/test_qk_norm_rope.py \
         tests/test_gdn_decode_fusion.py tests/test_kda_decode_fusion.py

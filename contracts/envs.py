@@ -39,12 +39,13 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "",
         "decode fusions to turn off, comma-separated (A/B timing, or an escape hatch): "
         "norm_gemv, kv_write, mul_sigmoid, gdn_decode, moe_pairs, gdn_conv, kda_norm, "
-        "kda_decode, or all",
+        "kda_decode, pdl, or all",
     ),
     "KVLOOM_FUSED": (
         "",
         "decode fusions that are off by default to turn on, comma-separated: norm_gemv "
-        "(same bits, but slower on an H200), or all; KVLOOM_UNFUSED wins over it",
+        "(same bits, but slower on an H200), pdl (GEMV launches overlap the launch before "
+        "them on Hopper; not yet timed), or all; KVLOOM_UNFUSED wins over it",
     ),
     "KVLOOM_NO_FLA": (
         "",
@@ -119,7 +120,9 @@ def set_here() -> dict[str, str]:
 # (decode) plan without its count and place launches, Gated DeltaNet's conv update in the
 # epilogue of its (norm +) in_proj GEMV, KDA's gates + recurrence + output norm in one
 # launch; and KDA's output norm in one launch (the one not bitwise: within an ulp of the
-# torch composition it replaces).
+# torch composition it replaces). Not a fusion but switched the same way: `pdl`, the
+# GEMV launched with programmatic dependent launch (Hopper), so that it starts while the
+# launch before it drains (kernels/gemv_triton.py `uses_pdl`).
 FUSIONS = (
     "norm_gemv",
     "kv_write",
@@ -129,6 +132,7 @@ FUSIONS = (
     "gdn_conv",
     "kda_norm",
     "kda_decode",
+    "pdl",
 )
 
 
@@ -136,7 +140,8 @@ FUSIONS = (
 # than the launches they replace (docs/benchmarks/gpu_fast_path.md, eleventh session: the
 # norm + GEMV launch took 2-5x the two launches' time at every decode shape, Qwen3-8B's
 # batch-1 decode 7.02 ms/token with it, 4.74 without).
-OPT_IN_FUSIONS = ("norm_gemv",)
+# `pdl` is opt-in until a GPU lease has timed it and run its tests.
+OPT_IN_FUSIONS = ("norm_gemv", "pdl")
 
 
 @functools.lru_cache(maxsize=16)

@@ -50,12 +50,14 @@ followed by `causal_conv1d_update_triton`, one launch (split_k > 1: two).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from kvloom.contracts import envs
 from kvloom.kernels.activation_triton import silu_mul
 from kvloom.kernels.arg_checks_triton import check_dtype, check_same_device, next_power_of_2
 from kvloom.kernels.causal_conv1d_triton import ACTIVATIONS as CONV_ACTIVATIONS
@@ -548,6 +550,7 @@ def _gemv_kernel(
     CONV_WIDTH: tl.constexpr,
     CONV_WIDTH_PAD: tl.constexpr,
     CONV_SILU: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
     """Program (i, s): features [i * BLOCK_N, (i + 1) * BLOCK_N) of all ROWS rows over K
     range s. Rows are unrolled by hand (one accumulator each, ROWS <= 8) so every row
@@ -563,7 +566,11 @@ def _gemv_kernel(
     the first feature tile stores the sum to ro_ptr and (WRITE_NORMED) the normed rows
     to no_ptr ([ROWS, K] each).
     CONV (ROWS <= 2, split_k = 1, not GATED): features < conv_c are also the channels of a
-    depthwise causal conv's decode step (_conv_epilogue), run on each row's stored y."""
+    depthwise causal conv's decode step (_conv_epilogue), run on each row's stored y.
+    GDC (launched with programmatic dependent launch, `uses_pdl`): the program may start
+    before the launch it follows has finished. It waits for it before reading anything
+    but the weight and its scales (which no launch writes), and lets the next launch
+    start once its weight is read."""
     tl.static_assert(_LANES == 64)  # _lane_tree_sum is written for 64 lanes
     tl.static_assert(ROWS <= 8)
     tl.static_assert(not NORM or (ROWS <= 2 and WFMT == FMT_PLAIN))
@@ -594,6 +601,8 @@ def _gemv_kernel(
     k_start = pid_s * split_len
     k_end = tl.minimum(k_start + split_len, K)
     out0 = out_ptr + pid_s * stride_os  # row 0's output
+    if GDC:  # x, the residual, the conv state and out may belong to the launch before
+        tl.extra.cuda.gdc_wait()
     if NORM:  # each row's 1 / rms over the whole row, in rms_norm_triton's order
         store_end = tl.where(pid_n == 0, k_end, 0)  # the first feature tile stores the rows
         dtype = x_ptr.dtype.element_ty
@@ -676,6 +685,8 @@ def _gemv_kernel(
                         acc7, w, x_ptr + 7 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K
                     )
 
+    if GDC:  # the next launch waits for this one to finish before it reads our output
+        tl.extra.cuda.gdc_launch_dependents()
     bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + n_rows).to(tl.float32)
@@ -1056,6 +1067,23 @@ def _check_norm_args(
     check_same_device(x=x, residual=residual, norm_weight=norm_weight)
 
 
+@functools.lru_cache(maxsize=16)
+def _supports_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def uses_pdl(x: torch.Tensor) -> bool:
+    """Whether GEMVs on x's device launch with programmatic dependent launch: a Hopper or
+    newer GPU, and `pdl` turned on (opt-in: KVLOOM_FUSED=pdl; contracts/envs.py). The
+    GEMV's grid is then staged while the launch before it drains, and CUDA graphs keep
+    the dependency as a programmatic edge. Same bits either way; only when work starts
+    changes."""
+    if not x.is_cuda or envs.unfused("pdl"):
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return _supports_pdl(index)
+
+
 def launch_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -1069,13 +1097,16 @@ def launch_gemv(
     silu_and_mul: bool = False,
     norm: NormPrologue | None = None,
     conv: ConvEpilogue | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """Fills out [M, N] (any float dtype) with x @ W^T (+ bias) and returns it; W is
     `weight` stored as `fmt` with `scales` [N, K / group] (group 0: one per row). With
     `silu_and_mul`, W is [gate; up] (2N rows) and out [M, N] (x's dtype) gets
     silu(gate) * up. With `norm`, x is first RMS-normalized (NormPrologue). With `conv`
     (split_k = 1, at most 2 rows, not gated), the first C features also go through a
-    conv decode step (ConvEpilogue). Callers check the arguments; this only launches."""
+    conv decode step (ConvEpilogue). `pdl`: launch the GEMV (the split-K partial sums;
+    not their reduce) with programmatic dependent launch; None: `uses_pdl(x)`. Callers
+    check the arguments; this only launches."""
     if not isinstance(plan, GemvPlan):
         raise ValueError(f"plan: expected a GemvPlan or None, got {type(plan).__name__}")
     if conv is not None and (plan.split_k > 1 or silu_and_mul or x.shape[0] > CONV_GEMV_MAX_M):
@@ -1096,7 +1127,10 @@ def launch_gemv(
     if conv is not None:
         norm_options = dict(enable_fp_fusion=False)
     split_len = split_k_len(k, plan.split_k)
+    gdc = uses_pdl(x) if pdl is None else pdl
     common = dict(
+        GDC=gdc,
+        **(dict(launch_pdl=True) if gdc else {}),
         ROWS=m,
         CHUNKS=plan.block_k // LANES,
         NUM_STAGES=plan.num_stages,

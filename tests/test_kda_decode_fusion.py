@@ -37,7 +37,7 @@ from kvloom.kernels.kda_gates import kda_gates_ref
 from kvloom.kernels.kda_gates_triton import kda_gates_triton
 from kvloom.workers.layers import kda_layer as kda_module
 from kvloom.workers.layers.kda_layer import KimiDeltaAttention
-from tests.kernel_env import DEVICE, gpu, needs_cuda
+from tests.kernel_env import CUDA, DEVICE, gpu, needs_cuda
 
 EPS = 1e-5
 
@@ -263,6 +263,28 @@ def test_decode_step_launches(monkeypatch):
     assert fuses_norm(
         128, 128, per_channel_decay=True
     )  # Kimi-Linear's heads: the norm in the same launch
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+@pytest.mark.skipif(CUDA, reason="the real run is the GPU benchmark itself")
+def test_benchmark_tiny_run_writes_json(tmp_path):
+    """benchmarks/kda_decode_fusion.py --tiny (CPU interpreter): every variant gives its
+    three launches' bits, and the production plan is one of the timed variants at every
+    shape (a tile budget that no variant matches would go untimed)."""
+    from benchmarks import kda_decode_fusion as bench
+
+    out = tmp_path / "kda.json"
+    result = bench.main(["--tiny", "--out", str(out)])
+    assert out.exists() and result["timing"] == "cpu_interpreter_wall"
+    runs = len(bench.TINY_SHAPES) * len(bench.TINY_ROWS) * len(bench.TINY_VARIANTS)
+    assert len(result["rows"]) == runs
+    assert all(r["same_bits_as_three_launches"] for r in result["rows"]), result["rows"]
+    plans = result["production_variant"]
+    assert set(plans) == {*bench.SHAPES, *bench.TINY_SHAPES}
+    assert all(plans[s] in bench.VARIANTS for s in bench.SHAPES), plans
+    assert all(plans[s] in bench.TINY_VARIANTS for s in bench.TINY_SHAPES), plans
 
 
 # ---------------------------------------------------------------- on the GPU

@@ -26,6 +26,7 @@ BF16 = torch.bfloat16
 
 def test_names_are_checked_and_all_means_every_fusion(monkeypatch):
     monkeypatch.delenv("KVLOOM_UNFUSED", raising=False)
+    monkeypatch.setenv("KVLOOM_FUSED", "all")  # the opt-in ones on too
     assert not any(envs.unfused(name) for name in envs.FUSIONS)
     monkeypatch.setenv("KVLOOM_UNFUSED", " norm_gemv, moe_pairs ")
     assert [envs.unfused(name) for name in envs.FUSIONS] == [
@@ -40,16 +41,19 @@ def test_names_are_checked_and_all_means_every_fusion(monkeypatch):
         envs.unfused("nothing")
 
 
-def test_norm_gemv_is_opt_in_and_unfused_wins(monkeypatch):
-    """An H200 measured the norm + GEMV launch slower than its two launches: off unless
-    KVLOOM_FUSED names it; KVLOOM_UNFUSED beats KVLOOM_FUSED; names are checked."""
+def test_norm_gemv_and_pdl_are_opt_in_and_unfused_wins(monkeypatch):
+    """An H200 measured the norm + GEMV launch slower than its two launches, and PDL is
+    not yet timed: off unless KVLOOM_FUSED names them; KVLOOM_UNFUSED beats KVLOOM_FUSED;
+    names are checked."""
     monkeypatch.delenv("KVLOOM_UNFUSED", raising=False)
     monkeypatch.delenv("KVLOOM_FUSED", raising=False)
-    assert envs.OPT_IN_FUSIONS == ("norm_gemv",)
+    assert envs.OPT_IN_FUSIONS == ("norm_gemv", "pdl")
     assert [envs.unfused(name) for name in envs.FUSIONS] == [
-        name == "norm_gemv" for name in envs.FUSIONS
+        name in ("norm_gemv", "pdl") for name in envs.FUSIONS
     ]
     monkeypatch.setenv("KVLOOM_FUSED", "norm_gemv")
+    assert [envs.unfused(name) for name in envs.FUSIONS] == [name == "pdl" for name in envs.FUSIONS]
+    monkeypatch.setenv("KVLOOM_FUSED", "pdl, norm_gemv")
     assert not any(envs.unfused(name) for name in envs.FUSIONS)
     monkeypatch.setenv("KVLOOM_FUSED", "all")
     assert not any(envs.unfused(name) for name in envs.FUSIONS)
