@@ -50,14 +50,12 @@ followed by `causal_conv1d_update_triton`, one launch (split_k > 1: two).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kvloom.contracts import envs
 from kvloom.kernels.activation_triton import silu_mul
 from kvloom.kernels.arg_checks_triton import check_dtype, check_same_device, next_power_of_2
 from kvloom.kernels.causal_conv1d_triton import ACTIVATIONS as CONV_ACTIVATIONS
@@ -67,6 +65,7 @@ from kvloom.kernels.causal_conv1d_triton import (
     conv1d_update_channels,
 )
 from kvloom.kernels.gemv import CONV_GEMV_MAX_M, GEMV_MAX_M, NORM_GEMV_MAX_K, NORM_GEMV_MAX_M
+from kvloom.kernels.pdl_triton import pdl_launch, prefetch_l2, uses_pdl
 from kvloom.kernels.rms_norm_triton import (
     rms_row_rstd,
     rms_scale,
@@ -78,6 +77,12 @@ LANES = 64  # fixes the summation order; never depends on a plan
 _LANES = tl.constexpr(LANES)  # the same, readable inside kernels
 _HOPPER_SMS = 132  # H100 / H200 SXM; the default plan aims at >= 1.5 programs per SM
 _REDUCE_BLOCK = 1024  # features per program of the split-K reduce launch
+# With PDL, 128-byte lines of each weight row a GEMV program asks L2 for before it waits
+# on the launch before it: 2 KB of a bf16 row, enough for the first turns of the K loop.
+# Only the programs staged during that launch prefetch (a few hundred), so this stays a
+# few MB to ~20 MB, inside L2; prefetching whole rows could evict lines before their use.
+PDL_PREFETCH_LINES = 16
+
 # How the weight is stored (the kernel's WFMT): x's dtype; e4m3 [N, K] with float32
 # group scales; int4 packed 8 per int32 [N, K / 8] with group scales (quant_gemv_triton).
 FMT_PLAIN = tl.constexpr(0)
@@ -551,6 +556,8 @@ def _gemv_kernel(
     CONV_WIDTH_PAD: tl.constexpr,
     CONV_SILU: tl.constexpr,
     GDC: tl.constexpr = False,
+    PREFETCH_LINES: tl.constexpr = 1,
+    LINE: tl.constexpr = 64,
 ):
     """Program (i, s): features [i * BLOCK_N, (i + 1) * BLOCK_N) of all ROWS rows over K
     range s. Rows are unrolled by hand (one accumulator each, ROWS <= 8) so every row
@@ -567,10 +574,11 @@ def _gemv_kernel(
     to no_ptr ([ROWS, K] each).
     CONV (ROWS <= 2, split_k = 1, not GATED): features < conv_c are also the channels of a
     depthwise causal conv's decode step (_conv_epilogue), run on each row's stored y.
-    GDC (launched with programmatic dependent launch, `uses_pdl`): the program may start
-    before the launch it follows has finished. It waits for it before reading anything
-    but the weight and its scales (which no launch writes), and lets the next launch
-    start once its weight is read."""
+    GDC (programmatic dependent launch, kernels/pdl_triton.py): the program may start
+    before the launch it follows has finished. It lets the next launch stage, asks for
+    the first PREFETCH_LINES lines (LINE elements each) of its K range of each plain
+    weight row to be brought into L2, and only then waits for the launch before it: x,
+    the residual, the conv state and the outputs may be that launch's."""
     tl.static_assert(_LANES == 64)  # _lane_tree_sum is written for 64 lanes
     tl.static_assert(ROWS <= 8)
     tl.static_assert(not NORM or (ROWS <= 2 and WFMT == FMT_PLAIN))
@@ -601,7 +609,11 @@ def _gemv_kernel(
     k_start = pid_s * split_len
     k_end = tl.minimum(k_start + split_len, K)
     out0 = out_ptr + pid_s * stride_os  # row 0's output
-    if GDC:  # x, the residual, the conv state and out may belong to the launch before
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        if WFMT == FMT_PLAIN:  # no launch writes the weight: stream it while we wait
+            lines = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * LINE, k_end - 1)
+            prefetch_l2(w_ptr + n_rows[:, None] * stride_wn + lines[None, :])
         tl.extra.cuda.gdc_wait()
     if NORM:  # each row's 1 / rms over the whole row, in rms_norm_triton's order
         store_end = tl.where(pid_n == 0, k_end, 0)  # the first feature tile stores the rows
@@ -685,8 +697,6 @@ def _gemv_kernel(
                         acc7, w, x_ptr + 7 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K
                     )
 
-    if GDC:  # the next launch waits for this one to finish before it reads our output
-        tl.extra.cuda.gdc_launch_dependents()
     bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + n_rows).to(tl.float32)
@@ -1067,23 +1077,6 @@ def _check_norm_args(
     check_same_device(x=x, residual=residual, norm_weight=norm_weight)
 
 
-@functools.lru_cache(maxsize=16)
-def _supports_pdl(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
-def uses_pdl(x: torch.Tensor) -> bool:
-    """Whether GEMVs on x's device launch with programmatic dependent launch: a Hopper or
-    newer GPU, and `pdl` turned on (opt-in: KVLOOM_FUSED=pdl; contracts/envs.py). The
-    GEMV's grid is then staged while the launch before it drains, and CUDA graphs keep
-    the dependency as a programmatic edge. Same bits either way; only when work starts
-    changes."""
-    if not x.is_cuda or envs.unfused("pdl"):
-        return False
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return _supports_pdl(index)
-
-
 def launch_gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -1128,9 +1121,12 @@ def launch_gemv(
         norm_options = dict(enable_fp_fusion=False)
     split_len = split_k_len(k, plan.split_k)
     gdc = uses_pdl(x) if pdl is None else pdl
+    line = 128 // weight.element_size()  # elements a 128-byte line holds (plain weights)
+    lines = min(PDL_PREFETCH_LINES, next_power_of_2(triton.cdiv(split_len, line)))
+    prefetch = dict(PREFETCH_LINES=lines, LINE=line)
     common = dict(
-        GDC=gdc,
-        **(dict(launch_pdl=True) if gdc else {}),
+        **pdl_launch(gdc),
+        **(prefetch if gdc else {}),
         ROWS=m,
         CHUNKS=plan.block_k // LANES,
         NUM_STAGES=plan.num_stages,

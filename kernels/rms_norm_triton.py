@@ -27,6 +27,7 @@ from kvloom.kernels.arg_checks_triton import (
     check_same_device,
     next_power_of_2,
 )
+from kvloom.kernels.pdl_triton import pdl_launch, pdl_release_then_wait, uses_pdl
 
 MAX_HIDDEN = 65536  # one program holds a whole row in registers
 
@@ -144,7 +145,11 @@ def _rms_norm_kernel(
     SQ_LANES: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
+    # GDC (kernels/pdl_triton.py): the next launch (a GEMV) stages and prefetches its
+    # weight while this one runs; this one waits for the launch before it first.
+    pdl_release_then_wait(GDC)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -238,6 +243,7 @@ def rms_norm_triton(
             HAS_OFFSET=bool(weight_offset),
             num_warps=_num_warps(hidden),
             enable_fp_fusion=False,  # round as torch does: no fused multiply-adds
+            **pdl_launch(uses_pdl(x2)),
         )
     return out, residual_out
 

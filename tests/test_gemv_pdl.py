@@ -1,14 +1,15 @@
-"""The GEMV launched with programmatic dependent launch (kernels/gemv_triton.py `uses_pdl`,
-opt-in `pdl` of contracts/envs.py).
+"""The GEMV and the RMSNorm launched with programmatic dependent launch
+(kernels/pdl_triton.py, opt-in `pdl` of contracts/envs.py).
 
 * When it applies: a CUDA tensor on a compute capability 9.0+ GPU, with KVLOOM_FUSED
   naming `pdl` and KVLOOM_UNFUSED not; never on the CPU.
-* The launch: the GEMV kernel gets GDC and `launch_pdl`; the split-K reduce does not.
+* The launch: the GEMV kernel gets GDC, `launch_pdl` and its prefetch constexprs; the
+  split-K reduce gets none of them.
 * Built for sm_90 on the CPU (tests/hopper_compile.py's compile-only driver): the GDC
-  variant's PTX waits on the launch before it and releases the next one; the plain
-  variant has neither instruction.
-* `gpu`: a chain of GEMVs, each reading the one before's output, gives the same bits with
-  and without PDL, eager and replayed from a CUDA graph.
+  variants' PTX releases the next launch and waits on the one before, and the GEMV's
+  prefetches its weight into L2; the plain variants have none of these instructions.
+* `gpu`: norm -> GEMV -> GEMV chains, each launch reading the one before's output, give
+  the same bits with and without PDL, eager and replayed from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ import pytest
 import torch
 
 from kvloom.kernels import gemv_triton as gt
-from kvloom.kernels.gemv_triton import GemvPlan, gemv_triton, launch_gemv, uses_pdl
+from kvloom.kernels import pdl_triton
+from kvloom.kernels.gemv_triton import GemvPlan, gemv_triton, launch_gemv
+from kvloom.kernels.pdl_triton import uses_pdl
+from kvloom.kernels.rms_norm_triton import rms_norm_triton
 from tests.kernel_env import gpu, needs_cuda
 
 ROOT = Path(__file__).parents[1]
@@ -36,7 +40,7 @@ def fake_cuda_tensor(index=0):
 def test_pdl_is_opt_in_hopper_only_and_never_on_cpu(monkeypatch):
     monkeypatch.delenv("KVLOOM_FUSED", raising=False)
     monkeypatch.delenv("KVLOOM_UNFUSED", raising=False)
-    monkeypatch.setattr(gt, "_supports_pdl", lambda index: index == 0)
+    monkeypatch.setattr(pdl_triton, "_supports_pdl", lambda index: index == 0)
     assert not uses_pdl(fake_cuda_tensor())  # opt-in
     monkeypatch.setenv("KVLOOM_FUSED", "pdl")
     assert uses_pdl(fake_cuda_tensor())
@@ -67,25 +71,51 @@ def test_launch_passes_gdc_to_the_gemv_only(monkeypatch, pdl, split_k):
     [kwargs] = gemv.launches
     assert kwargs["GDC"] is pdl
     assert kwargs.get("launch_pdl", False) is pdl
-    assert all("launch_pdl" not in k and not k.get("GDC") for k in reduce.launches)
+    # 128-byte lines of fp32 weight (32 elements) over the program's K range
+    span = 256 // split_k
+    assert kwargs.get("PREFETCH_LINES") == (span // 32 if pdl else None)
+    assert all("launch_pdl" not in k and "GDC" not in k for k in reduce.launches)
     assert len(reduce.launches) == (split_k > 1)
+
+
+def test_prefetch_is_the_first_lines_of_each_row_only(monkeypatch):
+    """A long bf16 row (K 8192: 128 lines) prefetches its first PDL_PREFETCH_LINES lines."""
+    gemv = RecordingKernel()
+    monkeypatch.setattr(gt, "_gemv_kernel", gemv)
+    x, w = torch.ones(1, 8192, dtype=torch.bfloat16), torch.ones(64, 8192, dtype=torch.bfloat16)
+    launch_gemv(
+        x, w, None, torch.empty(1, 64, dtype=torch.bfloat16), GemvPlan(16, 128, 4, 1), pdl=True
+    )
+    [kwargs] = gemv.launches
+    assert (kwargs["PREFETCH_LINES"], kwargs["LINE"]) == (gt.PDL_PREFETCH_LINES, 64)
 
 
 BUILD_SCRIPT = """
 import torch
 from triton import compiler
 
+from kvloom.kernels import rms_norm_triton as rt
 from kvloom.kernels.gemv_triton import GemvPlan, launch_gemv
 
 ptx = []
 real = compiler.compile
+KERNELS = ("_gemv_kernel", "_rms_norm_kernel")
 
 
 def compile(src, *args, **kwargs):
     kernel = real(src, *args, **kwargs)
-    if getattr(getattr(src, "fn", None), "__name__", "") == "_gemv_kernel":
-        ptx.append(kernel.asm["ptx"])
+    name = getattr(getattr(src, "fn", None), "__name__", "")
+    if name in KERNELS:
+        ptx.append((name, kernel.asm["ptx"]))
     return kernel
+
+
+def show():
+    for name, text in ptx:
+        found = [op in text for op in ("griddepcontrol.launch_dependents",
+                 "griddepcontrol.wait", "prefetch.global.L2")]
+        print("PTX", name, *found)
+    ptx.clear()
 
 
 compiler.compile = compile
@@ -95,8 +125,11 @@ for pdl in (True, False):
     for split_k in (1, 2):
         out = torch.empty(1, 256, dtype=torch.bfloat16)
         launch_gemv(x, w, None, out, GemvPlan(16, 128, 4, 2, split_k), pdl=pdl)
-for text in ptx:
-    print("PTX", "griddepcontrol.wait" in text, "griddepcontrol.launch_dependents" in text)
+    show()
+for pdl in (True, False):
+    rt.uses_pdl = lambda t, pdl=pdl: pdl
+    rt.rms_norm_triton(x, torch.ones(512, dtype=torch.bfloat16), 1e-6, residual=x.clone())
+    show()
 """
 
 
@@ -112,15 +145,22 @@ def test_the_gdc_variant_builds_for_sm90_with_its_wait_and_release(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "0 failures" in done.stdout, done.stdout
     lines = [line for line in done.stdout.splitlines() if line.startswith("PTX")]
-    assert lines == ["PTX True True"] * 2 + ["PTX False False"] * 2, done.stdout
+    gemv, norm = "PTX _gemv_kernel", "PTX _rms_norm_kernel"
+    assert lines == [
+        *[f"{gemv} True True True"] * 2,
+        *[f"{gemv} False False False"] * 2,
+        f"{norm} True True False",
+        f"{norm} False False False",
+    ], done.stdout
 
 
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("plan", [None, GemvPlan(16, 256, 4, 3, split_k=4)])
 def test_gpu_chained_gemvs_give_the_same_bits_with_pdl(monkeypatch, plan):
-    """Three GEMVs, each reading the output of the one before (the hazard PDL must wait
-    on), with and without PDL, eager and from a CUDA graph: the same bits."""
+    """An RMSNorm then three GEMVs, each reading the output of the launch before (the
+    hazard PDL must wait on), with and without PDL, eager and from a CUDA graph: the same
+    bits."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0+")
     gen = torch.Generator().manual_seed(7)
@@ -128,9 +168,12 @@ def test_gpu_chained_gemvs_give_the_same_bits_with_pdl(monkeypatch, plan):
         (torch.randn(4096, 4096, generator=gen) / 64).to("cuda", torch.bfloat16) for _ in range(3)
     ]
 
+    norm_weight = torch.rand(4096, generator=gen).to("cuda", torch.bfloat16) + 0.5
+
     def chain(x):
+        x, _ = rms_norm_triton(x, norm_weight, 1e-6, residual=x)
         for w in ws:
-            x = gemv_triton(torch.nn.functional.silu(x), w, None, plan=plan)
+            x = gemv_triton(x, w, None, plan=plan)  # reads the launch before's output
         return x
 
     x = torch.randn(2, 4096, generator=gen).to("cuda", torch.bfloat16)
