@@ -79,6 +79,7 @@ from kvloom.kernels.merge_attention_states_triton import (
     merge_attention_states_triton,
     merge_parts,
 )
+from kvloom.kernels.pdl_triton import pdl_launch, pdl_release_then_wait, uses_pdl
 
 LOG2E = 1.4426950408889634
 MAX_KV_SPLITS = 64
@@ -347,7 +348,9 @@ def _paged_attention_kernel(
     KV_FP8: tl.constexpr,
     KV_WIDEN: tl.constexpr,
     STRIDED: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
+    pdl_release_then_wait(GDC)  # kernels/pdl_triton.py
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -534,11 +537,13 @@ def _merge_decode_splits_kernel(
     STRIDED: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
     """Merges one (token, head)'s fixed-size splits, in split order. Token t is row t's
     one query token (decode layout); a token that is not (padding past the real rows)
     gets no splits: output 0, lse -inf. The split range is the attention kernel's, from
     the same helpers, so exactly the slots it wrote are read."""
+    pdl_release_then_wait(GDC)  # kernels/pdl_triton.py
     token = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     q_start = tl.load(qsl_ptr + token)
@@ -775,6 +780,7 @@ def _launch(
         STRIDED=kv_stride > 1,
         num_warps=plan["num_warps"],
         num_stages=plan["num_stages"],
+        **pdl_launch(uses_pdl(q)),
     )
 
 
@@ -1125,5 +1131,6 @@ def paged_attention_decode_split_triton(
         STRIDED=kv_stride > 1,
         HEAD_DIM=head_dim,
         DIM_PAD=next_power_of_2(head_dim),
+        **pdl_launch(uses_pdl(q)),
     )
     return out, lse

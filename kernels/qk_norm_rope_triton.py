@@ -43,6 +43,7 @@ from kvloom.kernels.arg_checks_triton import (
     next_power_of_2,
 )
 from kvloom.kernels.kv_cache_write_triton import check_kv_write_args, to_cache
+from kvloom.kernels.pdl_triton import pdl_launch, pdl_release_then_wait, uses_pdl
 
 MAX_HEAD_DIM = 8192  # one program holds a whole head row in registers
 MAX_HEADS = 65535  # the grid's second dimension
@@ -105,7 +106,9 @@ def _qk_norm_rope_kernel(
     WRITE_CACHE: tl.constexpr,
     QUANT: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    GDC: tl.constexpr = False,
 ):
+    pdl_release_then_wait(GDC)  # kernels/pdl_triton.py
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if head < NUM_Q_HEADS:
@@ -347,6 +350,7 @@ def _launch(
         DIM_PAD=next_power_of_2(head_dim),
         num_warps=min(8, max(1, next_power_of_2(head_dim) // 256)),
         enable_fp_fusion=False,  # round after every op, as torch does
+        **pdl_launch(uses_pdl(q)),
     )
     return q_out, k_out
 

@@ -1,12 +1,13 @@
-"""The GEMV and the RMSNorm launched with programmatic dependent launch
-(kernels/pdl_triton.py, opt-in `pdl` of contracts/envs.py).
+"""The decode kernels launched with programmatic dependent launch (kernels/pdl_triton.py,
+opt-in `pdl` of contracts/envs.py): the GEMV, RMSNorm, q/k norm + rotary, and the split-KV
+attention with its merge.
 
 * When it applies: a CUDA tensor on a compute capability 9.0+ GPU, with KVLOOM_FUSED
   naming `pdl` and KVLOOM_UNFUSED not; never on the CPU.
 * The launch: the GEMV kernel gets GDC, `launch_pdl` and its prefetch constexprs; the
   split-K reduce gets none of them.
-* Built for sm_90 on the CPU (tests/hopper_compile.py's compile-only driver): the GDC
-  variants' PTX releases the next launch and waits on the one before, and the GEMV's
+* Built for sm_90 on the CPU (tests/hopper_compile.py's compile-only driver): every GDC
+  variant's PTX releases the next launch and waits on the one before, and the GEMV's
   prefetches its weight into L2; the plain variants have none of these instructions.
 * `gpu`: norm -> GEMV -> GEMV chains, each launch reading the one before's output, give
   the same bits with and without PDL, eager and replayed from a CUDA graph.
@@ -94,12 +95,20 @@ BUILD_SCRIPT = """
 import torch
 from triton import compiler
 
+from kvloom.kernels import paged_attention_triton as pa
+from kvloom.kernels import qk_norm_rope_triton as qr
 from kvloom.kernels import rms_norm_triton as rt
 from kvloom.kernels.gemv_triton import GemvPlan, launch_gemv
 
 ptx = []
 real = compiler.compile
-KERNELS = ("_gemv_kernel", "_rms_norm_kernel")
+KERNELS = (
+    "_gemv_kernel",
+    "_rms_norm_kernel",
+    "_qk_norm_rope_kernel",
+    "_paged_attention_kernel",
+    "_merge_decode_splits_kernel",
+)
 
 
 def compile(src, *args, **kwargs):
@@ -130,10 +139,28 @@ for pdl in (True, False):
     rt.uses_pdl = lambda t, pdl=pdl: pdl
     rt.rms_norm_triton(x, torch.ones(512, dtype=torch.bfloat16), 1e-6, residual=x.clone())
     show()
+
+# One decode row of 128-dim heads (8 q, 2 kv) at 100 keys: rotary, split-KV attention.
+q, k = torch.ones(1, 8, 128, dtype=torch.bfloat16), torch.ones(1, 2, 128, dtype=torch.bfloat16)
+table = torch.ones(256, 64)
+cache = torch.ones(2, 4, 64, 2, 128, dtype=torch.bfloat16)  # [k/v, blocks, page, heads, dim]
+rows = dict(
+    block_tables=torch.tensor([[1, 2]], dtype=torch.int32),
+    query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+    seq_lens=torch.tensor([100], dtype=torch.int32),
+)
+for pdl in (True, False):
+    qr.uses_pdl = pa.uses_pdl = lambda t, pdl=pdl: pdl
+    qr.qk_norm_rope_triton(q, k, torch.tensor([99]), table, table, None, None, 1e-6)
+    pa.paged_attention_decode_split_triton(q, cache, scale=0.1, **rows)
+    show()
 """
 
 
-def test_the_gdc_variant_builds_for_sm90_with_its_wait_and_release(tmp_path):
+ATTENTION = ("_qk_norm_rope_kernel", "_paged_attention_kernel", "_merge_decode_splits_kernel")
+
+
+def test_the_gdc_variants_build_for_sm90_with_their_release_wait_and_prefetch(tmp_path):
     script = tmp_path / "build_gemv_pdl.py"
     script.write_text(BUILD_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -151,6 +178,8 @@ def test_the_gdc_variant_builds_for_sm90_with_its_wait_and_release(tmp_path):
         *[f"{gemv} False False False"] * 2,
         f"{norm} True True False",
         f"{norm} False False False",
+        *[f"PTX {name} True True False" for name in ATTENTION],
+        *[f"PTX {name} False False False" for name in ATTENTION],
     ], done.stdout
 
 
