@@ -44,7 +44,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "KVLOOM_FUSED": (
         "",
         "decode fusions that are off by default to turn on, comma-separated: norm_gemv "
-        "(same bits, but slower on an H200), pdl (GEMV and RMSNorm launches overlap the "
+        "(same bits, but slower on an H200), pdl (decode kernel launches overlap the "
         "launch before them on Hopper; not yet timed), or all; KVLOOM_UNFUSED wins over it",
     ),
     "KVLOOM_NO_FLA": (
@@ -120,9 +120,9 @@ def set_here() -> dict[str, str]:
 # (decode) plan without its count and place launches, Gated DeltaNet's conv update in the
 # epilogue of its (norm +) in_proj GEMV, KDA's gates + recurrence + output norm in one
 # launch; and KDA's output norm in one launch (the one not bitwise: within an ulp of the
-# torch composition it replaces). Not a fusion but switched the same way: `pdl`, the GEMV
-# and RMSNorm launched with programmatic dependent launch on Hopper, so that each starts
-# (and a GEMV streams its weight) while the launch before it drains (kernels/pdl_triton.py).
+# torch composition it replaces). Not a fusion but switched the same way: `pdl`, the decode
+# path's Triton kernels launched with programmatic dependent launch on Hopper, so that each
+# starts (and a GEMV streams its weight) while the launch before drains (kernels/pdl_triton.py).
 FUSIONS = (
     "norm_gemv",
     "kv_write",
