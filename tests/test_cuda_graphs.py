@@ -256,6 +256,27 @@ def test_gpu_graphs_match_the_cpu_reference(tiny_model, hybrid_model, arch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("arch", GPU_ARCHS)
+def test_gpu_pdl_gives_the_same_tokens(tiny_model, hybrid_model, arch, monkeypatch):
+    """Programmatic dependent launch (KVLOOM_FUSED=pdl, kernels/pdl_triton.py) changes when
+    the decode kernels start, never what they compute: in bfloat16, where the Triton
+    decode kernels run, the same greedy tokens with and without it, from CUDA graphs."""
+    path = _model_path(tiny_model, hybrid_model, arch)
+
+    def tokens():
+        engine = Engine(model=str(path), dtype="bfloat16", device="cuda", max_num_seqs=16)
+        outputs = run_to_completion(engine, PROMPTS, greedy(24))
+        assert engine.executor.worker.runner.graphs.replays > 0
+        return [o.outputs[0].token_ids for o in outputs]
+
+    monkeypatch.delenv("KVLOOM_FUSED", raising=False)
+    monkeypatch.delenv("KVLOOM_UNFUSED", raising=False)
+    want = tokens()
+    monkeypatch.setenv("KVLOOM_FUSED", "pdl")
+    assert tokens() == want
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
 def test_gpu_fresh_one_token_chunk_is_not_replayed(tiny_model, hybrid_model, arch):
     path = _model_path(tiny_model, hybrid_model, arch)
