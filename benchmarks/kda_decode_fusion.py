@@ -36,7 +36,6 @@ import torch
 if not torch.cuda.is_available():  # before triton is imported: it reads this once
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kvloom.kernels.causal_conv1d_triton import causal_conv1d_update_triton  # noqa: E402
 from kvloom.kernels.gated_delta_rule_triton import (  # noqa: E402
     _KDA_TILE_ELEMENTS,
     _block_v,
@@ -78,10 +77,10 @@ def production_block_v(head_k: int, head_v: int) -> int:
     return _block_v(head_k, head_v, _KDA_TILE_ELEMENTS)
 
 
-class Layer:
+class Layer(gdn_decode_fusion.Layer):
     """One KDA layer's decode inputs, cut as workers/layers/kda_layer.py cuts them, and
-    `copies` state pools (conv + recurrent). The constructor and methods are those
-    gdn_decode_fusion.bench and same_bits call."""
+    `copies` state pools (conv + recurrent). The conv update (`qkv`: q, k, v split by head,
+    as the layer's _conv_update) and the state copies are Gated DeltaNet's layer's."""
 
     def __init__(self, rows, hk, hv, dk, dv, width, copies, device, seed):
         assert hk == hv, "KDA: one head count for q, k and v"
@@ -109,16 +108,6 @@ class Layer:
         self.conv = [randn(rows, channels, width - 1).to(dtype) for _ in range(copies)]
         self.state = [randn(rows, hv, dk, dv, scale=0.1) for _ in range(copies)]
 
-    def qkv(self, i):
-        """The conv update, then q, k, v split by head (the layer's _conv_update)."""
-        hk, hv, dk, dv = self.shape
-        x = causal_conv1d_update_triton(
-            self.mixed, self.conv_weight, None, self.conv[i], self.slots, "silu"
-        )
-        q, k, v = x.split([hk * dk, hk * dk, hv * dv], dim=-1)
-        rows = x.shape[0]
-        return q.view(rows, hk, dk), k.view(rows, hk, dk), v.view(rows, hv, dv)
-
     def step(self, i, block_v, fused_gates, fused_norm):
         q, k, v = self.qkv(i)
         _, _, dk, dv = self.shape
@@ -137,13 +126,6 @@ class Layer:
             _block_v_override=block_v,
         )  # fmt: skip
         return kda_gated_norm_triton(core, *norm)
-
-    def state_snapshot(self, i):
-        return self.conv[i].clone(), self.state[i].clone()
-
-    def restore(self, i, snapshot):
-        self.conv[i].copy_(snapshot[0])
-        self.state[i].copy_(snapshot[1])
 
 
 def production_plans() -> dict[str, dict]:

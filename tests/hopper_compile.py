@@ -235,23 +235,35 @@ def pytest_runtest_makereport(item, call):
             )
 
 
-def pytest_terminal_summary(terminalreporter):
-    summary = REPORT.summary()
-    write = terminalreporter.write_line
-    write(
+def summary_lines(summary: dict) -> list[str]:
+    """The build summary as printed: totals, spilling kernels, failures with their errors."""
+    lines = [
         f"HOPPER BUILD {summary['target']} triton {summary['triton']}: "
         f"{summary['variants_built']} variants of {len(summary['kernels_built'])} kernels "
         f"built, {len(summary['failures'])} failures"
-    )
+    ]
     for name, spilled in summary["spilled_bytes"].items():
-        write(f"SPILLS {name}: up to {spilled} bytes per thread in local memory (stack frame)")
+        lines.append(
+            f"SPILLS {name}: up to {spilled} bytes per thread in local memory (stack frame)"
+        )
     for failure in summary["failures"]:
-        write(f"BUILD FAILED {failure['kernel']} ({failure.get('test', '?')}) {failure['where']}")
-        for line in failure["error"].splitlines():
-            write(f"    {line}")
+        test = f" ({failure['test']})" if "test" in failure else ""
+        lines.append(f"BUILD FAILED {failure['kernel']}{test} {failure['where']}")
+        lines.extend(f"    {line}" for line in failure["error"].splitlines())
+    return lines
+
+
+def write_report(summary: dict) -> None:
     path = os.environ.get(REPORT_ENV)
     if path:
         Path(path).write_text(json.dumps(summary, indent=2))
+
+
+def pytest_terminal_summary(terminalreporter):
+    summary = REPORT.summary()
+    for line in summary_lines(summary):
+        terminalreporter.write_line(line)
+    write_report(summary)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,17 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         if not REPORT.failures or _triton_error_chain(error) is None:
             print(f"SCRIPT FAILED {_first_lines(error)}")
     summary = REPORT.summary()
-    print(
-        f"HOPPER BUILD {summary['target']} triton {summary['triton']}: "
-        f"{summary['variants_built']} variants of {len(summary['kernels_built'])} kernels "
-        f"built, {len(summary['failures'])} failures"
-    )
-    for name, spilled in summary["spilled_bytes"].items():
-        print(f"SPILLS {name}: up to {spilled} bytes per thread in local memory (stack frame)")
-    for failure in summary["failures"]:
-        print(f"BUILD FAILED {failure['kernel']} {failure['where']}\n    {failure['error']}")
-    if os.environ.get(REPORT_ENV):
-        Path(os.environ[REPORT_ENV]).write_text(json.dumps(summary, indent=2))
+    print("\n".join(summary_lines(summary)))
+    write_report(summary)
     return 1 if summary["failures"] else 0
 
 
