@@ -8,11 +8,11 @@ heads, conv width 4, bfloat16, float32 state; and TP 2's 16 heads): the conv upd
   two     gates computed in the recurrence (block_v 32), the norm separate
   one     gates, recurrence and norm in one launch (block_v 128: a program per value head)
 
-The production plan (`kda_decode_triton` with no override, `_KDA_TILE_ELEMENTS`) is `one`
-at these heads; the JSON's production_block_v / production_variant say which variant it is,
-computed from the kernel's tile budget, so the variants keep their meaning if it changes.
-Gated DeltaNet's twin (benchmarks/gdn_decode_fusion.py) found its one-launch plan slower
-than `two` at every row count on an H100 (gpu_fast_path.md); this times KDA's.
+The production plan (`kda_decode_triton` with no override, the kernel's `_TILE_ELEMENTS`) is
+`two` at these heads; the JSON's production_block_v / production_variant say which variant
+it is, computed from the kernel's tile budget, so the variants keep their meaning if it
+changes. On an H100 `two` beat `one` at every row count, as Gated DeltaNet's twin
+(benchmarks/gdn_decode_fusion.py) did (gpu_fast_path.md, thirteenth session).
 
     python3 benchmarks/kda_decode_fusion.py --out $OUT/kda_decode_fusion.json
 
@@ -37,7 +37,6 @@ if not torch.cuda.is_available():  # before triton is imported: it reads this on
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvloom.kernels.gated_delta_rule_triton import (  # noqa: E402
-    _KDA_TILE_ELEMENTS,
     _block_v,
     kda_decode_triton,
     recurrent_kda_triton,
@@ -56,7 +55,7 @@ ROWS = (1, 8, 32, 128)
 TINY_ROWS = (1, 3)
 EPS = 1e-5  # Kimi-Linear's rms_norm_eps
 # name -> (block_v, fused gates, fused norm). Explicit block_v, never the production
-# default, so a variant times the same kernel whatever _KDA_TILE_ELEMENTS becomes.
+# default, so a variant times the same kernel whatever the tile budget becomes.
 VARIANTS = {
     "three_bv32": (32, False, False),
     "three_bv128": (128, False, False),
@@ -74,7 +73,7 @@ TINY_VARIANTS = {
 
 def production_block_v(head_k: int, head_v: int) -> int:
     """The state columns per program `kda_decode_triton` takes with no override."""
-    return _block_v(head_k, head_v, _KDA_TILE_ELEMENTS)
+    return _block_v(head_k, head_v)
 
 
 class Layer(gdn_decode_fusion.Layer):

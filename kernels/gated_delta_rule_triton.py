@@ -71,14 +71,13 @@ from kvloom.kernels.kda_gates import check_kda_gates_args
 from kvloom.kernels.kda_gates_triton import kda_gate_values
 from kvloom.kernels.l2norm import L2NORM_EPS
 
-# Register budget of one program's state tile (Dk padded x BV float32 values). Gated
-# DeltaNet keeps 4096 (block_v 32 at 128 x 128 heads, its norm a separate launch): on an
-# H100 that beat a whole head per program at every batch, 10.1 vs 13.0 us per layer step at
-# 1 row and 235 vs 319 us at 128 (benchmarks/gdn_decode_fusion.py, gpu_fast_path.md's
-# twelfth session). KDA's steps hold a whole 128 x 128 head (16 warps, 32 values a thread)
-# so that its output norm runs in the same launch; not yet timed against narrow tiles.
+# Register budget of one program's state tile (Dk padded x BV float32 values): 4096, block_v
+# 32 at 128 x 128 heads, the output norm a separate launch. On an H100 that beat a whole
+# head per program (one launch with the norm) at every batch, for Gated DeltaNet (10.1 vs
+# 13.1 us per layer step at 1 row, 235 vs 319 at 128) and for KDA (9.9 vs 13.8 us at 1
+# row; benchmarks/gdn_decode_fusion.py and kda_decode_fusion.py, gpu_fast_path.md's twelfth
+# and thirteenth sessions). Heads up to 64 x 64 still fit one program and fuse the norm.
 _TILE_ELEMENTS = 4096
-_KDA_TILE_ELEMENTS = 16384
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -227,15 +226,10 @@ def _num_warps(head_k: int, block_v: int) -> int:
     return max(4, next_power_of_2(head_k) * block_v // 1024)
 
 
-def _tile_elements(per_channel: bool) -> int:
-    """The state tile budget: KDA's steps (per-channel decay) or Gated DeltaNet's."""
-    return _KDA_TILE_ELEMENTS if per_channel else _TILE_ELEMENTS
-
-
-def fuses_norm(head_k: int, head_v: int, *, per_channel_decay: bool = False) -> bool:
-    """Whether `gdn_decode_triton` (or, with `per_channel_decay`, `kda_decode_triton`)
-    applies the output norm in the same launch: one program holds a whole value head."""
-    return _block_v(head_k, head_v, _tile_elements(per_channel_decay)) >= head_v
+def fuses_norm(head_k: int, head_v: int) -> bool:
+    """Whether `gdn_decode_triton` and `kda_decode_triton` apply the output norm in the same
+    launch: one program holds a whole value head."""
+    return _block_v(head_k, head_v) >= head_v
 
 
 def _check_args(
@@ -307,7 +301,7 @@ def _decode_step(
     q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm, per_channel, block_v
 ):
     _check_args(q, k, v, g, beta, state, state_indices, per_channel, scale)
-    block_v = block_v or _block_v(q.shape[2], v.shape[2], _tile_elements(per_channel))
+    block_v = block_v or _block_v(q.shape[2], v.shape[2])
     return _launch(
         q, k, v, state, state_indices, scale, use_qk_l2norm, block_v, per_channel, g, beta
     )
@@ -470,8 +464,8 @@ def gdn_decode_triton(
     `recurrent_gated_delta_rule_triton` with those g and beta, then
     `gated_rms_norm_triton(out, z, norm_weight, norm_eps)`, in one launch where a program
     holds a whole value head (`fuses_norm`: heads up to 64 x 64), else in two (the norm
-    separate; Qwen3-Next's 128 x 128 heads, where the narrow tiles are faster). Padding rows (negative index) give zeros in one launch (the
-    separate norm gives 0 * silu(z): -0.0 for z < 0, NaN for a NaN z); their q, k, v, ba
+    separate; Qwen3-Next's 128 x 128 heads, where the narrow tiles are faster). Padding rows
+    (negative index) give zeros in one launch (the separate norm gives 0 * silu(z): -0.0 for z < 0, NaN for a NaN z); their q, k, v, ba
     and z are never read there.
 
     ba [N, Hk' * 2r] (b then a per group of r = ba_group value heads, rows strided), A_log
@@ -480,7 +474,7 @@ def gdn_decode_triton(
     _check_args(q, k, v, None, None, state, state_indices, False, scale, computes_gates=True)
     _check_fusion(v, ba, A_log, dt_bias, ba_group, z, norm_weight, norm_eps)
     head_k, head_v = q.shape[2], v.shape[2]
-    block_v = _block_v_override or _block_v(head_k, head_v, _TILE_ELEMENTS)
+    block_v = _block_v_override or _block_v(head_k, head_v)
     gates = (ba, A_log, dt_bias, ba_group)
     args = (q, k, v, state, state_indices, scale, use_qk_l2norm, block_v, False)
     if block_v >= head_v:
@@ -528,8 +522,9 @@ def kda_decode_triton(
     """A KDA decode step after the conv: gates, recurrence and output norm, bit for bit
     `kda_gates_triton(raw_gate, A_log, dt_bias, beta_logits)`, then `recurrent_kda_triton`
     with those g and beta, then `kda_gated_norm_triton(out, gate, norm_weight, norm_eps)`,
-    in one launch where a program holds a whole value head (`fuses_norm`; Kimi-Linear's
-    128 x 128 heads), else in two (the norm separate). Padding rows (negative index) give
+    in one launch where a program holds a whole value head (`fuses_norm`: heads up to
+    64 x 64), else in two (the norm separate; Kimi-Linear's 128 x 128 heads, where the
+    narrow tiles are faster). Padding rows (negative index) give
     zeros in one launch (the separate norm gives w * 0 * sigmoid(gate): -0.0 where w < 0,
     NaN for a NaN gate); their inputs are never read there.
 
@@ -539,7 +534,7 @@ def kda_decode_triton(
     _check_args(q, k, v, None, None, state, state_indices, True, scale, computes_gates=True)
     _check_kda_fusion(q, v, raw_gate, A_log, dt_bias, beta_logits, gate, norm_weight, norm_eps)
     head_k, head_v = q.shape[2], v.shape[2]
-    block_v = _block_v_override or _block_v(head_k, head_v, _KDA_TILE_ELEMENTS)
+    block_v = _block_v_override or _block_v(head_k, head_v)
     gates = (raw_gate, A_log, dt_bias, beta_logits)
     args = (q, k, v, state, state_indices, scale, use_qk_l2norm, block_v, True)
     if block_v >= head_v:

@@ -129,7 +129,9 @@ def check_bitwise(name, step: Step, block_v=None) -> torch.Tensor:
     want = separate(step, pool_separate, block_v)
     real = step.indices >= 0
     assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
-    if (block_v or step.v.shape[2]) >= step.v.shape[2]:  # one launch: padding rows zero
+    head_k, head_v = step.q.shape[2], step.v.shape[2]
+    one_launch = block_v >= head_v if block_v else fuses_norm(head_k, head_v)
+    if one_launch:  # padding rows zero
         assert torch.equal(got[~real], torch.zeros_like(got[~real])), f"{name}: padding row"
     else:  # two: the separate norm's, of the recurrence's zeros
         real = torch.ones_like(real)
@@ -172,6 +174,15 @@ def test_narrow_tiles_keep_the_norm_separate_and_equal():
     launches (gates fused into the recurrence, then the norm), still bit for bit."""
     step = make_step(4, 2, 4, 16, 16, torch.bfloat16, seed=seed_of("narrow"), num_pad=1)
     check_bitwise("narrow", step, block_v=8)
+
+
+def test_the_default_plan_past_the_tile_budget_is_two_launches():
+    """With no override, a head wider than the tile budget (64 x 128 here; Qwen3-Next's
+    128 x 128 on the GPU) takes narrow tiles: padding rows carry the separate norm's
+    values, which the check must expect rather than one launch's zeros."""
+    assert not fuses_norm(64, 128)
+    step = make_step(3, 1, 2, 64, 128, torch.bfloat16, seed=seed_of("default-narrow"), num_pad=1)
+    check_bitwise("default narrow", step)
 
 
 def test_rows_do_not_depend_on_the_batch():

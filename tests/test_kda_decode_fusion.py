@@ -97,9 +97,15 @@ def check_fused(args, used, block_v=None):
     want = separate(want_args, block_v)
     got = kda_decode_triton(**got_args, use_qk_l2norm=True, _block_v_override=block_v)
     real = len(used)
+    head_k, head_v = args["q"].shape[2], args["v"].shape[2]
+    one_launch = block_v >= head_v if block_v else fuses_norm(head_k, head_v)
     assert got.shape == want.shape and got.dtype == args["q"].dtype
     assert torch.equal(got[:real], want[:real]), "output differs from the three launches"
-    assert torch.equal(got[real:], torch.zeros_like(got[real:])), "padding rows not zero"
+    if one_launch:  # padding rows are zeros
+        assert torch.equal(got[real:], torch.zeros_like(got[real:])), "padding rows not zero"
+    else:  # the separate norm's of the recurrence's zeros, as bits (NaN for a NaN gate)
+        as_bits = {4: torch.int32, 2: torch.int16}[got.element_size()]
+        assert torch.equal(got[real:].view(as_bits), want[real:].view(as_bits))
     # The whole pool, NaN slots included, bit for bit (NaN == NaN compared as bits).
     assert torch.equal(got_args["state"].view(torch.int8), want_args["state"].view(torch.int8))
     return got, got_args["state"]
@@ -111,7 +117,7 @@ def check_fused(args, used, block_v=None):
 def test_fused_equals_three_launches_bitwise(dtype, rows, num_pad, dim):
     args, used = make_step(rows, 3, dim, dtype, seed=zlib.crc32(repr((dtype, rows, dim)).encode()))
     args_pad, used_pad = make_step(rows, 3, dim, dtype, seed=rows + dim, num_pad=num_pad)
-    assert fuses_norm(dim, dim, per_channel_decay=True)  # one launch at these head dims
+    assert fuses_norm(dim, dim)  # one launch at these head dims
     check_fused(args, used)
     check_fused(args_pad, used_pad)
 
@@ -260,9 +266,9 @@ def test_decode_step_launches(monkeypatch):
     the decoder layer's norm_linear: not part of this record.)"""
     launches = decode_launches(monkeypatch)
     assert launches == ["linear"] * 4 + ["causal_conv1d_update", "kda_decode_step", "linear"]
-    assert fuses_norm(
-        128, 128, per_channel_decay=True
-    )  # Kimi-Linear's heads: the norm in the same launch
+    # Kimi-Linear's 128 x 128 heads take narrow tiles, the norm a second launch inside
+    # kda_decode_step (faster on an H100 than a whole head per program).
+    assert not fuses_norm(128, 128)
 
 
 # ---------------------------------------------------------------- the benchmark

@@ -252,7 +252,8 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
 
     def _decode_normed(self, mixed, raw_gate, beta_logits, gate, slots: torch.Tensor):
         """`batch.decode_only`: as `_decode_all` with the gates before and the output norm
-        after, in one launch at decode on CUDA (kda_decode_step). Returns the normed
+        after, on CUDA in kda_decode_step (one launch where a value head fits a program,
+        else the norm a second launch: Kimi-Linear's 128 x 128 heads). Returns the normed
         output [T, H, D]."""
         q, k, v = self._conv_update(mixed, slots)
         norm = self.o_norm
