@@ -56,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvloom.contracts import envs
 from kvloom.kernels.activation_triton import silu_mul
 from kvloom.kernels.arg_checks_triton import check_dtype, check_same_device, next_power_of_2
 from kvloom.kernels.causal_conv1d_triton import ACTIVATIONS as CONV_ACTIVATIONS
@@ -77,11 +78,6 @@ LANES = 64  # fixes the summation order; never depends on a plan
 _LANES = tl.constexpr(LANES)  # the same, readable inside kernels
 _HOPPER_SMS = 132  # H100 / H200 SXM; the default plan aims at >= 1.5 programs per SM
 _REDUCE_BLOCK = 1024  # features per program of the split-K reduce launch
-# With PDL, 128-byte lines of each weight row a GEMV program asks L2 for before it waits
-# on the launch before it: 2 KB of a bf16 row, enough for the first turns of the K loop.
-# Only the programs staged during that launch prefetch (a few hundred), so this stays a
-# few MB to ~20 MB, inside L2; prefetching whole rows could evict lines before their use.
-PDL_PREFETCH_LINES = 16
 
 # How the weight is stored (the kernel's WFMT): x's dtype; e4m3 [N, K] with float32
 # group scales; int4 packed 8 per int32 [N, K / 8] with group scales (quant_gemv_triton).
@@ -611,7 +607,7 @@ def _gemv_kernel(
     out0 = out_ptr + pid_s * stride_os  # row 0's output
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
-        if WFMT == FMT_PLAIN:  # no launch writes the weight: stream it while we wait
+        if WFMT == FMT_PLAIN and PREFETCH_LINES > 0:  # no launch writes the weight
             lines = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * LINE, k_end - 1)
             prefetch_l2(w_ptr + n_rows[:, None] * stride_wn + lines[None, :])
         tl.extra.cuda.gdc_wait()
@@ -1122,7 +1118,13 @@ def launch_gemv(
     split_len = split_k_len(k, plan.split_k)
     gdc = uses_pdl(x) if pdl is None else pdl
     line = 128 // weight.element_size()  # elements a 128-byte line holds (plain weights)
-    lines = min(PDL_PREFETCH_LINES, next_power_of_2(triton.cdiv(split_len, line)))
+    # With PDL, the 128-byte lines of each weight row a program asks L2 for before it waits
+    # on the launch before it (KVLOOM_PDL_PREFETCH_LINES, 16: 2 KB of a bf16 row, the first
+    # turns of the K loop; 0: none). Only the programs staged during that launch prefetch
+    # (a few hundred): a few MB to ~20 MB, inside L2, where whole rows could evict lines
+    # before their use.
+    cap = envs.pdl_prefetch_lines() if gdc else 0
+    lines = min(cap, next_power_of_2(triton.cdiv(split_len, line))) if cap else 0
     prefetch = dict(PREFETCH_LINES=lines, LINE=line)
     common = dict(
         **pdl_launch(gdc),

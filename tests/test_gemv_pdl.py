@@ -79,8 +79,14 @@ def test_launch_passes_gdc_to_the_gemv_only(monkeypatch, pdl, split_k):
     assert len(reduce.launches) == (split_k > 1)
 
 
-def test_prefetch_is_the_first_lines_of_each_row_only(monkeypatch):
-    """A long bf16 row (K 8192: 128 lines) prefetches its first PDL_PREFETCH_LINES lines."""
+@pytest.mark.parametrize("setting,lines", [(None, 16), ("4", 4), ("0", 0)])
+def test_prefetch_is_the_first_lines_of_each_row_only(monkeypatch, setting, lines):
+    """A long bf16 row (K 8192: 128 lines) prefetches its first KVLOOM_PDL_PREFETCH_LINES
+    lines (16 unless set; 0: none)."""
+    if setting is None:
+        monkeypatch.delenv("KVLOOM_PDL_PREFETCH_LINES", raising=False)
+    else:
+        monkeypatch.setenv("KVLOOM_PDL_PREFETCH_LINES", setting)
     gemv = RecordingKernel()
     monkeypatch.setattr(gt, "_gemv_kernel", gemv)
     x, w = torch.ones(1, 8192, dtype=torch.bfloat16), torch.ones(64, 8192, dtype=torch.bfloat16)
@@ -88,10 +94,22 @@ def test_prefetch_is_the_first_lines_of_each_row_only(monkeypatch):
         x, w, None, torch.empty(1, 64, dtype=torch.bfloat16), GemvPlan(16, 128, 4, 1), pdl=True
     )
     [kwargs] = gemv.launches
-    assert (kwargs["PREFETCH_LINES"], kwargs["LINE"]) == (gt.PDL_PREFETCH_LINES, 64)
+    assert (kwargs["PREFETCH_LINES"], kwargs["LINE"]) == (lines, 64)
+
+
+@pytest.mark.parametrize("bad", ["-1", "two"])
+def test_a_bad_prefetch_setting_names_the_variable(monkeypatch, bad):
+    monkeypatch.setenv("KVLOOM_PDL_PREFETCH_LINES", bad)
+    x, w = torch.ones(1, 256, dtype=torch.bfloat16), torch.ones(64, 256, dtype=torch.bfloat16)
+    out = torch.empty(1, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(gt, "_gemv_kernel", RecordingKernel())
+    with pytest.raises(ValueError, match="KVLOOM_PDL_PREFETCH_LINES"):
+        launch_gemv(x, w, None, out, GemvPlan(16, 128, 4, 1), pdl=True)
 
 
 BUILD_SCRIPT = """
+import os
+
 import torch
 from triton import compiler
 
@@ -135,6 +153,10 @@ for pdl in (True, False):
         out = torch.empty(1, 256, dtype=torch.bfloat16)
         launch_gemv(x, w, None, out, GemvPlan(16, 128, 4, 2, split_k), pdl=pdl)
     show()
+os.environ["KVLOOM_PDL_PREFETCH_LINES"] = "0"  # PDL without the prefetch
+launch_gemv(x, w, None, out, GemvPlan(16, 128, 4, 2, 1), pdl=True)
+del os.environ["KVLOOM_PDL_PREFETCH_LINES"]
+show()
 for pdl in (True, False):
     rt.uses_pdl = lambda t, pdl=pdl: pdl
     rt.rms_norm_triton(x, torch.ones(512, dtype=torch.bfloat16), 1e-6, residual=x.clone())
@@ -176,6 +198,7 @@ def test_the_gdc_variants_build_for_sm90_with_their_release_wait_and_prefetch(tm
     assert lines == [
         *[f"{gemv} True True True"] * 2,
         *[f"{gemv} False False False"] * 2,
+        f"{gemv} True True False",  # KVLOOM_PDL_PREFETCH_LINES=0
         f"{norm} True True False",
         f"{norm} False False False",
         *[f"PTX {name} True True False" for name in ATTENTION],
