@@ -12,6 +12,11 @@ dequantized back to float (the reference model). Formats:
 * "w4a16_g32" / "w4a16_g128": compressed-tensors pack-quantized (Kimi): `weight_packed`
   int32 written by compressed-tensors' own `pack_to_int32`, `weight_scale` bfloat16
   [N, K / g], `weight_shape` int64 [2].
+* "gptq_g32" / "gptq_g128" (and "gptq_v2_g32"): quant_method "gptq" as AutoGPTQ /
+  GPTQModel write it, symmetric, no activation order: `qweight` int32 [K / 8, N] packed
+  along K, `qzeros` int32 [K / g, N / 8] packed along N (z - 1 = 7 in the original
+  format, z = 8 in v2), `scales` float16 [K / g, N], `g_idx` int32 [K]. Written here from
+  the format's definition, independently of kvloom's reader.
 
 Only the projections of attention, linear attention, dense MLPs and experts are
 quantized; embeddings, norms, routers, gates and lm_head stay float, as the released
@@ -36,6 +41,36 @@ QUANTIZED = re.compile(
 KEEP_FLOAT = ["lm_head", "embed_tokens", "mlp.gate", "shared_expert_gate", "in_proj_ba"]
 KEEP_FLOAT += ["in_proj_a", "in_proj_b"]  # Qwen3.5's split gates (Qwen's FP8 keeps them)
 SCHEMES = ("fp8_block", "fp8_channel", "fp8_tensor", "w4a16_g32", "w4a16_g128")
+GPTQ_SCHEMES = ("gptq_g32", "gptq_g128", "gptq_v2_g32")
+
+
+def _pack_nibbles(u: torch.Tensor) -> torch.Tensor:
+    """[R, C] values in [0, 15] -> [R, ceil(C / 8)] int32, eight consecutive columns per
+    word, column c at bits 4 * (c % 8)."""
+    cols = u.shape[1]
+    padded = torch.zeros(u.shape[0], -(-cols // 8) * 8, dtype=torch.int64)
+    padded[:, :cols] = u.to(torch.int64)
+    words = (padded.unflatten(1, (-1, 8)) << torch.arange(0, 32, 4)).sum(dim=-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def gptq_weight(w: torch.Tensor, group: int, v2: bool = False):
+    """GPTQ's tensors of one [N, K] weight (round-to-nearest standing in for GPTQ's
+    solver: the layout is the point) -> (tensors by suffix, dequantized float32)."""
+    n, k = w.shape
+    groups = w.float().unflatten(1, (-1, group))
+    scale = (groups.abs().amax(dim=-1) / 7.0).clamp_min(1e-4).to(torch.float16)  # [N, K/g]
+    q = torch.round(groups / scale.float()[..., None]).clamp(-8, 7).flatten(1)
+    u = (q + 8).to(torch.int64)  # GPTQ's unsigned values, zero point 8
+    zero = 8 if v2 else 7
+    tensors = {
+        "qweight": _pack_nibbles(u).t().contiguous(),  # along K: [N, K / 8] -> [K / 8, N]
+        "qzeros": _pack_nibbles(torch.full((k // group, n), zero)),
+        "scales": scale.t().contiguous(),
+        "g_idx": (torch.arange(k) // group).to(torch.int32),
+    }
+    deq = ((u - 8).float().unflatten(1, (-1, group)) * scale.float()[..., None]).flatten(1)
+    return tensors, deq
 
 
 def _blocks(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
@@ -52,6 +87,8 @@ def _expand(s: torch.Tensor, bn: int, bk: int, shape) -> torch.Tensor:
 
 def quantize_weight(w: torch.Tensor, scheme: str, block=(128, 128)):
     """-> (tensors by suffix, dequantized float32 weight)."""
+    if scheme.startswith("gptq"):
+        return gptq_weight(w, int(scheme.split("_g")[-1]), v2="_v2_" in scheme)
     w = w.float()
     if scheme == "fp8_block":
         bn, bk = block
@@ -84,6 +121,14 @@ def quantize_weight(w: torch.Tensor, scheme: str, block=(128, 128)):
 
 
 def quantization_config(scheme: str, block=(128, 128)) -> dict:
+    if scheme.startswith("gptq"):
+        return {  # as GPTQModel writes it (fields that do not change storage included)
+            "quant_method": "gptq", "bits": 4, "group_size": int(scheme.split("_g")[-1]),
+            "desc_act": False, "sym": True, "lm_head": False, "damp_percent": 0.01,
+            "true_sequential": True, "static_groups": False,
+            "checkpoint_format": "gptq_v2" if "_v2_" in scheme else "gptq",
+            "meta": {"quantizer": ["gptqmodel:2.2.0"]}, "pack_dtype": "int32",
+        }  # fmt: skip
     if scheme == "fp8_block":
         return {
             "quant_method": "fp8",

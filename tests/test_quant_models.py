@@ -39,6 +39,7 @@ from kvloom import LLM
 from tests.conftest import TOKENIZER_FILES, VOCAB, build_hf_model
 from tests.oracle_helpers import MARGIN_TOL, hf_greedy, kvloom_prompt_logits
 from tests.quant_checkpoints import (
+    GPTQ_SCHEMES,
     fake_quant_fp8_experts,
     fake_quant_fp8_inputs,
     write_dequantized,
@@ -191,6 +192,24 @@ def test_qwen3_5_split_projections_match_dequantized_oracle(qwen3_5_src, tmp_pat
     check_against_oracle(*pair, scheme, group=32 if scheme == "fp8_block" else None)
 
 
+@pytest.mark.parametrize("scheme", GPTQ_SCHEMES)
+def test_gptq_dense_checkpoint_matches_dequantized_oracle(dense_src, tmp_path, scheme):
+    """GPTQ (symmetric, no activation order) runs on the W4A16 kernels: its qweight and
+    scales transposed are pack-quantized's tensors (workers/layers/quantization/gptq.py)."""
+    check_against_oracle(*make_pair(dense_src, tmp_path, scheme), scheme)
+
+
+def test_gptq_moe_hybrid_checkpoint_matches_dequantized_oracle(moe_src, tmp_path):
+    """Experts, shared expert, Gated DeltaNet and attention projections in GPTQ; the router,
+    shared-expert gate and in_proj_ba have no qweight, so they stay float."""
+    quantized, dequantized = make_pair(moe_src, tmp_path, "gptq_g32")
+    check_against_oracle(quantized, dequantized, "gptq_g32")
+    layer = llm(quantized).engine.executor.worker.runner.model.model.layers[0]
+    assert layer.mlp.experts.gate_up.quant_method.scheme.name == "w4a16-g32"
+    for module in (layer.mlp.gate, layer.mlp.shared_expert_gate, layer.linear_attn.in_proj_ba):
+        assert module.quant_method is None and module.weight.dtype == torch.float32
+
+
 def test_w4a16_equals_kvloom_float_on_dequantized_weights(moe_src, tmp_path):
     """Float activations: the int4 path is the float path on the dequantized weights."""
     quantized, dequantized = make_pair(moe_src, tmp_path, "w4a16_g32")
@@ -322,6 +341,64 @@ def test_unsupported_config_names_the_field(dense_src, tmp_path, scheme, edit, f
     with pytest.raises(
         ValueError, match=rf"quantization_config\.(config_groups\.group_0\.)?{field}"
     ):
+        llm(quantized)
+
+
+GPTQ_DOWN = "model.layers.1.mlp.down_proj"
+
+
+def _asymmetric(tensors):
+    zeros = tensors[f"{GPTQ_DOWN}.qzeros"]
+    zeros[1, 0] = zeros[1, 0] + 1  # column 0 of group 1: zero point 8 + 1
+
+
+def _reordered(tensors):
+    g_idx = tensors[f"{GPTQ_DOWN}.g_idx"]
+    tensors[f"{GPTQ_DOWN}.g_idx"] = g_idx.flip(0).contiguous()
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (_asymmetric, rf"{GPTQ_DOWN}\.qzeros: group 1, column 0 stores zero point 8 .* stores 7"),
+        (_reordered, rf"{GPTQ_DOWN}\.g_idx: input features are reordered"),
+        (lambda t: t.pop(f"{GPTQ_DOWN}.qzeros"), rf"{GPTQ_DOWN}\.qzeros: missing"),
+        (lambda t: t.pop(f"{GPTQ_DOWN}.scales"), rf"{GPTQ_DOWN}\.scales: missing"),
+    ],
+)
+def test_bad_gptq_tensors_name_the_tensor(dense_src, tmp_path, edit, match):
+    quantized = write_quantized(dense_src, tmp_path / "q", "gptq_g32")
+    edit_tensors(quantized, edit)
+    with pytest.raises(ValueError, match=match):
+        llm(quantized)
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        ({"bits": 8}, "bits"),
+        ({"sym": False}, "sym"),
+        ({"desc_act": True}, "desc_act"),
+        ({"group_size": -1}, "group_size"),
+        ({"checkpoint_format": "marlin"}, "checkpoint_format"),
+        ({"lm_head": True}, "lm_head"),
+        ({"dynamic": {"-:.*down_proj": {}}}, "dynamic"),
+    ],
+)
+def test_unsupported_gptq_config_names_the_field(dense_src, tmp_path, edit, field):
+    quantized = write_quantized(
+        dense_src, tmp_path / "q", "gptq_g32", config_edit=lambda cfg: {**cfg, **edit}
+    )
+    with pytest.raises(ValueError, match=rf"quantization_config\.{field} must be"):
+        llm(quantized)
+
+
+def test_gptq_group_size_other_than_the_tensors_names_the_tensor(dense_src, tmp_path):
+    """The config says group 128, the tensors were written with group 32."""
+    quantized = write_quantized(
+        dense_src, tmp_path / "q", "gptq_g32", config_edit=lambda cfg: {**cfg, "group_size": 128}
+    )
+    with pytest.raises(ValueError, match=r"_proj\.(scales|g_idx): "):
         llm(quantized)
 
 

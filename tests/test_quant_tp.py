@@ -5,7 +5,8 @@ MLP, fused MoE experts) is loaded from the same quantized tensors on one rank an
 gloo ranks; every output must agree (float32: partial sums of the row-parallel layers
 cross ranks in a different order, 1e-5 relative). Block scales shard by block (128-row
 and 128-column blocks: column-parallel rows keep their block's scale row, row-parallel
-ranks take whole column blocks), int4 packs and group scales by whole groups.
+ranks take whole column blocks), int4 packs and group scales by whole groups (GPTQ's
+too, after its tensors become the W4A16 layout).
 
 (Per-channel FP8 with dynamic per-token activation scales is not in this check: a
 row-parallel rank quantizes its own half of each token, so TP=2 rounds activations
@@ -28,6 +29,7 @@ from kvloom.workers.layers.quantization import (
     parse_quantization_config,
     quantize_model,
 )
+from kvloom.workers.layers.quantization.gptq import GptqReader, gptq_keys, gptq_modules
 from kvloom.workers.weight_loader import load_weights
 from tests.quant_checkpoints import quantization_config, quantize_weight
 
@@ -100,9 +102,14 @@ def scheme_outputs(state, scheme: str):
     with deferred_weights():
         block = Block(state.tp)
     qconfig = parse_quantization_config(quantization_config(scheme))
-    names = checkpoint_module_names(block, tensors.keys(), STACKED)
+    keys, items = list(tensors.keys()), tensors.items()
+    if qconfig.method == "gptq":  # as build_model and checkpoint_weights read GPTQ
+        qconfig.bind_checkpoint(gptq_modules(keys))
+        keys = gptq_keys(keys)
+        items = GptqReader(qconfig.rules[0][1].group_size, qconfig.gptq_stored_zero)(items)
+    names = checkpoint_module_names(block, keys, STACKED)
     quantize_model(block, qconfig, names, torch.device("cpu"))
-    load_weights(block, tensors.items(), STACKED)
+    load_weights(block, items, STACKED)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, HIDDEN, generator=g)
     ids = torch.rand(5, EXPERTS, generator=g).argsort(dim=1)[:, :2]
@@ -111,11 +118,11 @@ def scheme_outputs(state, scheme: str):
         return block(x, weights, ids)
 
 
-SCHEMES = ("fp8_block", "w4a16_g128")
+SCHEMES = ("fp8_block", "w4a16_g128", "gptq_g32")
 
 
 def test_tensor_parallel_2_matches_one_rank():
-    """Both schemes in one pair of rank processes (spawning them is the slow part)."""
+    """Every scheme in one pair of rank processes (spawning them is the slow part)."""
     single = block_outputs(single_process_state(), SCHEMES)
     ranks = run_local_ranks(block_outputs, RankLayout(2, 1), SCHEMES, timeout_s=120)
     for rank, per_scheme in enumerate(ranks):

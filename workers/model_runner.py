@@ -38,7 +38,7 @@ from kvloom.workers.graph_capture import CudaStepGraph
 from kvloom.workers.input_batch import InputBatch
 from kvloom.workers.kv_cache_scales import KVCacheScales, has_kv_cache_scheme
 from kvloom.workers.layers.attention import PagedAttention
-from kvloom.workers.layers.quantization.build import build_model
+from kvloom.workers.layers.quantization.build import build_model, checkpoint_weights
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
 from kvloom.workers.memory_profile import (
     graph_margin,
@@ -170,7 +170,12 @@ class ModelRunner:
         else:
             load_weights(
                 model,
-                scales.take(iterate_checkpoint(Path(self.config.model.model), progress=progress)),
+                scales.take(
+                    checkpoint_weights(
+                        self.config.model,
+                        iterate_checkpoint(Path(self.config.model.model), progress=progress),
+                    )
+                ),
                 klass.stacked_params,
                 klass.ignored_weight_prefixes,
                 model.tied,

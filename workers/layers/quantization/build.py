@@ -4,6 +4,7 @@ the quantization pass, so a quantized model never holds its float weights)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 from kvloom.kernels.dispatch import set_batch_invariant
 from kvloom.workers.layers.quantization.apply import checkpoint_module_names, quantize_model
 from kvloom.workers.layers.quantization.config import parse_quantization_config
+from kvloom.workers.layers.quantization.gptq import GptqReader, gptq_keys, gptq_modules
 from kvloom.workers.layers.quantization.scope import deferred_weights
 from kvloom.workers.weight_loader import checkpoint_keys
 
@@ -36,8 +38,20 @@ def build_model(klass, model_config, dtype: torch.dtype, tp, device) -> nn.Modul
         quantize_model(model, qconfig, names, device)
         return model
     keys = checkpoint_keys(Path(model_config.model))
+    if qconfig.method == "gptq":
+        qconfig.bind_checkpoint(gptq_modules(keys))
+        keys = gptq_keys(keys)
     names = checkpoint_module_names(
         model, keys, klass.stacked_params, klass.ignored_weight_prefixes
     )
     quantize_model(model, qconfig, names, device, keys)
     return model
+
+
+def checkpoint_weights(model_config, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable:
+    """The checkpoint's tensors as the model's layers load them: a GPTQ checkpoint's
+    turned into the W4A16 layout (gptq.py), any other's unchanged."""
+    qconfig = parse_quantization_config(model_config.quantization)
+    if qconfig is None or qconfig.method != "gptq":
+        return weights
+    return GptqReader(qconfig.rules[0][1].group_size, qconfig.gptq_stored_zero)(weights)

@@ -8,6 +8,9 @@ field. Two methods:
   `weight_block_size` [bn, bk] blocks with `weight_scale_inv` per block, activations
   quantized at run time per token and bk group (`activation_scheme: "dynamic"`). Modules
   listed in `modules_to_not_convert` (or `ignored_layers`) stay in the float dtype.
+* `quant_method: "gptq"` (AutoGPTQ / GPTQModel int4): symmetric, no activation order, read
+  as W4A16 (gptq.py turns its tensors into compressed-tensors' layout); the modules it
+  quantized are those with a `qweight` in the checkpoint (`bind_checkpoint`).
 * `quant_method: "compressed-tensors"` (llm-compressor; Kimi's INT4 checkpoints): each
   `config_groups` entry applies a scheme to its `targets` (class name "Linear", exact
   module names or "re:" regexes), minus `ignore`. Formats: `float-quantized` FP8 weights
@@ -49,6 +52,9 @@ CT_KNOWN = {
     "provider",
 }
 CT_FORMATS = ("float-quantized", "pack-quantized", "naive-quantized")
+# GPTQ's checkpoint formats -> the qzeros value of a symmetric int4 layer (z = 8): the
+# original format stores z - 1.
+GPTQ_STORED_ZERO = {"gptq": 7, "gptq_v2": 8}
 # Fields of compressed-tensors QuantizationArgs that do not change how weights are stored.
 CT_ARGS_IGNORED = {"observer", "observer_kwargs", "block_structure", "zp_dtype", "scale_dtype"}
 
@@ -136,8 +142,17 @@ class QuantizationConfig:
         self.rules = rules  # (targets, scheme) in config order
         self.ignore = ignore
         self._fp8_block = fp8  # "fp8": every module not ignored
+        self.gptq_stored_zero: int | None = None  # "gptq": qzeros of a symmetric layer
+        self._quantized: set[str] | None = None  # "gptq": modules with a qweight
+
+    def bind_checkpoint(self, modules: set[str]) -> None:
+        """GPTQ configs name no modules: the checkpoint's quantized ones are `modules`
+        (gptq.gptq_modules); every other module is float."""
+        self._quantized = set(modules)
 
     def _one(self, name: str) -> Scheme | None:
+        if self._quantized is not None:
+            return self.rules[0][1] if name in self._quantized else None
         if self._fp8_block is not None:
             return None if any(_not_converted(name, e) for e in self.ignore) else self._fp8_block
         if any(_matches(name, p) for p in self.ignore):
@@ -342,7 +357,37 @@ def parse_quantization_config(cfg: dict | None) -> QuantizationConfig | None:
         return _parse_fp8(cfg)
     if method == "compressed-tensors":
         return _parse_compressed_tensors(cfg)
+    if method == "gptq":
+        return _parse_gptq(cfg)
     raise ValueError(
-        f"{FIELD}.quant_method {method!r} is not supported; kvloom reads 'fp8' (block-scaled) "
-        "and 'compressed-tensors' (float-quantized FP8, pack-quantized W4A16)"
+        f"{FIELD}.quant_method {method!r} is not supported; kvloom reads 'fp8' (block-scaled), "
+        "'compressed-tensors' (float-quantized FP8, pack-quantized W4A16) and 'gptq' "
+        "(symmetric int4)"
     )
+
+
+def _parse_gptq(cfg: dict) -> QuantizationConfig:
+    """GPTQ configs carry many producer fields (damp_percent, true_sequential, meta, ...)
+    that do not change how weights are stored; these are the ones that do."""
+    if cfg.get("bits") != 4:
+        _fail("bits", "4 (kvloom reads int4 GPTQ checkpoints)", cfg.get("bits"))
+    group = cfg.get("group_size")
+    if not isinstance(group, int) or isinstance(group, bool) or group < 8 or group % 8:
+        _fail("group_size", "a positive multiple of 8 (-1, one group per row, is not read)", group)
+    if cfg.get("sym") is not True:
+        _fail("sym", "true (zero points other than 8 are not supported)", cfg.get("sym"))
+    if cfg.get("desc_act", False) is not False:
+        _fail("desc_act", "false (activation reordering is not supported)", cfg.get("desc_act"))
+    fmt = cfg.get("checkpoint_format") or cfg.get("format") or "gptq"
+    if fmt not in GPTQ_STORED_ZERO:
+        field = "checkpoint_format" if cfg.get("checkpoint_format") else "format"
+        _fail(field, f"one of {tuple(GPTQ_STORED_ZERO)}", fmt)
+    if cfg.get("is_marlin_format"):
+        _fail("is_marlin_format", "false", cfg["is_marlin_format"])
+    if cfg.get("lm_head"):
+        _fail("lm_head", "false (a quantized lm_head is not supported)", cfg["lm_head"])
+    if cfg.get("dynamic"):
+        _fail("dynamic", "empty (per-module overrides are not supported)", cfg["dynamic"])
+    qconfig = QuantizationConfig("gptq", [(("Linear",), W4A16Scheme(group))], ("lm_head",), None)
+    qconfig.gptq_stored_zero = GPTQ_STORED_ZERO[fmt]
+    return qconfig
