@@ -305,6 +305,58 @@ def sweep(device, tokens, n, widths) -> list[dict]:
     return rows
 
 
+def with_scaled_mm_count(fn, *args):
+    """fn(*args)'s result, and whether it called torch._scaled_mm (the serving path falls
+    back to the Triton GEMM where cuBLAS does not apply)."""
+    calls, real = [], torch._scaled_mm
+
+    def counted(*mm_args, **mm_kwargs):
+        calls.append(mm_args[0].shape)
+        return real(*mm_args, **mm_kwargs)
+
+    torch._scaled_mm = counted
+    try:
+        return fn(*args), bool(calls)
+    finally:
+        torch._scaled_mm = real
+
+
+def serving_path_probe(device) -> list[dict]:
+    """The GPU test's own operands (tests/triton_interpret/test_fp8_scaled_mm_triton.py:
+    bf16 randn activations, e4m3 weights randn x 40, block scales U[1e-4, 2.1e-3]) through
+    the serving path (`ops.fp8_linear` with KVLOOM_SCALED_MM=1: kvloom's activation
+    quantizer, padded rows, then cuBLAS) and through `cublas` above on the same quantized
+    operands, against their float64 product. The test saw 0.5% of the output scale where
+    the sweep's stress rows saw 0.02%: equal errors here point at the shape (cuBLAS's
+    algorithm for N >= 4096), unequal ones at the serving path."""
+    if device.type != "cuda":
+        return [{"probe": "serving_path", "skipped": "needs CUDA"}]
+    import os
+
+    from kvloom.kernels import ops
+    from kvloom.kernels.fp8_gemm_dispatch import quantize_activations
+
+    os.environ["KVLOOM_SCALED_MM"] = "1"
+    rows = []
+    for tokens, n, k in ((64, 1024, 4096), (64, 4096, 4096), (4096, 4096, 4096)):
+        g = torch.Generator(device="cpu").manual_seed(n + k + tokens)
+        w_q = (torch.randn(n, k, generator=g) * 40).to(FP8).to(device)
+        blocks = (torch.rand(n // BLOCK, k // BLOCK, generator=g) * 0.002 + 1e-4).to(device)
+        x = torch.randn(tokens, k, generator=g).to(device, torch.bfloat16)
+        x_q, x_s = quantize_activations(x)
+        want = exact(x_q, x_s.contiguous(), w_q, blocks)
+        served, took_cublas = with_scaled_mm_count(
+            ops.fp8_linear, x, w_q, row_scales(blocks), BLOCK, None, None, torch.float32, blocks
+        )
+        row = {"probe": "serving_path", "tokens": tokens, "N": n, "K": k}
+        row["serving_path_took_cublas"] = took_cublas
+        for label, out in (("serving_path", served), ("cublas", cublas(x_q, x_s, w_q, blocks))):
+            row.update({f"{label}_{key}": v for key, v in errors(out, want).items()})
+        rows.append(row)
+        print(json.dumps(row))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None)
@@ -324,6 +376,7 @@ def main() -> None:
         "scale_precision": scale_precision_probe(device),
         "layout": layout_probe(device),
         "fast_accum": fast_accum_probe(device),
+        "serving_path": serving_path_probe(device),
         "sweep": sweep(device, tokens, n, widths),
     }
     if args.out is not None:
