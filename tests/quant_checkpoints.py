@@ -17,6 +17,9 @@ dequantized back to float (the reference model). Formats:
   along K, `qzeros` int32 [K / g, N / 8] packed along N (z - 1 = 7 in the original
   format, z = 8 in v2), `scales` float16 [K / g, N], `g_idx` int32 [K]. Written here from
   the format's definition, independently of kvloom's reader.
+* "awq_g32" / "awq_g128": quant_method "awq", AutoAWQ's GEMM layout: `qweight` int32
+  [K, N / 8] and `qzeros` int32 [K / g, N / 8] packed along N in AWQ's column order,
+  `scales` float16 [K / g, N], asymmetric (zero points 0..15).
 
 Only the projections of attention, linear attention, dense MLPs and experts are
 quantized; embeddings, norms, routers, gates and lm_head stay float, as the released
@@ -42,6 +45,35 @@ KEEP_FLOAT = ["lm_head", "embed_tokens", "mlp.gate", "shared_expert_gate", "in_p
 KEEP_FLOAT += ["in_proj_a", "in_proj_b"]  # Qwen3.5's split gates (Qwen's FP8 keeps them)
 SCHEMES = ("fp8_block", "fp8_channel", "fp8_tensor", "w4a16_g32", "w4a16_g128")
 GPTQ_SCHEMES = ("gptq_g32", "gptq_g128", "gptq_v2_g32")
+AWQ_SCHEMES = ("awq_g32", "awq_g128")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's packing: nibble i holds column AWQ_ORDER[i]
+
+
+def _pack_awq(u: torch.Tensor) -> torch.Tensor:
+    """[R, C] values in [0, 15] -> [R, C / 8] int32 as AutoAWQ's GEMM layout packs them:
+    word w's nibble i (bits 4 * i) holds column 8 * w + AWQ_ORDER[i]."""
+    words = torch.zeros(u.shape[0], u.shape[1] // 8, dtype=torch.int64)
+    for i, col in enumerate(AWQ_ORDER):
+        words |= u[:, col::8].to(torch.int64) << (4 * i)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def awq_weight(w: torch.Tensor, group: int):
+    """AWQ's tensors of one [N, K] weight, asymmetric round-to-nearest per group (AWQ's
+    scale search left out: the layout is the point) -> (tensors by suffix, dequantized)."""
+    groups = w.float().unflatten(1, (-1, group))  # [N, K / g, g]
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / 15.0).clamp_min(1e-4).to(torch.float16)  # [N, K / g]
+    zero = torch.round(-low / scale.float()).clamp(0, 15).to(torch.int64)
+    u = (torch.round(groups / scale.float()[..., None]) + zero[..., None]).clamp(0, 15)
+    u = u.flatten(1).to(torch.int64)  # [N, K]
+    tensors = {
+        "qweight": _pack_awq(u.t()),  # [K, N / 8]
+        "qzeros": _pack_awq(zero.t()),  # [K / g, N / 8]
+        "scales": scale.t().contiguous(),  # [K / g, N]
+    }
+    deq = (u.unflatten(1, (-1, group)) - zero[..., None]).float() * scale.float()[..., None]
+    return tensors, deq.flatten(1)
 
 
 def _pack_nibbles(u: torch.Tensor) -> torch.Tensor:
@@ -89,6 +121,8 @@ def quantize_weight(w: torch.Tensor, scheme: str, block=(128, 128)):
     """-> (tensors by suffix, dequantized float32 weight)."""
     if scheme.startswith("gptq"):
         return gptq_weight(w, int(scheme.split("_g")[-1]), v2="_v2_" in scheme)
+    if scheme.startswith("awq"):
+        return awq_weight(w, int(scheme.split("_g")[-1]))
     w = w.float()
     if scheme == "fp8_block":
         bn, bk = block
@@ -121,6 +155,11 @@ def quantize_weight(w: torch.Tensor, scheme: str, block=(128, 128)):
 
 
 def quantization_config(scheme: str, block=(128, 128)) -> dict:
+    if scheme.startswith("awq"):
+        return {  # as transformers' AwqConfig writes AutoAWQ's
+            "quant_method": "awq", "bits": 4, "group_size": int(scheme.split("_g")[-1]),
+            "zero_point": True, "version": "gemm", "modules_to_not_convert": None,
+        }  # fmt: skip
     if scheme.startswith("gptq"):
         return {  # as GPTQModel writes it (fields that do not change storage included)
             "quant_method": "gptq", "bits": 4, "group_size": int(scheme.split("_g")[-1]),

@@ -39,6 +39,7 @@ from kvloom import LLM
 from tests.conftest import TOKENIZER_FILES, VOCAB, build_hf_model
 from tests.oracle_helpers import MARGIN_TOL, hf_greedy, kvloom_prompt_logits
 from tests.quant_checkpoints import (
+    AWQ_SCHEMES,
     GPTQ_SCHEMES,
     fake_quant_fp8_experts,
     fake_quant_fp8_inputs,
@@ -195,7 +196,7 @@ def test_qwen3_5_split_projections_match_dequantized_oracle(qwen3_5_src, tmp_pat
 @pytest.mark.parametrize("scheme", GPTQ_SCHEMES)
 def test_gptq_dense_checkpoint_matches_dequantized_oracle(dense_src, tmp_path, scheme):
     """GPTQ (symmetric, no activation order) runs on the W4A16 kernels: its qweight and
-    scales transposed are pack-quantized's tensors (workers/layers/quantization/gptq.py)."""
+    scales transposed are pack-quantized's tensors (workers/layers/quantization/int4_layouts.py)."""
     check_against_oracle(*make_pair(dense_src, tmp_path, scheme), scheme)
 
 
@@ -208,6 +209,21 @@ def test_gptq_moe_hybrid_checkpoint_matches_dequantized_oracle(moe_src, tmp_path
     assert layer.mlp.experts.gate_up.quant_method.scheme.name == "w4a16-g32"
     for module in (layer.mlp.gate, layer.mlp.shared_expert_gate, layer.linear_attn.in_proj_ba):
         assert module.quant_method is None and module.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("scheme", AWQ_SCHEMES)
+def test_awq_dense_checkpoint_matches_dequantized_oracle(dense_src, tmp_path, scheme):
+    """AWQ (zero points 0..15): the symmetric W4A16 kernels plus a per-group zero-point
+    correction (W4A16ZeroPointMethod) give the dequantized model's logits."""
+    check_against_oracle(*make_pair(dense_src, tmp_path, scheme), scheme)
+
+
+def test_awq_experts_are_refused_naming_the_layer(moe_src, tmp_path):
+    quantized = write_quantized(moe_src, tmp_path / "q", "awq_g32")
+    with pytest.raises(
+        ValueError, match=r"mlp\.experts\.gate_up: int4 with zero points \(AWQ\) in MoE"
+    ):
+        llm(quantized)
 
 
 def test_w4a16_equals_kvloom_float_on_dequantized_weights(moe_src, tmp_path):
@@ -309,7 +325,7 @@ def test_fused_parts_quantized_differently(dense_src, tmp_path):
 @pytest.mark.parametrize(
     ("scheme", "edit", "field"),
     [
-        ("fp8_block", {"quant_method": "awq"}, "quant_method"),
+        ("fp8_block", {"quant_method": "hqq"}, "quant_method"),
         ("fp8_block", {"activation_scheme": "static"}, "activation_scheme"),
         ("fp8_block", {"weight_block_size": [128, 100]}, "weight_block_size"),
         ("fp8_block", {"weight_block_size": None}, "weight_block_size"),
@@ -374,20 +390,23 @@ def test_bad_gptq_tensors_name_the_tensor(dense_src, tmp_path, edit, match):
 
 
 @pytest.mark.parametrize(
-    ("edit", "field"),
+    ("scheme", "edit", "field"),
     [
-        ({"bits": 8}, "bits"),
-        ({"sym": False}, "sym"),
-        ({"desc_act": True}, "desc_act"),
-        ({"group_size": -1}, "group_size"),
-        ({"checkpoint_format": "marlin"}, "checkpoint_format"),
-        ({"lm_head": True}, "lm_head"),
-        ({"dynamic": {"-:.*down_proj": {}}}, "dynamic"),
+        ("gptq_g32", {"bits": 8}, "bits"),
+        ("gptq_g32", {"sym": False}, "sym"),
+        ("gptq_g32", {"desc_act": True}, "desc_act"),
+        ("gptq_g32", {"group_size": -1}, "group_size"),
+        ("gptq_g32", {"checkpoint_format": "marlin"}, "checkpoint_format"),
+        ("gptq_g32", {"lm_head": True}, "lm_head"),
+        ("gptq_g32", {"dynamic": {"-:.*down_proj": {}}}, "dynamic"),
+        ("awq_g32", {"zero_point": False}, "zero_point"),
+        ("awq_g32", {"version": "gemv"}, "version"),
+        ("awq_g32", {"bits": 8}, "bits"),
     ],
 )
-def test_unsupported_gptq_config_names_the_field(dense_src, tmp_path, edit, field):
+def test_unsupported_int4_config_names_the_field(dense_src, tmp_path, scheme, edit, field):
     quantized = write_quantized(
-        dense_src, tmp_path / "q", "gptq_g32", config_edit=lambda cfg: {**cfg, **edit}
+        dense_src, tmp_path / "q", scheme, config_edit=lambda cfg: {**cfg, **edit}
     )
     with pytest.raises(ValueError, match=rf"quantization_config\.{field} must be"):
         llm(quantized)
@@ -399,6 +418,13 @@ def test_gptq_group_size_other_than_the_tensors_names_the_tensor(dense_src, tmp_
         dense_src, tmp_path / "q", "gptq_g32", config_edit=lambda cfg: {**cfg, "group_size": 128}
     )
     with pytest.raises(ValueError, match=r"_proj\.(scales|g_idx): "):
+        llm(quantized)
+
+
+def test_awq_missing_zeros_names_the_tensor(dense_src, tmp_path):
+    quantized = write_quantized(dense_src, tmp_path / "q", "awq_g32")
+    edit_tensors(quantized, lambda t: t.pop(f"{GPTQ_DOWN}.qzeros"))
+    with pytest.raises(ValueError, match=rf"{GPTQ_DOWN}\.qzeros: missing from the AWQ"):
         llm(quantized)
 
 

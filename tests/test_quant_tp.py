@@ -6,7 +6,8 @@ gloo ranks; every output must agree (float32: partial sums of the row-parallel l
 cross ranks in a different order, 1e-5 relative). Block scales shard by block (128-row
 and 128-column blocks: column-parallel rows keep their block's scale row, row-parallel
 ranks take whole column blocks), int4 packs and group scales by whole groups (GPTQ's
-too, after its tensors become the W4A16 layout).
+too, after their tensors become the W4A16 layout; AWQ's zero points shard as its scales,
+and its experts stay float: the fused MoE takes no zero points).
 
 (Per-channel FP8 with dynamic per-token activation scales is not in this check: a
 row-parallel rank quantizes its own half of each token, so TP=2 rounds activations
@@ -29,7 +30,7 @@ from kvloom.workers.layers.quantization import (
     parse_quantization_config,
     quantize_model,
 )
-from kvloom.workers.layers.quantization.gptq import GptqReader, gptq_keys, gptq_modules
+from kvloom.workers.layers.quantization.int4_layouts import Int4Reader, int4_keys, qweight_modules
 from kvloom.workers.weight_loader import load_weights
 from tests.quant_checkpoints import quantization_config, quantize_weight
 
@@ -88,6 +89,9 @@ def float_tensors() -> dict[str, torch.Tensor]:
 def quantized_tensors(scheme: str) -> dict[str, torch.Tensor]:
     out = {}
     for name, tensor in float_tensors().items():
+        if scheme.startswith("awq") and ".experts." in name:  # AWQ: dense layers only
+            out[name] = tensor
+            continue
         parts, _ = quantize_weight(tensor, scheme)
         out.update({name[: -len("weight")] + suffix: t for suffix, t in parts.items()})
     return out
@@ -103,10 +107,11 @@ def scheme_outputs(state, scheme: str):
         block = Block(state.tp)
     qconfig = parse_quantization_config(quantization_config(scheme))
     keys, items = list(tensors.keys()), tensors.items()
-    if qconfig.method == "gptq":  # as build_model and checkpoint_weights read GPTQ
-        qconfig.bind_checkpoint(gptq_modules(keys))
-        keys = gptq_keys(keys)
-        items = GptqReader(qconfig.rules[0][1].group_size, qconfig.gptq_stored_zero)(items)
+    if qconfig.method in ("gptq", "awq"):  # as build_model and checkpoint_weights read them
+        qconfig.bind_checkpoint(qweight_modules(keys))
+        keys = int4_keys(keys, qconfig.method)
+        group = qconfig.rules[0][1].group_size
+        items = Int4Reader(qconfig.method, group, qconfig.gptq_stored_zero)(items)
     names = checkpoint_module_names(block, keys, STACKED)
     quantize_model(block, qconfig, names, torch.device("cpu"))
     load_weights(block, items, STACKED)
@@ -118,7 +123,7 @@ def scheme_outputs(state, scheme: str):
         return block(x, weights, ids)
 
 
-SCHEMES = ("fp8_block", "w4a16_g128", "gptq_g32")
+SCHEMES = ("fp8_block", "w4a16_g128", "gptq_g32", "awq_g32")
 
 
 def test_tensor_parallel_2_matches_one_rank():

@@ -13,9 +13,11 @@ from torch import nn
 from kvloom.kernels.dispatch import set_batch_invariant
 from kvloom.workers.layers.quantization.apply import checkpoint_module_names, quantize_model
 from kvloom.workers.layers.quantization.config import parse_quantization_config
-from kvloom.workers.layers.quantization.gptq import GptqReader, gptq_keys, gptq_modules
+from kvloom.workers.layers.quantization.int4_layouts import Int4Reader, int4_keys, qweight_modules
 from kvloom.workers.layers.quantization.scope import deferred_weights
 from kvloom.workers.weight_loader import checkpoint_keys
+
+INT4_LAYOUTS = ("gptq", "awq")  # methods whose tensors int4_layouts.py translates
 
 
 def build_model(klass, model_config, dtype: torch.dtype, tp, device) -> nn.Module:
@@ -38,9 +40,9 @@ def build_model(klass, model_config, dtype: torch.dtype, tp, device) -> nn.Modul
         quantize_model(model, qconfig, names, device)
         return model
     keys = checkpoint_keys(Path(model_config.model))
-    if qconfig.method == "gptq":
-        qconfig.bind_checkpoint(gptq_modules(keys))
-        keys = gptq_keys(keys)
+    if qconfig.method in INT4_LAYOUTS:
+        qconfig.bind_checkpoint(qweight_modules(keys))
+        keys = int4_keys(keys, qconfig.method)
     names = checkpoint_module_names(
         model, keys, klass.stacked_params, klass.ignored_weight_prefixes
     )
@@ -49,9 +51,10 @@ def build_model(klass, model_config, dtype: torch.dtype, tp, device) -> nn.Modul
 
 
 def checkpoint_weights(model_config, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable:
-    """The checkpoint's tensors as the model's layers load them: a GPTQ checkpoint's
-    turned into the W4A16 layout (gptq.py), any other's unchanged."""
+    """The checkpoint's tensors as the model's layers load them: a GPTQ or AWQ
+    checkpoint's turned into the W4A16 layout (int4_layouts.py), any other's unchanged."""
     qconfig = parse_quantization_config(model_config.quantization)
-    if qconfig is None or qconfig.method != "gptq":
+    if qconfig is None or qconfig.method not in INT4_LAYOUTS:
         return weights
-    return GptqReader(qconfig.rules[0][1].group_size, qconfig.gptq_stored_zero)(weights)
+    group = qconfig.rules[0][1].group_size
+    return Int4Reader(qconfig.method, group, qconfig.gptq_stored_zero)(weights)

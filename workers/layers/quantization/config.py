@@ -9,8 +9,10 @@ field. Two methods:
   quantized at run time per token and bk group (`activation_scheme: "dynamic"`). Modules
   listed in `modules_to_not_convert` (or `ignored_layers`) stay in the float dtype.
 * `quant_method: "gptq"` (AutoGPTQ / GPTQModel int4): symmetric, no activation order, read
-  as W4A16 (gptq.py turns its tensors into compressed-tensors' layout); the modules it
+  as W4A16 (int4_layouts.py turns its tensors into compressed-tensors' layout); the modules it
   quantized are those with a `qweight` in the checkpoint (`bind_checkpoint`).
+* `quant_method: "awq"` (AutoAWQ's GEMM layout): int4 with zero points, read as W4A16 with
+  a zero point per group (int4_layouts.py turns its tensors into that layout); dense layers only.
 * `quant_method: "compressed-tensors"` (llm-compressor; Kimi's INT4 checkpoints): each
   `config_groups` entry applies a scheme to its `targets` (class name "Linear", exact
   module names or "re:" regexes), minus `ignore`. Formats: `float-quantized` FP8 weights
@@ -79,13 +81,15 @@ class Fp8Scheme:
 
 @dataclass(frozen=True)
 class W4A16Scheme:
-    """int4 symmetric weights, one scale per `group_size` input features; float activations."""
+    """int4 weights, one scale per `group_size` input features; float activations.
+    Symmetric (w = q * s), or with `zero_point` (AWQ: w = (q - z) * s, a z per group)."""
 
     group_size: int
+    zero_point: bool = False
 
     @property
     def name(self) -> str:
-        return f"w4a16-g{self.group_size}"
+        return f"w4a16-g{self.group_size}" + ("-zp" if self.zero_point else "")
 
 
 Scheme = Fp8Scheme | W4A16Scheme
@@ -143,11 +147,12 @@ class QuantizationConfig:
         self.ignore = ignore
         self._fp8_block = fp8  # "fp8": every module not ignored
         self.gptq_stored_zero: int | None = None  # "gptq": qzeros of a symmetric layer
-        self._quantized: set[str] | None = None  # "gptq": modules with a qweight
+        self._quantized: set[str] | None = None  # "gptq", "awq": modules with a qweight
 
     def bind_checkpoint(self, modules: set[str]) -> None:
-        """GPTQ configs name no modules: the checkpoint's quantized ones are `modules`
-        (gptq.gptq_modules); every other module is float."""
+        """GPTQ and AWQ configs name no modules: the checkpoint's quantized ones are
+        `modules` (those with a qweight: int4_layouts.qweight_modules); every other
+        module is float."""
         self._quantized = set(modules)
 
     def _one(self, name: str) -> Scheme | None:
@@ -359,21 +364,41 @@ def parse_quantization_config(cfg: dict | None) -> QuantizationConfig | None:
         return _parse_compressed_tensors(cfg)
     if method == "gptq":
         return _parse_gptq(cfg)
+    if method == "awq":
+        return _parse_awq(cfg)
     raise ValueError(
         f"{FIELD}.quant_method {method!r} is not supported; kvloom reads 'fp8' (block-scaled), "
-        "'compressed-tensors' (float-quantized FP8, pack-quantized W4A16) and 'gptq' "
-        "(symmetric int4)"
+        "'compressed-tensors' (float-quantized FP8, pack-quantized W4A16), 'gptq' "
+        "(symmetric int4) and 'awq' (int4 with zero points, GEMM layout)"
     )
+
+
+def _int4_group_size(cfg: dict) -> int:
+    if cfg.get("bits", cfg.get("w_bit")) != 4:
+        _fail("bits", "4 (kvloom reads int4 checkpoints)", cfg.get("bits", cfg.get("w_bit")))
+    group = cfg.get("group_size", cfg.get("q_group_size"))
+    if not isinstance(group, int) or isinstance(group, bool) or group < 8 or group % 8:
+        _fail("group_size", "a positive multiple of 8 (-1, one group per row, is not read)", group)
+    return group
+
+
+def _parse_awq(cfg: dict) -> QuantizationConfig:
+    """AutoAWQ's config; producer fields (modules_to_not_convert among them: the modules
+    with a qweight are the quantized ones) do not change storage and are not read."""
+    group = _int4_group_size(cfg)
+    if cfg.get("zero_point", True) is not True:
+        _fail("zero_point", "true (AWQ without zero points is not supported)", cfg["zero_point"])
+    version = str(cfg.get("version", "gemm")).lower()
+    if version != "gemm":
+        _fail("version", "'gemm' (the GEMV, Marlin and ExLlama layouts are not read)", version)
+    scheme = W4A16Scheme(group, zero_point=True)
+    return QuantizationConfig("awq", [(("Linear",), scheme)], ("lm_head",), None)
 
 
 def _parse_gptq(cfg: dict) -> QuantizationConfig:
     """GPTQ configs carry many producer fields (damp_percent, true_sequential, meta, ...)
     that do not change how weights are stored; these are the ones that do."""
-    if cfg.get("bits") != 4:
-        _fail("bits", "4 (kvloom reads int4 GPTQ checkpoints)", cfg.get("bits"))
-    group = cfg.get("group_size")
-    if not isinstance(group, int) or isinstance(group, bool) or group < 8 or group % 8:
-        _fail("group_size", "a positive multiple of 8 (-1, one group per row, is not read)", group)
+    group = _int4_group_size(cfg)
     if cfg.get("sym") is not True:
         _fail("sym", "true (zero points other than 8 are not supported)", cfg.get("sym"))
     if cfg.get("desc_act", False) is not False:

@@ -322,7 +322,50 @@ class W4A16Method(QuantMethod):
         )
 
 
+class W4A16ZeroPointMethod(W4A16Method):
+    """int4 with a zero point per group and output row (AWQ): w = (q - z) * s, with q and
+    z stored as in the symmetric layout (signed, offset 8 removed). The symmetric kernels
+    give x (q * s)^T; the zero points subtract sum_g (sum of x over group g) * s * z, a
+    [T, K / g] x [K / g, N] product, in float32 before the one rounding to the output
+    dtype. Dense layers only: the fused MoE kernels take no zero points."""
+
+    def __init__(self, scheme: W4A16Scheme, geom: Geometry, dtype: torch.dtype, what: str):
+        super().__init__(scheme, geom, dtype, what)
+        if geom.num_experts is not None:
+            raise ValueError(
+                f"{what}: int4 with zero points (AWQ) in MoE experts is not supported; "
+                "the fused MoE kernels take symmetric int4 (GPTQ sym: true, compressed-"
+                "tensors pack-quantized)"
+            )
+
+    def param_shapes(self):
+        shapes = super().param_shapes()
+        shapes["weight_zero"] = shapes["weight_scale"]
+        return shapes
+
+    def load(self, layer, param_name, loaded, shard):
+        if param_name != "weight_zero":
+            return super().load(layer, param_name, loaded, shard)
+        part = self.part_of(shard)
+        shape = (self.geom.parts[part], self.geom.in_full // self.group)
+        self._check(param_name, loaded, shape, FLOAT_DTYPES)
+        self._store_rows(layer, param_name, self._cols(param_name, loaded, self.group), shard)
+
+    def apply(self, layer, x, bias=None, out_dtype=None):
+        out = w4a16_linear(
+            x, layer.weight_packed, layer.weight_scale, self.group, None, torch.float32
+        )
+        group_sums = x.float().unflatten(-1, (-1, self.group)).sum(dim=-1)  # [..., K / g]
+        zero_scale = layer.weight_scale.float() * layer.weight_zero.float()  # [N, K / g]
+        out = out - group_sums @ zero_scale.t()
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(out_dtype or x.dtype)
+
+
 def make_method(scheme: Scheme, geom: Geometry, dtype: torch.dtype, what: str) -> QuantMethod:
     if isinstance(scheme, Fp8Scheme):
         return Fp8Method(scheme, geom, dtype, what)
+    if scheme.zero_point:
+        return W4A16ZeroPointMethod(scheme, geom, dtype, what)
     return W4A16Method(scheme, geom, dtype, what)

@@ -1,4 +1,6 @@
-"""GPTQ int4 checkpoints (`quant_method: "gptq"`, AutoGPTQ / GPTQModel), read as W4A16.
+"""GPTQ and AWQ int4 checkpoints, read as W4A16 (`Int4Reader`).
+
+GPTQ (`quant_method: "gptq"`, AutoGPTQ / GPTQModel).
 
 A symmetric GPTQ layer without activation reordering (`sym: true`, `desc_act: false`) is
 the same weight as compressed-tensors' `pack-quantized` layout that the W4A16 kernels run,
@@ -18,6 +20,13 @@ value and u its stored nibble, so `weight_packed` is `qweight` transposed and
 GPTQ checkpoint's tensor names and tensors into those, checking the zero points and
 `g_idx` on the way (a nonzero offset or a reordered `g_idx` is an error naming the
 tensor: the W4A16 kernels have neither zero points nor reordering).
+
+AWQ (`quant_method: "awq"`, AutoAWQ's GEMM layout, `version: "gemm"`): `qweight` int32
+[K, N / 8] and `qzeros` int32 [K / g, N / 8] packed along N, nibble i of a word holding
+column 8 * word + AWQ_ORDER[i]; `scales` float16 [K / g, N]; w[n, k] = (u - z) * s with
+any z in [0, 15]. It becomes pack-quantized's `weight_packed` (u - 8, repacked along K) and
+`weight_scale`, plus `weight_zero` [N, K / g] = z - 8, which the zero-point W4A16 method
+applies as a per-group correction (methods.py).
 """
 
 from __future__ import annotations
@@ -26,10 +35,15 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-SYMMETRIC_ZERO = 8
-# GPTQ tensor suffix -> the compressed-tensors tensor it becomes (None: checked, dropped).
-RENAMED = {"qweight": "weight_packed", "scales": "weight_scale", "qzeros": None, "g_idx": None}
+from kvloom.kernels.w4a16_gemm import INT4_OFFSET, pack_int4
+
+# Checkpoint tensor suffix -> the W4A16 tensor it becomes (None: checked, dropped).
+RENAMED = {
+    "gptq": {"qweight": "weight_packed", "scales": "weight_scale", "qzeros": None, "g_idx": None},
+    "awq": {"qweight": "weight_packed", "scales": "weight_scale", "qzeros": "weight_zero"},
+}
 NEEDED = ("qweight", "scales", "qzeros")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i]
 
 
 def _split(name: str) -> tuple[str, str]:
@@ -37,22 +51,22 @@ def _split(name: str) -> tuple[str, str]:
     return module, suffix
 
 
-def gptq_modules(keys: Iterable[str]) -> set[str]:
-    """The checkpoint modules GPTQ quantized: those with a `qweight`."""
+def qweight_modules(keys: Iterable[str]) -> set[str]:
+    """The checkpoint modules GPTQ or AWQ quantized: those with a `qweight`."""
     return {module for module, suffix in map(_split, keys) if suffix == "qweight"}
 
 
-def gptq_keys(keys: Iterable[str]) -> list[str]:
-    """The checkpoint's tensor names as `gptq_tensors` yields them."""
-    keys = list(keys)
-    quantized = gptq_modules(keys)
+def int4_keys(keys: Iterable[str], method: str) -> list[str]:
+    """The checkpoint's tensor names as `Int4Reader(method, ...)` yields them."""
+    keys, renamed = list(keys), RENAMED[method]
+    quantized = qweight_modules(keys)
     out = []
     for key in keys:
         module, suffix = _split(key)
-        if module not in quantized or suffix not in RENAMED:
+        if module not in quantized or suffix not in renamed:
             out.append(key)
-        elif RENAMED[suffix] is not None:
-            out.append(f"{module}.{RENAMED[suffix]}")
+        elif renamed[suffix] is not None:
+            out.append(f"{module}.{renamed[suffix]}")
             if suffix == "qweight":
                 out.append(f"{module}.weight_shape")
     return out
@@ -71,20 +85,22 @@ def _check_int32(name: str, tensor: torch.Tensor, dims: int) -> None:
         )
 
 
-class GptqReader:
-    """Turns a GPTQ checkpoint's tensors into W4A16 ones (`__call__`), one module at a
-    time as its `qweight`, `scales` and `qzeros` arrive; `finish()` names any module
-    whose tensors did not all arrive."""
+class Int4Reader:
+    """Turns a GPTQ or AWQ checkpoint's tensors into W4A16 ones (`__call__`), one module
+    at a time as its `qweight`, `scales` and `qzeros` arrive; `finish()` names any module
+    whose tensors did not all arrive. `stored_zero`: what a GPTQ checkpoint stores for
+    z = 8."""
 
-    def __init__(self, group_size: int, stored_zero: int):
+    def __init__(self, method: str, group_size: int, stored_zero: int | None = None):
+        self.method = method
         self.group_size = group_size
-        self.stored_zero = stored_zero  # what the checkpoint stores for z = 8
+        self.stored_zero = stored_zero
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
 
     def __call__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator:
         for name, tensor in weights:
             module, suffix = _split(name)
-            if suffix not in RENAMED:
+            if suffix not in RENAMED[self.method]:
                 yield name, tensor
                 continue
             if suffix == "g_idx":
@@ -100,7 +116,7 @@ class GptqReader:
         for module, parts in self.pending.items():
             missing = [s for s in NEEDED if s not in parts]
             raise ValueError(
-                f"{module}.{missing[0]}: missing from the GPTQ checkpoint (a GPTQ layer "
+                f"{module}.{missing[0]}: missing from the {self.method.upper()} checkpoint (a layer "
                 f"needs {', '.join(NEEDED)}; found {', '.join(sorted(parts))})"
             )
 
@@ -119,7 +135,10 @@ class GptqReader:
         qweight, scales, qzeros = (parts[s] for s in NEEDED)
         _check_int32(f"{module}.qweight", qweight, 2)
         _check_int32(f"{module}.qzeros", qzeros, 2)
-        k, n = qweight.shape[0] * 8, qweight.shape[1]
+        if self.method == "gptq":  # [K / 8, N]
+            k, n = qweight.shape[0] * 8, qweight.shape[1]
+        else:  # AWQ: [K, N / 8]
+            k, n = qweight.shape[0], qweight.shape[1] * 8
         groups = k // self.group_size
         if k % self.group_size:
             raise ValueError(
@@ -135,6 +154,13 @@ class GptqReader:
             raise ValueError(
                 f"{module}.qzeros: expected [{groups}, {-(-n // 8)}], got {list(qzeros.shape)}"
             )
+        if self.method == "gptq":
+            yield from self._gptq(module, qweight, scales, qzeros, n)
+        else:
+            yield from self._awq(module, qweight, scales, qzeros)
+        yield f"{module}.weight_shape", torch.tensor([n, k], dtype=torch.int64)
+
+    def _gptq(self, module, qweight, scales, qzeros, n) -> Iterator:
         zeros = _unpack_columns(qzeros)[:, :n]
         off = zeros != self.stored_zero
         if off.any():
@@ -146,4 +172,18 @@ class GptqReader:
             )
         yield f"{module}.weight_packed", qweight.t().contiguous()
         yield f"{module}.weight_scale", scales.t().contiguous()
-        yield f"{module}.weight_shape", torch.tensor([n, k], dtype=torch.int64)
+
+    def _awq(self, module, qweight, scales, qzeros) -> Iterator:
+        values = _unpack_awq(qweight)  # [K, N] in [0, 15]
+        yield f"{module}.weight_packed", pack_int4(values.t() - INT4_OFFSET)
+        yield f"{module}.weight_scale", scales.t().contiguous()
+        zeros = _unpack_awq(qzeros) - INT4_OFFSET  # [K / g, N]
+        yield f"{module}.weight_zero", zeros.t().to(scales.dtype).contiguous()
+
+
+def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """[R, C / 8] int32 in AWQ's column order -> [R, C] int64 in natural order."""
+    nibbles = _unpack_columns(packed).unflatten(-1, (-1, 8))
+    natural = torch.empty_like(nibbles)
+    natural[..., list(AWQ_ORDER)] = nibbles
+    return natural.flatten(-2)
