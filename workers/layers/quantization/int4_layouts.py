@@ -25,8 +25,8 @@ AWQ (`quant_method: "awq"`, AutoAWQ's GEMM layout, `version: "gemm"`): `qweight`
 [K, N / 8] and `qzeros` int32 [K / g, N / 8] packed along N, nibble i of a word holding
 column 8 * word + AWQ_ORDER[i]; `scales` float16 [K / g, N]; w[n, k] = (u - z) * s with
 any z in [0, 15]. It becomes pack-quantized's `weight_packed` (u - 8, repacked along K) and
-`weight_scale`, plus `weight_zero` [N, K / g] = z - 8, which the zero-point W4A16 method
-applies as a per-group correction (methods.py).
+`weight_scale`, plus `weight_offset` [N, K / g] = s * (z - 8) in float32, which the
+zero-point W4A16 method subtracts as a per-group correction (methods.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from kvloom.kernels.w4a16_gemm import INT4_OFFSET, pack_int4
 # Checkpoint tensor suffix -> the W4A16 tensor it becomes (None: checked, dropped).
 RENAMED = {
     "gptq": {"qweight": "weight_packed", "scales": "weight_scale", "qzeros": None, "g_idx": None},
-    "awq": {"qweight": "weight_packed", "scales": "weight_scale", "qzeros": "weight_zero"},
+    "awq": {"qweight": "weight_packed", "scales": "weight_scale", "qzeros": "weight_offset"},
 }
 NEEDED = ("qweight", "scales", "qzeros")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i]
@@ -178,7 +178,8 @@ class Int4Reader:
         yield f"{module}.weight_packed", pack_int4(values.t() - INT4_OFFSET)
         yield f"{module}.weight_scale", scales.t().contiguous()
         zeros = _unpack_awq(qzeros) - INT4_OFFSET  # [K / g, N]
-        yield f"{module}.weight_zero", zeros.t().to(scales.dtype).contiguous()
+        offset = zeros.to(torch.float32) * scales.to(torch.float32)
+        yield f"{module}.weight_offset", offset.t().contiguous()
 
 
 def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:

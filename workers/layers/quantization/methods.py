@@ -324,10 +324,11 @@ class W4A16Method(QuantMethod):
 
 class W4A16ZeroPointMethod(W4A16Method):
     """int4 with a zero point per group and output row (AWQ): w = (q - z) * s, with q and
-    z stored as in the symmetric layout (signed, offset 8 removed). The symmetric kernels
-    give x (q * s)^T; the zero points subtract sum_g (sum of x over group g) * s * z, a
-    [T, K / g] x [K / g, N] product, in float32 before the one rounding to the output
-    dtype. Dense layers only: the fused MoE kernels take no zero points."""
+    z signed as in the symmetric layout (offset 8 removed). The symmetric kernels give
+    x (q s)^T; `weight_offset` [N, K / g] = s * z (float32) then takes away
+    sum_g (sum of x over group g) * s * z, a [T, K / g] x [K / g, N] product, in float32
+    before the one rounding to the output dtype. Dense layers only: the fused MoE kernels
+    take no zero points."""
 
     def __init__(self, scheme: W4A16Scheme, geom: Geometry, dtype: torch.dtype, what: str):
         super().__init__(scheme, geom, dtype, what)
@@ -340,11 +341,11 @@ class W4A16ZeroPointMethod(W4A16Method):
 
     def param_shapes(self):
         shapes = super().param_shapes()
-        shapes["weight_zero"] = shapes["weight_scale"]
+        shapes["weight_offset"] = (shapes["weight_scale"][0], torch.float32)
         return shapes
 
     def load(self, layer, param_name, loaded, shard):
-        if param_name != "weight_zero":
+        if param_name != "weight_offset":
             return super().load(layer, param_name, loaded, shard)
         part = self.part_of(shard)
         shape = (self.geom.parts[part], self.geom.in_full // self.group)
@@ -356,8 +357,7 @@ class W4A16ZeroPointMethod(W4A16Method):
             x, layer.weight_packed, layer.weight_scale, self.group, None, torch.float32
         )
         group_sums = x.float().unflatten(-1, (-1, self.group)).sum(dim=-1)  # [..., K / g]
-        zero_scale = layer.weight_scale.float() * layer.weight_zero.float()  # [N, K / g]
-        out = out - group_sums @ zero_scale.t()
+        out = out - group_sums @ layer.weight_offset.t()
         if bias is not None:
             out = out + bias.float()
         return out.to(out_dtype or x.dtype)
