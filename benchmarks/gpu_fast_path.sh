@@ -9,7 +9,7 @@
 #     [spec-profile] [spec-decode] [deterministic] [all-gpu-tests] [gdn-mixed]
 #     [trace-dense] [bench-kimi] [fp8-plans] [mla] [host-256] [gpu-gaps]
 #     [act-quant] [scaled-mm-accuracy] [attention-fusion] [norm-gemv] [gdn-decode]
-#     [moe-pairs] [fusion-ab]
+#     [moe-pairs] [fusion-ab] [bench-int4]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -185,6 +185,14 @@ for section in "$@"; do
     scaled-mm-accuracy)  # where cuBLAS's blockwise FP8 GEMM loses accuracy (issue 22)
       timeout 400 python3 benchmarks/scaled_mm_accuracy.py \
         --out "$OUT/scaled_mm_accuracy.json" 2>&1 | tail -30 || status=1
+      ;;
+    bench-int4)  # Qwen3-8B batch-1 decode with int4 weights: symmetric W4A16, AWQ's zero points
+      for q in w4a16 awq; do
+        python3 -m kvloom.cluster.cli bench latency --shape qwen3-8b --quantization $q \
+          --out "$OUT/kvloom_qwen3-8b_latency_$q.json" 2>&1 | grep "^RESULT ms_per_token" \
+          | sed "s/^RESULT /RESULT $q /"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      done
       ;;
     fp8-plans)  # FP8 GEMM plans, imprecise accumulation, torch._scaled_mm (quantization.md)
       timeout 400 python3 benchmarks/quant_moe_plans.py --no-moe --fp8-plans \

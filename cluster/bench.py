@@ -154,8 +154,9 @@ SHAPES = {
 
 
 # The `quantization_config` a shape gets with `--quantization`, as the published
-# checkpoints write it: Qwen3-8B-FP8's block-scaled FP8 (its lm_head stays bf16), and
-# llm-compressor's W4A16 (int4, group 128, symmetric) on every Linear but lm_head.
+# checkpoints write it: Qwen3-8B-FP8's block-scaled FP8 (its lm_head stays bf16),
+# llm-compressor's W4A16 (int4, group 128, symmetric) on every Linear but lm_head, and
+# AWQ (the same with zero points: the W4A16 kernels plus the per-group correction).
 QUANTIZATION_CONFIGS = {
     "fp8": {
         "quant_method": "fp8",
@@ -183,6 +184,8 @@ QUANTIZATION_CONFIGS = {
         },
         "ignore": ["lm_head"],
     },
+    # AutoAWQ's GEMM layout (int4, group 128, zero points): dense shapes only.
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
 }
 
 
@@ -190,7 +193,7 @@ def shape_dir(
     shape: str, root: Path, quantization: str | None = None, context_len: int | None = None
 ) -> Path:
     """A checkpoint dir with only config.json and the demo tokenizer (weights are dummy);
-    `quantization` (fp8, w4a16) adds that format's `quantization_config`; a `context_len`
+    `quantization` (fp8, w4a16, awq) adds that format's `quantization_config`; a `context_len`
     past the shape's own limit stretches its rope (`extend_context`)."""
     from kvloom.cluster.demo_model import write_demo_model
 

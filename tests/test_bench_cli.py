@@ -204,7 +204,11 @@ def test_bench_latency_runs_on_a_demo_model_directory(tmp_path):
 
 @pytest.mark.parametrize(
     ("quantization", "code_dtype", "scale_name", "scale"),
-    [("fp8", "float8_e4m3fn", "weight_scale_inv", 0.02), ("w4a16", "int32", "weight_scale", 0.005)],
+    [
+        ("fp8", "float8_e4m3fn", "weight_scale_inv", 0.02),
+        ("w4a16", "int32", "weight_scale", 0.005),
+        ("awq", "int32", "weight_scale", 0.005),  # and a weight_offset per group
+    ],
 )
 def test_quantized_shape_gets_quantized_dummy_weights(
     tmp_path, quantization, code_dtype, scale_name, scale
@@ -229,6 +233,8 @@ def test_quantized_shape_gets_quantized_dummy_weights(
     scales = [p for n, p in params.items() if n.endswith(scale_name)]
     assert len(scales) == len(codes) and all(bool((p == scale).all()) for p in scales)
     assert not any(n.startswith("lm_head") for n in codes)
+    offsets = [n for n in params if n.endswith("weight_offset")]
+    assert len(offsets) == (len(codes) if quantization == "awq" else 0)
     sampling = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2)
     engine.add_request("r", {"prompt_token_ids": list(range(1, 20))}, sampling)
     while engine.has_unfinished_requests():
