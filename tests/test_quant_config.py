@@ -53,6 +53,33 @@ def test_kimi_int4_targets_and_ignores():
     assert cfg.scheme_for(["model.layers.1.mlp.shared_experts.down_proj"], "shared") is None
 
 
+@pytest.mark.parametrize(
+    ("scheme", "want", "stored_zero"),
+    [
+        ("gptq_g128", W4A16Scheme(128), 7),
+        ("gptq_v2_g32", W4A16Scheme(32), 8),
+        ("awq_g32", W4A16Scheme(32, zero_point=True), None),
+    ],
+)
+def test_int4_configs_take_their_modules_from_the_checkpoint(scheme, want, stored_zero):
+    """GPTQ and AWQ configs name no modules: those with a qweight are quantized."""
+    from kvloom.workers.layers.quantization.int4_layouts import int4_keys, qweight_modules
+
+    cfg = parse_quantization_config(quantization_config(scheme))
+    assert cfg.gptq_stored_zero == stored_zero
+    keys = ["m.q_proj.qweight", "m.q_proj.scales", "m.q_proj.qzeros"]
+    keys += [] if want.zero_point else ["m.q_proj.g_idx"]  # GPTQ's, checked and dropped
+    keys += ["m.gate.weight", "lm_head.weight"]
+    cfg.bind_checkpoint(qweight_modules(keys))
+    assert cfg.scheme_for(["m.q_proj"], "q") == want
+    assert cfg.scheme_for(["m.gate"], "router") is None
+    assert cfg.scheme_for(["lm_head"], "lm_head") is None
+    zeros = "m.q_proj.weight_offset" if want.zero_point else None
+    renamed = ["m.q_proj.weight_packed", "m.q_proj.weight_shape", "m.q_proj.weight_scale"]
+    renamed += [zeros] if zeros else []
+    assert int4_keys(keys, cfg.method) == [*renamed, "m.gate.weight", "lm_head.weight"]
+
+
 def test_compressed_tensors_fp8_schemes():
     channel = parse_quantization_config(quantization_config("fp8_channel"))
     tensor = parse_quantization_config(quantization_config("fp8_tensor"))
