@@ -856,19 +856,24 @@ def w4a16_linear(x, packed, scale, group_size, bias=None, out_dtype=None):
     return w4a16_linear_ref(x, packed, scale, group_size, bias, out_dtype)
 
 
-def w4a16_fused_moe(hidden, w13_packed, w13_scale, w2_packed, w2_scale, group, weights, ids):
+def w4a16_fused_moe(
+    hidden, w13_packed, w13_scale, w2_packed, w2_scale, group, weights, ids, offsets=None
+):
     """Routed experts with int4 weights; the route block size is chosen by token count
-    and every choice gives the same bits (invariant 7)."""
+    and every choice gives the same bits (invariant 7). `offsets`: (w13, w2) zero points
+    as float32 s * z (AWQ), or None."""
+    w13_offset, w2_offset = offsets or (None, None)
+    zero_points = dict(w13_offset=w13_offset, w2_offset=w2_offset)
     if use_triton(hidden):
         from kvloom.kernels.w4a16_moe_triton import w4a16_fused_moe_triton
 
         return w4a16_fused_moe_triton(
-            hidden, w13_packed, w13_scale, w2_packed, w2_scale, group, weights, ids
+            hidden, w13_packed, w13_scale, w2_packed, w2_scale, group, weights, ids, **zero_points
         )
     from kvloom.kernels.w4a16_moe import w4a16_fused_moe_ref
 
     return w4a16_fused_moe_ref(
-        hidden, w13_packed, w13_scale, w2_packed, w2_scale, group, weights, ids
+        hidden, w13_packed, w13_scale, w2_packed, w2_scale, group, weights, ids, **zero_points
     )
 
 

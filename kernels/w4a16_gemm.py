@@ -59,12 +59,20 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_w4(
-    packed: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    group_size: int,
+    dtype: torch.dtype,
+    offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[..., N, K / 8] + [..., N, K / g] -> [..., N, K] in `dtype` (rounded once)."""
+    """[..., N, K / 8] + [..., N, K / g] -> [..., N, K] in `dtype` (rounded once).
+    `offset` (float32, the scale's shape): zero points as s * z, the weight q * s - o."""
     in_features = packed.shape[-1] * PACK_FACTOR
     q = unpack_int4(packed, in_features).float()
-    return (q * scale.float().repeat_interleave(group_size, dim=-1)).to(dtype)
+    w = q * scale.float().repeat_interleave(group_size, dim=-1)
+    if offset is not None:
+        w = w - offset.float().repeat_interleave(group_size, dim=-1)
+    return w.to(dtype)
 
 
 def w4a16_linear_ref(

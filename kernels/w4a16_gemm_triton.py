@@ -57,27 +57,40 @@ def dequant_w4_tile(
     GROUP: tl.constexpr,
     BLOCK_K: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
+    o_rows=None,
+    HAS_OFFSET: tl.constexpr = False,
 ):
     """Columns [k0, k0 + BLOCK_K) of the rows at `w_rows` (pointers to each row's int32
-    words) as a [rows, BLOCK_K] tile in OUT_DTYPE, scaled by the groups at `s_rows`.
-    Each word and each scale is loaded once and spread over its 8 features / its group
-    (in-register reshapes), not re-read per feature."""
+    words) as a [rows, BLOCK_K] tile in OUT_DTYPE, scaled by the groups at `s_rows`, less
+    (HAS_OFFSET: zero points, AWQ) the float32 group offsets s * z at `o_rows`: q * s - o
+    in float32, rounded once. Each word, scale and offset is loaded once and spread over
+    its 8 features / its group (in-register reshapes), not re-read per feature."""
     WORDS: tl.constexpr = BLOCK_K // 8
     word_ids = k0 // 8 + tl.arange(0, WORDS)
     w_mask = rows_ok[:, None] & (word_ids < in_features // 8)[None, :]
     words = tl.load(w_rows[:, None] + word_ids[None, :], mask=w_mask, other=0)
     nibbles = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
     q = tl.reshape(nibbles, [words.shape[0], BLOCK_K]) - 8  # feature k = word * 8 + nibble
+    w = q.to(tl.float32) * _group_values(s_rows, rows_ok, k0, in_features, GROUP, BLOCK_K)
+    if HAS_OFFSET:
+        w = w - _group_values(o_rows, rows_ok, k0, in_features, GROUP, BLOCK_K)
+    return w.to(OUT_DTYPE)
+
+
+@triton.jit
+def _group_values(rows, rows_ok, k0, in_features, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The per-group values at `rows` for columns [k0, k0 + BLOCK_K), float32, as
+    [rows, 1] (one group spans the tile) or [rows, BLOCK_K]."""
     if GROUP >= BLOCK_K:  # the whole tile is in one group (k0 < in_features: a loop bound)
-        scale = tl.load(s_rows + k0 // GROUP, mask=rows_ok, other=0.0).to(tl.float32)[:, None]
+        values = tl.load(rows + k0 // GROUP, mask=rows_ok, other=0.0).to(tl.float32)[:, None]
     else:
         NG: tl.constexpr = BLOCK_K // GROUP
         g_ids = k0 // GROUP + tl.arange(0, NG)
-        s_mask = rows_ok[:, None] & (g_ids < in_features // GROUP)[None, :]
-        groups = tl.load(s_rows[:, None] + g_ids[None, :], mask=s_mask, other=0.0)
+        g_mask = rows_ok[:, None] & (g_ids < in_features // GROUP)[None, :]
+        groups = tl.load(rows[:, None] + g_ids[None, :], mask=g_mask, other=0.0)
         spread = tl.broadcast_to(groups.to(tl.float32)[:, :, None], [groups.shape[0], NG, GROUP])
-        scale = tl.reshape(spread, [groups.shape[0], BLOCK_K])
-    return (q.to(tl.float32) * scale).to(OUT_DTYPE)
+        values = tl.reshape(spread, [groups.shape[0], BLOCK_K])
+    return values
 
 
 @triton.jit(do_not_specialize=["num_tokens"])

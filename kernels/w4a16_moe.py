@@ -9,6 +9,8 @@ same routing sum, activation rounding and slot order as `fused_moe.fused_moe_ref
 
 from __future__ import annotations
 
+import torch
+
 from kvloom.kernels.fused_moe import fused_moe_ref
 from kvloom.kernels.w4a16_gemm import PACK_FACTOR, check_w4_args, dequantize_w4
 
@@ -33,10 +35,42 @@ def check_w4a16_moe_args(hidden, w13_packed, w13_scale, w2_packed, w2_scale, gro
     return num_experts, inter
 
 
+def check_w4a16_moe_offsets(w13_scale, w2_scale, w13_offset, w2_offset) -> bool:
+    """Zero points as float32 offsets s * z shaped as the scales, both or neither;
+    returns whether there are any."""
+    if (w13_offset is None) != (w2_offset is None):
+        raise ValueError("w13_offset and w2_offset: give both (zero points) or neither")
+    if w13_offset is None:
+        return False
+    for name, offset, scale in (("w13_offset", w13_offset, w13_scale),
+                                ("w2_offset", w2_offset, w2_scale)):  # fmt: skip
+        if offset.dtype != torch.float32:
+            raise ValueError(f"{name}: expected float32, got {offset.dtype}")
+        if offset.shape != scale.shape or offset.stride() != scale.stride():
+            raise ValueError(
+                f"{name}: expected the scale's shape {list(scale.shape)} and strides "
+                f"{scale.stride()}, got {list(offset.shape)} and {offset.stride()}"
+            )
+    return True
+
+
 def w4a16_fused_moe_ref(
-    hidden, w13_packed, w13_scale, w2_packed, w2_scale, group_size, topk_weights, topk_ids
+    hidden,
+    w13_packed,
+    w13_scale,
+    w2_packed,
+    w2_scale,
+    group_size,
+    topk_weights,
+    topk_ids,
+    *,
+    w13_offset=None,
+    w2_offset=None,
 ):
+    """`w13_offset` / `w2_offset`: zero points as float32 offsets s * z (AWQ), the weight
+    q * s - o, rounded once."""
     check_w4a16_moe_args(hidden, w13_packed, w13_scale, w2_packed, w2_scale, group_size)
-    w13 = dequantize_w4(w13_packed, w13_scale, group_size, hidden.dtype)
-    w2 = dequantize_w4(w2_packed, w2_scale, group_size, hidden.dtype)
+    check_w4a16_moe_offsets(w13_scale, w2_scale, w13_offset, w2_offset)
+    w13 = dequantize_w4(w13_packed, w13_scale, group_size, hidden.dtype, w13_offset)
+    w2 = dequantize_w4(w2_packed, w2_scale, group_size, hidden.dtype, w2_offset)
     return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)

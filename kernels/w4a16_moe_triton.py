@@ -50,7 +50,7 @@ from kvloom.kernels.fused_moe_triton import (
     route_blocks,
 )
 from kvloom.kernels.w4a16_gemm_triton import dequant_w4_tile
-from kvloom.kernels.w4a16_moe import check_w4a16_moe_args
+from kvloom.kernels.w4a16_moe import check_w4a16_moe_args, check_w4a16_moe_offsets
 
 
 @triton.jit(do_not_specialize=["num_routes"])
@@ -58,6 +58,7 @@ def _w4_gate_up_kernel(
     x_ptr,
     w_ptr,
     s_ptr,
+    o_ptr,
     sorted_ptr,
     block_expert_ptr,
     ids_ptr,
@@ -76,6 +77,7 @@ def _w4_gate_up_kernel(
     stride_it,
     stride_ij,
     GROUP: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -107,6 +109,7 @@ def _w4_gate_up_kernel(
         up_rows = gate_rows + inter
         w_base = w_ptr + e64 * stride_we
         s_base = s_ptr + e64 * stride_se
+        o_base = o_ptr + e64 * stride_se  # offsets: the scales' shape and strides
         acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         dtype = x_ptr.dtype.element_ty
@@ -127,6 +130,8 @@ def _w4_gate_up_kernel(
                 GROUP,
                 BLOCK_K,
                 dtype,
+                o_base + gate_rows * stride_sn,
+                HAS_OFFSET,
             )
             w_up = dequant_w4_tile(
                 w_base + up_rows * stride_wn,
@@ -137,6 +142,8 @@ def _w4_gate_up_kernel(
                 GROUP,
                 BLOCK_K,
                 dtype,
+                o_base + up_rows * stride_sn,
+                HAS_OFFSET,
             )
             x_t = tl.trans(x)
             acc_gate = _dot(w_gate, x_t, acc_gate, DOT_PRECISION, INTERPRETED)
@@ -151,6 +158,7 @@ def _w4_down_kernel(
     act_ptr,
     w_ptr,
     s_ptr,
+    o_ptr,
     sorted_ptr,
     block_expert_ptr,
     ids_ptr,
@@ -172,6 +180,7 @@ def _w4_down_kernel(
     stride_it,
     stride_ij,
     GROUP: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -218,6 +227,8 @@ def _w4_down_kernel(
                 GROUP,
                 BLOCK_K,
                 act_ptr.dtype.element_ty,
+                o_ptr + e64 * stride_se + rows * stride_sn,
+                HAS_OFFSET,
             )
             acc = _dot(w, tl.trans(a), acc, DOT_PRECISION, INTERPRETED)
         weight_offs = (routes // top_k).to(tl.int64) * stride_tw_t + (routes % top_k) * stride_tw_j
@@ -236,6 +247,8 @@ def w4a16_fused_moe_triton(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
+    w13_offset: torch.Tensor | None = None,
+    w2_offset: torch.Tensor | None = None,
     block_m: int | None = None,
     pairs: bool | None = None,
     _fill: float | None = None,
@@ -243,12 +256,15 @@ def w4a16_fused_moe_triton(
     """hidden [T, H] -> [T, H] in hidden's dtype. `block_m` (16, 32 or 64) overrides the
     plan `choose_block_m` picks; `pairs` forces or forbids the float MoE's decode plan
     without the route sort (`fused_moe_triton.uses_pairs_plan` decides when None); the
-    answer is bitwise the same for each. No host sync.
+    answer is bitwise the same for each. No host sync. `w13_offset` / `w2_offset`
+    (float32, the scales' shapes; both or neither): zero points as offsets s * z, the
+    weight then q * s - o (AWQ).
     Ids outside [0, E) contribute nothing (as `fused_moe_triton`). `_fill` pre-fills the
     workspaces (tests)."""
     num_experts, inter = check_w4a16_moe_args(
         hidden, w13_packed, w13_scale, w2_packed, w2_scale, group_size
     )
+    has_offset = check_w4a16_moe_offsets(w13_scale, w2_scale, w13_offset, w2_offset)
     if topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0] or topk_ids.shape[1] == 0:
         raise ValueError(f"topk_ids: expected [{hidden.shape[0]}, k], got {list(topk_ids.shape)}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
@@ -281,13 +297,16 @@ def w4a16_fused_moe_triton(
         DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
         INTERPRETED=_interpreted(_w4_gate_up_kernel),
         PAIRS=pairs,
+        HAS_OFFSET=has_offset,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )
+    # Without offsets the scales stand in for them (never read: HAS_OFFSET is off).
     _w4_gate_up_kernel[(max_blocks, triton.cdiv(inter, BLOCK_N))](
         hidden,
         w13_packed,
         w13_scale,
+        w13_offset if has_offset else w13_scale,
         sorted_routes,
         block_expert,
         topk_ids,
@@ -311,6 +330,7 @@ def w4a16_fused_moe_triton(
         act,
         w2_packed,
         w2_scale,
+        w2_offset if has_offset else w2_scale,
         sorted_routes,
         block_expert,
         topk_ids,

@@ -218,12 +218,13 @@ def test_awq_dense_checkpoint_matches_dequantized_oracle(dense_src, tmp_path, sc
     check_against_oracle(*make_pair(dense_src, tmp_path, scheme), scheme)
 
 
-def test_awq_experts_are_refused_naming_the_layer(moe_src, tmp_path):
-    quantized = write_quantized(moe_src, tmp_path / "q", "awq_g32")
-    with pytest.raises(
-        ValueError, match=r"mlp\.experts\.gate_up: int4 with zero points \(AWQ\) in MoE"
-    ):
-        llm(quantized)
+def test_awq_moe_hybrid_checkpoint_matches_dequantized_oracle(moe_src, tmp_path):
+    """AWQ experts: the fused MoE kernels dequantize q * s - s * z in their tiles."""
+    quantized, dequantized = make_pair(moe_src, tmp_path, "awq_g32")
+    check_against_oracle(quantized, dequantized, "awq_g32")
+    experts = llm(quantized).engine.executor.worker.runner.model.model.layers[0].mlp.experts
+    assert experts.gate_up.quant_method.scheme.name == "w4a16-g32-zp"
+    assert experts.down.weight_offset.dtype == torch.float32
 
 
 def test_w4a16_equals_kvloom_float_on_dequantized_weights(moe_src, tmp_path):

@@ -6,8 +6,8 @@ gloo ranks; every output must agree (float32: partial sums of the row-parallel l
 cross ranks in a different order, 1e-5 relative). Block scales shard by block (128-row
 and 128-column blocks: column-parallel rows keep their block's scale row, row-parallel
 ranks take whole column blocks), int4 packs and group scales by whole groups (GPTQ's
-too, after their tensors become the W4A16 layout; AWQ's zero points shard as its scales,
-and its experts stay float: the fused MoE takes no zero points).
+too, after their tensors become the W4A16 layout; AWQ's zero-point offsets shard as its
+scales).
 
 (Per-channel FP8 with dynamic per-token activation scales is not in this check: a
 row-parallel rank quantizes its own half of each token, so TP=2 rounds activations
@@ -89,9 +89,6 @@ def float_tensors() -> dict[str, torch.Tensor]:
 def quantized_tensors(scheme: str) -> dict[str, torch.Tensor]:
     out = {}
     for name, tensor in float_tensors().items():
-        if scheme.startswith("awq") and ".experts." in name:  # AWQ: dense layers only
-            out[name] = tensor
-            continue
         parts, _ = quantize_weight(tensor, scheme)
         out.update({name[: -len("weight")] + suffix: t for suffix, t in parts.items()})
     return out

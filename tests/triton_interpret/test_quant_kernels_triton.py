@@ -264,6 +264,46 @@ def test_w4a16_moe_matches_reference_in_every_plan(
     check(f"w4a16_moe T={tokens} E={experts} {dtype}", outs, ref, dtype)
 
 
+def zero_point_offsets(scale: torch.Tensor, seed: int) -> torch.Tensor:
+    """AWQ's zero points as kvloom keeps them: float32 s * (z - 8), z in [0, 15]."""
+    zeros = torch.randint(-8, 8, scale.shape, generator=gen(seed)).float()
+    return scale.float() * zeros
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter", "empty"), MOE_CASES[1:])
+def test_w4a16_moe_with_zero_points_matches_reference_in_every_plan(
+    dtype, tokens, experts, top_k, hidden, inter, empty
+):
+    """AWQ experts: the weight q * s - o in the tile, as the reference dequantizes it (and
+    not the symmetric answer: the offsets are large enough to move every output)."""
+    group = 32
+    w13p, w13s = w4_weight((experts, 2 * inter, hidden), group, 21, dtype)
+    w2p, w2s = w4_weight((experts, hidden, inter), group, 22, dtype)
+    w13o, w2o = zero_point_offsets(w13s, 23), zero_point_offsets(w2s, 24)
+    x = torch.randn(tokens, hidden, generator=gen(25)).to(dtype)
+    weights, ids = moe_routing(tokens, experts, top_k, 26, empty)
+    offsets = dict(w13_offset=w13o, w2_offset=w2o)
+    ref = w4a16_fused_moe_ref(x, w13p, w13s, w2p, w2s, group, weights, ids, **offsets)
+    symmetric = w4a16_fused_moe_ref(x, w13p, w13s, w2p, w2s, group, weights, ids)
+    assert not torch.allclose(ref, symmetric, rtol=1e-2, atol=1e-2)
+    args = [on(t) for t in (x, w13p, w13s, w2p, w2s)] + [group, on(weights), on(ids)]
+    on_offsets = {k: on(v) for k, v in offsets.items()}
+    outs = [w4a16_fused_moe_triton(*args, **on_offsets, block_m=b, _fill=NAN).cpu() for b in PLANS]
+    check(f"w4a16_moe zero points T={tokens} E={experts} {dtype}", outs, ref, dtype)
+
+
+def test_w4a16_moe_offsets_come_in_pairs_shaped_as_the_scales():
+    w13p, w13s = w4_weight((2, 64, 64), 32, 27, torch.float32)
+    w2p, w2s = w4_weight((2, 64, 32), 32, 28, torch.float32)
+    x, (weights, ids) = torch.randn(3, 64), moe_routing(3, 2, 1, 29, ())
+    args = (x, w13p, w13s, w2p, w2s, 32, weights, ids)
+    with pytest.raises(ValueError, match="give both"):
+        w4a16_fused_moe_ref(*args, w13_offset=w13s.float())
+    with pytest.raises(ValueError, match="w2_offset: expected the scale's shape"):
+        w4a16_fused_moe_ref(*args, w13_offset=w13s.float(), w2_offset=w13s.float())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("tokens", "experts", "top_k", "hidden", "inter", "empty"), MOE_CASES)
 def test_fp8_moe_matches_reference_in_every_plan(

@@ -61,7 +61,9 @@ EXPERT_PROJECTIONS = {
     "w2": ("down", 0),
 }
 # A quantized checkpoint stores scales (and int4 packs) beside or instead of `weight`.
-EXPERT_PARAMS = "weight|weight_scale_inv|weight_scale|weight_packed|weight_shape|input_scale"
+EXPERT_PARAMS = (
+    "weight|weight_scale_inv|weight_scale|weight_packed|weight_shape|weight_offset|input_scale"
+)
 _EXPERT_NAME = re.compile(
     rf"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<param>{EXPERT_PARAMS})$"
 )

@@ -319,25 +319,21 @@ class W4A16Method(QuantMethod):
             self.group,
             topk_weights,
             topk_ids,
+            self.moe_offsets(up, down),
         )
+
+    def moe_offsets(self, up, down):
+        """The experts' zero points (float32 s * z for gate_up and down), or None."""
+        return None
 
 
 class W4A16ZeroPointMethod(W4A16Method):
     """int4 with a zero point per group and output row (AWQ): w = (q - z) * s, with q and
-    z signed as in the symmetric layout (offset 8 removed). The symmetric kernels give
-    x (q s)^T; `weight_offset` [N, K / g] = s * z (float32) then takes away
-    sum_g (sum of x over group g) * s * z, a [T, K / g] x [K / g, N] product, in float32
-    before the one rounding to the output dtype. Dense layers only: the fused MoE kernels
-    take no zero points."""
-
-    def __init__(self, scheme: W4A16Scheme, geom: Geometry, dtype: torch.dtype, what: str):
-        super().__init__(scheme, geom, dtype, what)
-        if geom.num_experts is not None:
-            raise ValueError(
-                f"{what}: int4 with zero points (AWQ) in MoE experts is not supported; "
-                "the fused MoE kernels take symmetric int4 (GPTQ sym: true, compressed-"
-                "tensors pack-quantized)"
-            )
+    z signed as in the symmetric layout (offset 8 removed), and `weight_offset`
+    [N, K / g] = s * z in float32. Dense layers: the symmetric kernels give x (q s)^T,
+    then sum_g (sum of x over group g) * s * z, a [T, K / g] x [K / g, N] product, is
+    taken away in float32 before the one rounding to the output dtype. MoE experts: the
+    fused kernels dequantize q * s - s * z in their tiles."""
 
     def param_shapes(self):
         shapes = super().param_shapes()
@@ -361,6 +357,9 @@ class W4A16ZeroPointMethod(W4A16Method):
         if bias is not None:
             out = out + bias.float()
         return out.to(out_dtype or x.dtype)
+
+    def moe_offsets(self, up, down):
+        return up.weight_offset, down.weight_offset
 
 
 def make_method(scheme: Scheme, geom: Geometry, dtype: torch.dtype, what: str) -> QuantMethod:
