@@ -342,17 +342,22 @@ def test_fp8_route_block_follows_its_own_measured_table():
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("zero_points", [False, True])  # True: AWQ's offsets
 @pytest.mark.parametrize("tokens", [1, 16, 1536])
-def test_gpu_w4a16_moe_qwen3_next_shape(tokens):
+def test_gpu_w4a16_moe_qwen3_next_shape(tokens, zero_points):
     e, k, h, i, group, dtype = 512, 10, 2048, 512, 32, torch.bfloat16
     w13p, w13s = w4_weight((e, 2 * i, h), group, 30, dtype)
     w2p, w2s = w4_weight((e, h, i), group, 31, dtype)
     x = torch.randn(tokens, h, generator=gen(32)).to(dtype)
     weights, ids = moe_routing(tokens, e, k, 33)
     args = [on(t) for t in (x, w13p, w13s, w2p, w2s)] + [group, on(weights), on(ids)]
-    outs = [w4a16_fused_moe_triton(*args, block_m=b).cpu() for b in PLANS]
-    ref = w4a16_fused_moe_ref(*args).cpu() if tokens <= 16 else outs[0]
-    check(f"gpu w4a16_moe T={tokens}", outs, ref, dtype)
+    offsets = {}
+    if zero_points:
+        offsets = dict(w13_offset=on(zero_point_offsets(w13s, 34)),
+                       w2_offset=on(zero_point_offsets(w2s, 35)))  # fmt: skip
+    outs = [w4a16_fused_moe_triton(*args, **offsets, block_m=b).cpu() for b in PLANS]
+    ref = w4a16_fused_moe_ref(*args, **offsets).cpu() if tokens <= 16 else outs[0]
+    check(f"gpu w4a16_moe T={tokens} zero points {zero_points}", outs, ref, dtype)
 
 
 @gpu
