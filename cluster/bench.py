@@ -156,7 +156,7 @@ SHAPES = {
 # The `quantization_config` a shape gets with `--quantization`, as the published
 # checkpoints write it: Qwen3-8B-FP8's block-scaled FP8 (its lm_head stays bf16),
 # llm-compressor's W4A16 (int4, group 128, symmetric) on every Linear but lm_head, and
-# AWQ (the same with zero points: the W4A16 kernels plus the per-group correction).
+# AWQ (the same with zero points, as per-group offsets).
 QUANTIZATION_CONFIGS = {
     "fp8": {
         "quant_method": "fp8",
@@ -184,7 +184,7 @@ QUANTIZATION_CONFIGS = {
         },
         "ignore": ["lm_head"],
     },
-    # AutoAWQ's GEMM layout (int4, group 128, zero points): dense shapes only.
+    # AutoAWQ's GEMM layout (int4, group 128, zero points).
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True},
 }
 

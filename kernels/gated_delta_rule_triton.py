@@ -465,8 +465,8 @@ def gdn_decode_triton(
     `gated_rms_norm_triton(out, z, norm_weight, norm_eps)`, in one launch where a program
     holds a whole value head (`fuses_norm`: heads up to 64 x 64), else in two (the norm
     separate; Qwen3-Next's 128 x 128 heads, where the narrow tiles are faster). Padding rows
-    (negative index) give zeros in one launch (the separate norm gives 0 * silu(z): -0.0 for z < 0, NaN for a NaN z); their q, k, v, ba
-    and z are never read there.
+    (negative index) give zeros in one launch (the separate norm gives 0 * silu(z): -0.0
+    for z < 0, NaN for a NaN z); their q, k, v, ba and z are never read there.
 
     ba [N, Hk' * 2r] (b then a per group of r = ba_group value heads, rows strided), A_log
     and dt_bias [Hv], z [N, Hv, Dv] or [N, Hk', r', Dv] (strided), norm_weight [Dv]; the

@@ -44,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=("fp8", "w4a16", "awq"),
         help="with --shape: dummy weights in this checkpoint format (fp8: 128x128 "
         "block-scaled e4m3 as Qwen3-8B-FP8; w4a16: compressed-tensors int4, group 128; "
-        "awq: int4 with zero points, group 128, dense shapes)",
+        "awq: int4 with zero points, group 128)",
     )
     parser.add_argument(
         "--repeat",

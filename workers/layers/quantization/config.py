@@ -2,17 +2,17 @@
 
 Never guessed: the method, formats, bit widths, strategies and group sizes are the
 checkpoint's own, and anything kvloom does not implement raises ValueError naming the
-field. Two methods:
+field. Four methods:
 
 * `quant_method: "fp8"` (DeepSeek-V3 / Qwen3 / Qwen3-Next FP8): e4m3 weights in
   `weight_block_size` [bn, bk] blocks with `weight_scale_inv` per block, activations
   quantized at run time per token and bk group (`activation_scheme: "dynamic"`). Modules
   listed in `modules_to_not_convert` (or `ignored_layers`) stay in the float dtype.
 * `quant_method: "gptq"` (AutoGPTQ / GPTQModel int4): symmetric, no activation order, read
-  as W4A16 (int4_layouts.py turns its tensors into compressed-tensors' layout); the modules it
-  quantized are those with a `qweight` in the checkpoint (`bind_checkpoint`).
+  as W4A16 (int4_layouts.py turns its tensors into compressed-tensors' layout); the
+  modules it quantized are those with a `qweight` in the checkpoint (`bind_checkpoint`).
 * `quant_method: "awq"` (AutoAWQ's GEMM layout): int4 with zero points, read as W4A16 with
-  a zero point per group (int4_layouts.py turns its tensors into that layout); dense layers only.
+  a zero-point offset per group (int4_layouts.py turns its tensors into that layout).
 * `quant_method: "compressed-tensors"` (llm-compressor; Kimi's INT4 checkpoints): each
   `config_groups` entry applies a scheme to its `targets` (class name "Linear", exact
   module names or "re:" regexes), minus `ignore`. Formats: `float-quantized` FP8 weights
