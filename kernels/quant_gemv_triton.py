@@ -49,9 +49,45 @@ FORMATS = ("fp8", "int4")
 _STEP_COLUMNS = {"fp8": 256, "int4": 512}
 
 # Measured plans by (format, N, K), then by the largest M each serves (as gemv_triton's
-# GEMV_PLAN_TABLE; one split_k per entry). Empty until measured on an H200:
-# `benchmarks/quant_moe_plans.py --gemv` times candidate plans at Qwen3-8B's shapes.
-QUANT_GEMV_PLAN_TABLE: dict[tuple[str, int, int], dict[int, GemvPlan]] = {}
+# GEMV_PLAN_TABLE; one split_k per entry): the fastest candidate of
+# `benchmarks/quant_moe_plans.py --gemv` at 1 and 8 rows on an H200 (2026-12-05,
+# docs/benchmarks/data/quant_gemv_h200_2026-12-05s14.json; every candidate gave the
+# default plan's bits). 2..7 rows take the 8-row plan (not timed there). Comments: us
+# at that M, then the default plan's.
+QUANT_GEMV_PLAN_TABLE: dict[tuple[str, int, int], dict[int, GemvPlan]] = {
+    ("fp8", 6144, 4096): {
+        1: GemvPlan(32, 256, 4, 4, 1),  # 13.5 us (default 13.9)
+        8: GemvPlan(16, 256, 4, 4, 1),  # 36.3 us (the default)
+    },
+    ("fp8", 4096, 4096): {
+        1: GemvPlan(32, 256, 4, 4, 1),  # 9.1 us (default 10.9)
+        8: GemvPlan(32, 256, 4, 4, 1),  # 26.0 us (default 27.3)
+    },
+    ("fp8", 24576, 4096): {
+        1: GemvPlan(32, 256, 4, 4, 1),  # 34.4 us (default 47.7)
+        8: GemvPlan(32, 256, 4, 4, 1),  # 122.1 us (default 164.1)
+    },
+    ("fp8", 4096, 12288): {
+        1: GemvPlan(32, 256, 4, 4, 1),  # 22.5 us (default 27.4)
+        8: GemvPlan(32, 256, 4, 4, 1),  # 69.1 us (default 73.4)
+    },
+    ("int4", 6144, 4096): {
+        1: GemvPlan(16, 512, 4, 4, 1),  # 23.6 us (the default)
+        8: GemvPlan(16, 256, 2, 6, 1),  # 40.5 us (default 42.7)
+    },
+    ("int4", 4096, 4096): {
+        1: GemvPlan(32, 512, 4, 3, 1),  # 20.6 us (default 21.0)
+        8: GemvPlan(16, 256, 2, 6, 1),  # 31.5 us (default 38.2)
+    },
+    ("int4", 24576, 4096): {
+        1: GemvPlan(32, 512, 4, 3, 1),  # 64.7 us (default 84.0)
+        8: GemvPlan(16, 256, 2, 6, 1),  # 120.9 us (default 188.5)
+    },
+    ("int4", 4096, 12288): {
+        1: GemvPlan(32, 512, 4, 3, 1),  # 57.3 us (default 58.5)
+        8: GemvPlan(16, 256, 2, 6, 1),  # 87.5 us (default 110.2)
+    },
+}
 
 
 def _check_table(table: dict[tuple[str, int, int], dict[int, GemvPlan]]) -> None:

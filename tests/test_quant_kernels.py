@@ -182,6 +182,24 @@ def test_quant_gemv_default_plans_keep_split_k_a_function_of_the_shape():
         choose_quant_gemv_plan(9, 64, 64, "fp8")
 
 
+def test_quant_gemv_takes_the_measured_plans_at_their_shapes():
+    from kvloom.kernels.quant_gemv_triton import (
+        QUANT_GEMV_PLAN_TABLE,
+        choose_quant_gemv_plan,
+        default_quant_gemv_plan,
+    )
+
+    by_m = QUANT_GEMV_PLAN_TABLE[("int4", 24576, 4096)]
+    assert choose_quant_gemv_plan(1, 24576, 4096, "int4") == by_m[1]
+    for m in range(2, 9):  # rows between the measured ones take the next measured plan
+        assert choose_quant_gemv_plan(m, 24576, 4096, "int4") == by_m[8]
+    assert by_m[1] != default_quant_gemv_plan(24576, 4096, "int4")
+    # a shape not in the table keeps the default
+    assert choose_quant_gemv_plan(1, 2048, 4096, "fp8") == default_quant_gemv_plan(
+        2048, 4096, "fp8"
+    )
+
+
 def _spy_paths(monkeypatch):
     """Replaces each quantized-linear kernel entry with a recorder; returns the calls."""
     from kvloom.kernels import fp8_gemm_triton, ops, quant_gemv_triton, w4a16_gemm_triton

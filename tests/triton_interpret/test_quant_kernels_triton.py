@@ -59,7 +59,9 @@ from kvloom.kernels.fp8_gemm_triton import (  # noqa: E402 (after the interprete
 )
 from kvloom.kernels.fp8_moe_triton import choose_fp8_block_m, fp8_fused_moe_triton  # noqa: E402
 from kvloom.kernels.quant_gemv_triton import (  # noqa: E402
+    QUANT_GEMV_PLAN_TABLE,
     choose_quant_gemv_plan,
+    default_quant_gemv_plan,
     fp8_gemv_triton,
     w4a16_gemv_triton,
 )
@@ -214,6 +216,25 @@ def test_quant_gemv_matches_dequantized_reference_in_every_plan(fmt, rows, n, k,
         check_close(f"{name} split_k={split_k}", outs[0], want, dtype)
         for plan, out in zip(plans, outs):
             assert torch.equal(out, outs[0]), f"{name}: plan {plan.name} differs from the first"
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_measured_quant_gemv_plans_give_the_default_plans_bits(fmt):
+    """Each distinct plan of QUANT_GEMV_PLAN_TABLE (measured at Qwen3-8B's shapes) on a
+    small layer: bitwise the default plan's output (same split_k), and near the reference."""
+    table_plans = {
+        plan
+        for (f, _, _), by_m in QUANT_GEMV_PLAN_TABLE.items()
+        if f == fmt
+        for plan in by_m.values()
+    }
+    assert table_plans, f"no measured {fmt} plans"
+    launch, ref, x = quant_gemv_case(fmt, 3, 33, 1152, 128, torch.bfloat16, 65)
+    default = launch(x, plan=default_quant_gemv_plan(33, 1152, fmt))
+    check_close(f"{fmt}_gemv default plan", default, ref(x), torch.bfloat16)
+    for plan in sorted(table_plans, key=lambda p: p.name):
+        assert plan.split_k == 1
+        assert torch.equal(launch(x, plan=plan), default), f"{fmt}: plan {plan.name} differs"
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
