@@ -164,7 +164,8 @@ for section in "$@"; do
       grep -q "^EXIT G[0-9a-z]* [^0]" "$OUT/gpu_tests.log" && status=1
       ;;
     gdn-mixed)  # Gated DeltaNet's mixed steps: chunked kernels vs auto (serial for many rows)
-      for choice in chunked auto; do
+      # vs split (long rows chunked, the rest serial)
+      for choice in chunked auto split; do
         KVLOOM_GDN_MIXED_STEPS=$choice python3 -m kvloom.cluster.cli bench throughput \
           --shape qwen3-next-24l --out "$OUT/gdn_mixed_${choice}_throughput.json" 2>&1 \
           | grep -v "it/s" | tail -4 || status=1

@@ -60,8 +60,8 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "KVLOOM_GDN_MIXED_STEPS": (
         "auto",
         "how Gated DeltaNet serves mixed prefill + decode steps: serial (token by token, in "
-        "place), chunked (the chunked kernels) or auto (serial on CUDA for many short rows "
-        "and a float32 state)",
+        "place), chunked (the chunked kernels), split (rows over 64 tokens chunked, the rest "
+        "serial) or auto (serial on CUDA for many short rows and a float32 state)",
     ),
     "KVLOOM_GC_YOUNG_THRESHOLD": (
         "20000",

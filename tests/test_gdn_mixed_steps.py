@@ -1,6 +1,7 @@
-"""Gated DeltaNet's two paths for mixed prefill + decode steps (workers/layers/gated_deltanet.py):
-the chunked kernels, and token by token in place through the serial kernels, which CUDA
-takes for steps of many short rows (`serial_mixed_step`). Both give the same tokens."""
+"""Gated DeltaNet's paths for mixed prefill + decode steps (workers/layers/gated_deltanet.py):
+the chunked kernels; token by token in place through the serial kernels, which CUDA takes
+for steps of many short rows (`mixed_step_path`); and split (opt-in): long rows chunked,
+the rest serial. All give the same tokens."""
 
 from __future__ import annotations
 
@@ -20,47 +21,64 @@ def rows(computed: list[int], scheduled: list[int]) -> RowClasses:
     return RowClasses(classify_rows(computed, scheduled), scheduled)
 
 
-def test_serial_mixed_step_policy(monkeypatch):
+def test_mixed_step_path_policy(monkeypatch):
     monkeypatch.delenv("KVLOOM_GDN_MIXED_STEPS", raising=False)
     many_short = rows([0] * 4 + [40] * 4, [512, 300, 7, 1, 1, 1, 1, 2048])
     f32 = torch.float32
-    assert gdn.serial_mixed_step(many_short, CUDA, f32)
-    assert not gdn.serial_mixed_step(many_short, CPU, f32)  # the CPU keeps the chunked path
-    assert not gdn.serial_mixed_step(many_short, CUDA, torch.bfloat16)  # rounded per token
+    assert gdn.mixed_step_path(many_short, CUDA, f32) == "serial"
+    assert gdn.mixed_step_path(many_short, CPU, f32) == "chunked"  # the CPU keeps chunked
+    assert gdn.mixed_step_path(many_short, CUDA, torch.bfloat16) == "chunked"  # rounded per token
     too_few = rows([0] * 7, [64] * 7)
-    assert gdn.SERIAL_MIN_ROWS == 8 and not gdn.serial_mixed_step(too_few, CUDA, f32)
+    assert gdn.SERIAL_MIN_ROWS == 8 and gdn.mixed_step_path(too_few, CUDA, f32) == "chunked"
     one_long = rows([0] + [40] * 9, [gdn.SERIAL_MAX_ROW_TOKENS + 1] + [1] * 9)
-    assert not gdn.serial_mixed_step(one_long, CUDA, f32)
-    monkeypatch.setenv("KVLOOM_GDN_MIXED_STEPS", "serial")
-    assert gdn.serial_mixed_step(too_few, CPU, torch.bfloat16)
-    monkeypatch.setenv("KVLOOM_GDN_MIXED_STEPS", "chunked")
-    assert not gdn.serial_mixed_step(many_short, CUDA, f32)
+    assert gdn.mixed_step_path(one_long, CUDA, f32) == "chunked"
+    for forced in ("serial", "split", "chunked"):  # forced paths ignore device and rows
+        monkeypatch.setenv("KVLOOM_GDN_MIXED_STEPS", forced)
+        assert gdn.mixed_step_path(too_few, CPU, torch.bfloat16) == forced
     monkeypatch.setenv("KVLOOM_GDN_MIXED_STEPS", "fast")
     with pytest.raises(ValueError, match="KVLOOM_GDN_MIXED_STEPS"):
-        gdn.serial_mixed_step(many_short, CUDA, f32)
+        gdn.mixed_step_path(many_short, CUDA, f32)
 
 
-def test_serial_and_chunked_mixed_steps_give_the_same_tokens(hybrid_model, monkeypatch):
+def test_serial_split_and_chunked_mixed_steps_give_the_same_tokens(hybrid_model, monkeypatch):
     """Float64 on the CPU, chunked prefill and preemption under a small pool: the serial
-    path (forced) runs the mixed steps and gives the chunked path's tokens."""
+    and split paths (forced) run the mixed steps and give the chunked path's tokens. The
+    split's threshold is lowered to 4 tokens so its steps hold both kinds of rows."""
     path = str(hybrid_model("qwen3_next"))
     settings = dict(dtype="float64", device="cpu", block_size=4, max_num_seqs=8,
                     max_num_batched_tokens=24, num_kv_blocks=64, sanitize=True, progress=False)  # fmt: skip
-    calls = []
-    serial_all = gdn.GatedDeltaNet._serial_all
+    monkeypatch.setattr(gdn, "SPLIT_ROW_TOKENS", 4)
+    calls = {"serial": 0, "chunked": 0, "both": 0}
+    serial_all, chunked_rows = gdn.GatedDeltaNet._serial_all, gdn.GatedDeltaNet._chunked_rows
+    split_step = gdn.GatedDeltaNet._split_step
 
-    def counting(*args, **kwargs):
-        calls.append(1)
+    def counting_serial(*args, **kwargs):
+        calls["serial"] += 1
         return serial_all(*args, **kwargs)
 
-    monkeypatch.setattr(gdn.GatedDeltaNet, "_serial_all", counting)
+    def counting_chunked(self, mixed, g, beta, slots, rows_, core):
+        calls["chunked"] += bool(rows_.prefill_rows)
+        return chunked_rows(self, mixed, g, beta, slots, rows_, core)
+
+    def counting_split(self, *args, **kwargs):
+        before = dict(calls)
+        out = split_step(self, *args, **kwargs)
+        calls["both"] += all(calls[k] > before[k] for k in ("serial", "chunked"))
+        return out
+
+    monkeypatch.setattr(gdn.GatedDeltaNet, "_serial_all", counting_serial)
+    monkeypatch.setattr(gdn.GatedDeltaNet, "_chunked_rows", counting_chunked)
+    monkeypatch.setattr(gdn.GatedDeltaNet, "_split_step", counting_split)
     outs = {}
-    for choice in ("chunked", "serial"):
+    for choice in ("chunked", "serial", "split"):
         monkeypatch.setenv("KVLOOM_GDN_MIXED_STEPS", choice)
-        calls.clear()
+        calls.update(serial=0, chunked=0, both=0)
         eng = Engine(model=path, **settings)
         outs[choice] = [o.outputs[0].token_ids for o in run_to_completion(eng, PROMPTS, greedy(12))]
         assert eng.stats()["num_preemptions"] > 0
-        assert bool(calls) == (choice == "serial")
+        assert bool(calls["serial"]) == (choice != "chunked"), (choice, calls)
+        assert bool(calls["chunked"]) == (choice != "serial"), (choice, calls)
+        assert bool(calls["both"]) == (choice == "split"), (choice, calls)  # one step, two paths
         assert_pool_full(eng)
     assert outs["serial"] == outs["chunked"]
+    assert outs["split"] == outs["chunked"]

@@ -3,7 +3,7 @@
 import torch
 
 from kvloom.workers.attention_metadata import ForwardBatch
-from kvloom.workers.linear_rows import build_linear_rows
+from kvloom.workers.linear_rows import build_linear_rows, build_long_rows
 from kvloom.workers.row_kinds import RowClasses, classify_rows
 
 
@@ -26,6 +26,20 @@ def test_split_matches_the_classification_row_by_row():
     assert split.decode_rows_index.tolist() == [1, 5]
     assert split.decode_tokens.tolist() == [3, 9]
     assert split.prefill_tokens.dtype == split.decode_tokens.dtype == torch.int64
+
+
+def test_long_rows_are_the_rows_past_the_threshold_as_chunked_rows():
+    # fresh 3 tokens, resume 1, padding, resume 4 (a chunk with state), fresh 1, resume 1
+    computed = [0, 7, 0, 5, 0, 9]
+    scheduled = [3, 1, 0, 4, 1, 1]
+    starts = [0, 3, 4, 4, 8, 9, 10]
+    long = build_long_rows(_rows(computed, scheduled), starts, "cpu", 2)
+    assert long.prefill_rows == [0, 3] and long.decode_rows == []
+    assert long.prefill_tokens.tolist() == [0, 1, 2, 4, 5, 6, 7]
+    assert long.cu_seqlens.tolist() == [0, 3, 7]
+    assert long.has_initial_state.tolist() == [False, True]
+    assert long.prefill_rows_index.tolist() == [0, 3]
+    assert build_long_rows(_rows(computed, scheduled), starts, "cpu", 4).prefill_rows == []
 
 
 def test_decode_only_and_prefill_only_steps():

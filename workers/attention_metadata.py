@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvloom.kernels.dispatch import batch_invariant
-from kvloom.workers.linear_rows import LinearRows, build_linear_rows
+from kvloom.workers.linear_rows import LinearRows, build_linear_rows, build_long_rows
 from kvloom.workers.row_kinds import RowClasses
 
 # Uniform-decode steps of at most this many rows take the split-KV decode. On the H200
@@ -122,4 +122,13 @@ class ForwardBatch:
         key = str(device)
         if key not in cache:
             cache[key] = build_linear_rows(self.rows, self.query_start_loc_list, device)
+        return cache[key]
+
+    def long_rows(self, device, min_tokens: int) -> LinearRows:
+        """The rows of more than `min_tokens` tokens, as chunked rows (Gated DeltaNet's
+        split mixed steps), built on first use and shared by every layer of the step."""
+        cache = self.__dict__.setdefault("_long_rows", {})
+        key = (str(device), min_tokens)
+        if key not in cache:
+            cache[key] = build_long_rows(self.rows, self.query_start_loc_list, device, min_tokens)
         return cache[key]

@@ -32,7 +32,20 @@ class LinearRows:
 
 
 def build_linear_rows(rows: RowClasses, query_start_loc: list[int], device) -> LinearRows:
-    prefill, decode = rows.prefill_rows, rows.decode_rows
+    return _linear_rows(rows, query_start_loc, device, rows.prefill_rows, rows.decode_rows)
+
+
+def build_long_rows(
+    rows: RowClasses, query_start_loc: list[int], device, min_tokens: int
+) -> LinearRows:
+    """Only the rows of more than `min_tokens` tokens, all as chunked rows (no decode
+    rows): Gated DeltaNet's split mixed steps serve the others token by token."""
+    lens = rows.num_scheduled_tokens
+    long_rows = [i for i, n in enumerate(lens) if n > min_tokens]
+    return _linear_rows(rows, query_start_loc, device, long_rows, [])
+
+
+def _linear_rows(rows: RowClasses, query_start_loc: list[int], device, prefill, decode):
     starts = torch.tensor(query_start_loc, dtype=torch.int64)
     prefill_host = torch.tensor(prefill, dtype=torch.int64)
     lens = starts[prefill_host + 1] - starts[prefill_host]

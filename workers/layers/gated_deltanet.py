@@ -24,7 +24,7 @@ at a time through the single-step kernels instead (`resume_token_by_token`, in
 linear_state_pages.py, shared with KDA): the recurrence a plain decode would compute,
 with no host-side sequence bounds, so CUDA graphs can capture it.
 
-On CUDA a mixed step of many short rows (`serial_mixed_step`) also goes token by token,
+On CUDA a mixed step of many short rows (`mixed_step_path`) also goes token by token,
 through the serial kernels the deterministic mode uses (kernels/batch_invariant.py): in
 place on the pool, no state gathers and no host-side chunk bookkeeping. On the H200 that
 made offline Qwen3-Next-shape throughput 34% higher at 256 requests of 128-512 prompt
@@ -73,6 +73,7 @@ from kvloom.workers.layers.linear_state_pages import LinearStatePages, uniform_r
 from kvloom.workers.layers.norm import RMSNorm
 from kvloom.workers.layers.norm_linear import norm_linear
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
+from kvloom.workers.linear_rows import LinearRows
 from kvloom.workers.row_kinds import RowClasses
 
 # A mixed step goes token by token when it has at least this many rows, none longer than
@@ -82,26 +83,36 @@ from kvloom.workers.row_kinds import RowClasses
 # (time to first token) lies outside and keeps the chunked kernels.
 SERIAL_MIN_ROWS = 8
 SERIAL_MAX_ROW_TOKENS = 2048
+# A split mixed step (opt-in: KVLOOM_GDN_MIXED_STEPS=split) serves rows longer than this
+# with the chunked kernels (tensor cores; the chunks are 64 tokens) and the rest token by
+# token. On an H200 the serial delta rule took about 9 ms a layer at a 16,384-token step
+# of 834 rows (gpu_fast_path.md, fourteenth session); the split is not yet measured.
+SPLIT_ROW_TOKENS = 64
 
 
-def serial_mixed_step(rows: RowClasses, device: torch.device, state_dtype: torch.dtype) -> bool:
-    """Whether a step that is neither decode-only nor a uniform resume goes through the
-    serial kernels: KVLOOM_GDN_MIXED_STEPS=serial|chunked forces a path; auto (the default)
-    takes it on CUDA, for a float32 state (a narrower one would be rounded after every
-    prompt token, as decodes round it, where the chunked kernels round once a chunk), for
-    steps of at least SERIAL_MIN_ROWS rows of at most SERIAL_MAX_ROW_TOKENS tokens."""
+def mixed_step_path(rows: RowClasses, device: torch.device, state_dtype: torch.dtype) -> str:
+    """How a step that is neither decode-only nor a uniform resume runs: "serial" (every
+    row through the serial kernels), "split" (rows of more than SPLIT_ROW_TOKENS tokens
+    through the chunked kernels, the others through the serial ones) or "chunked".
+    KVLOOM_GDN_MIXED_STEPS=serial|split|chunked forces one; auto (the default) takes serial
+    on CUDA, for a float32 state (a narrower one would be rounded after every prompt
+    token, as decodes round it, where the chunked kernels round once a chunk), for steps of
+    at least SERIAL_MIN_ROWS rows of at most SERIAL_MAX_ROW_TOKENS tokens, else chunked."""
     choice = envs.get("KVLOOM_GDN_MIXED_STEPS").strip().lower()
-    if choice not in ("auto", "serial", "chunked"):
-        raise ValueError(f"KVLOOM_GDN_MIXED_STEPS must be auto, serial or chunked, got {choice!r}")
+    if choice not in ("auto", "serial", "split", "chunked"):
+        raise ValueError(
+            f"KVLOOM_GDN_MIXED_STEPS must be auto, serial, split or chunked, got {choice!r}"
+        )
     if choice != "auto":
-        return choice == "serial"
+        return choice
     lens = rows.num_scheduled_tokens
-    return (
+    serial = (
         device.type == "cuda"
         and state_dtype == torch.float32
         and len(lens) >= SERIAL_MIN_ROWS
         and max(lens, default=0) <= SERIAL_MAX_ROW_TOKENS
     )
+    return "serial" if serial else "chunked"
 
 
 class GatedRMSNorm(nn.Module):
@@ -354,39 +365,21 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
         if resume is not None:
             core = self.resume_token_by_token(mixed, g, beta, slots, resume)
             return self.out_proj(self.norm(core, z).flatten(1))
-        if serial_mixed_step(batch.rows, hidden.device, self.recurrent_state.dtype):
+        path = mixed_step_path(batch.rows, hidden.device, self.recurrent_state.dtype)
+        if path == "serial":
             core = self._serial_all(mixed, g, beta, slots, batch)
+            return self.out_proj(self.norm(core, z).flatten(1))
+        if path == "split":
+            core = self._split_step(mixed, g, beta, slots, batch)
             return self.out_proj(self.norm(core, z).flatten(1))
         core = hidden.new_zeros(hidden.shape[0], self.num_v_heads, self.head_v_dim)
         split = batch.linear_rows(hidden.device)
-        weight = self.conv1d.weight
-        if split.prefill_rows:
-            index, cu = split.prefill_tokens, split.cu_seqlens
-            pages = self._pages(slots, split.prefill_rows_index)
-            has_state = split.has_initial_state
-            x, conv_final = causal_conv1d_varlen(
-                mixed[index], weight, None, cu, self.conv_state[pages], has_state, self.activation
-            )
-            self.conv_state[pages] = conv_final
-            q, k, v = self._split_heads(x)
-            out, final = chunk_gated_delta_rule(
-                q,
-                k,
-                v,
-                g[index],
-                beta[index],
-                cu,
-                self.recurrent_state[pages],
-                has_state,
-                use_qk_l2norm=True,
-            )
-            self.recurrent_state[pages] = final.to(self.recurrent_state.dtype)
-            core[index] = out
+        self._chunked_rows(mixed, g, beta, slots, split, core)
         if split.decode_rows:
             index = split.decode_tokens
             pages = self._pages(slots, split.decode_rows_index)
             x = causal_conv1d_update(
-                mixed[index], weight, None, self.conv_state, pages, self.activation
+                mixed[index], self.conv1d.weight, None, self.conv_state, pages, self.activation
             )
             q, k, v = self._split_heads(x)
             core[index] = recurrent_gated_delta_rule(
@@ -394,6 +387,42 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
             )
         normed = self.norm(core, z)
         return self.out_proj(normed.flatten(1))
+
+    def _chunked_rows(self, mixed, g, beta, slots, rows: LinearRows, core) -> None:
+        """`rows`' prefill rows through the chunked conv and delta rule (their state pages
+        gathered, then written back); their outputs into core."""
+        if not rows.prefill_rows:
+            return
+        index, cu = rows.prefill_tokens, rows.cu_seqlens
+        pages = self._pages(slots, rows.prefill_rows_index)
+        has_state = rows.has_initial_state
+        x, conv_final = causal_conv1d_varlen(
+            mixed[index], self.conv1d.weight, None, cu, self.conv_state[pages], has_state,
+            self.activation,
+        )  # fmt: skip
+        self.conv_state[pages] = conv_final
+        q, k, v = self._split_heads(x)
+        out, final = chunk_gated_delta_rule(
+            q, k, v, g[index], beta[index], cu, self.recurrent_state[pages], has_state,
+            use_qk_l2norm=True,
+        )  # fmt: skip
+        self.recurrent_state[pages] = final.to(self.recurrent_state.dtype)
+        core[index] = out
+
+    def _split_step(self, mixed, g, beta, slots, batch: ForwardBatch) -> torch.Tensor:
+        """A mixed step in two parts: rows of more than SPLIT_ROW_TOKENS tokens through the
+        chunked kernels (work parallel over a row's tokens), every other row token by token
+        through the serial ones, which skip the long rows (their slot -1 there)."""
+        long = batch.long_rows(mixed.device, SPLIT_ROW_TOKENS)
+        if not long.prefill_rows:
+            return self._serial_all(mixed, g, beta, slots, batch)
+        if slots is None:
+            raise ValueError("state_indices: missing for a linear-state layer's group")
+        rows = batch.query_start_loc.shape[0] - 1
+        short_slots = slots[:rows].index_fill(0, long.prefill_rows_index, -1)
+        core = self._serial_all(mixed, g, beta, short_slots, batch)
+        self._chunked_rows(mixed, g, beta, slots, long, core)
+        return core
 
     def _decode_step(self, mixed, z, ba, slots: torch.Tensor, convolved=None) -> torch.Tensor:
         """A decode-only step after the projection -> the normed output: the conv update
