@@ -17,6 +17,9 @@ dequantized back to float (the reference model). Formats:
   along K, `qzeros` int32 [K / g, N / 8] packed along N (z - 1 = 7 in the original
   format, z = 8 in v2), `scales` float16 [K / g, N], `g_idx` int32 [K]. Written here from
   the format's definition, independently of kvloom's reader.
+* "gptq_asym_g32" / "gptq_v2_asym_g32": the same with `sym: false`: a zero point z in
+  [0, 15] per group and column (min-max quantization), stored as z - 1 (v1; z = 0 is not
+  written there: it has no v1 encoding) or z (v2).
 * "awq_g32" / "awq_g128": quant_method "awq", AutoAWQ's GEMM layout: `qweight` int32
   [K, N / 8] and `qzeros` int32 [K / g, N / 8] packed along N in AWQ's column order,
   `scales` float16 [K / g, N], asymmetric (zero points 0..15).
@@ -45,6 +48,7 @@ KEEP_FLOAT = ["lm_head", "embed_tokens", "mlp.gate", "shared_expert_gate", "in_p
 KEEP_FLOAT += ["in_proj_a", "in_proj_b"]  # Qwen3.5's split gates (Qwen's FP8 keeps them)
 SCHEMES = ("fp8_block", "fp8_channel", "fp8_tensor", "w4a16_g32", "w4a16_g128")
 GPTQ_SCHEMES = ("gptq_g32", "gptq_g128", "gptq_v2_g32")
+GPTQ_ASYM_SCHEMES = ("gptq_asym_g32", "gptq_v2_asym_g32")
 AWQ_SCHEMES = ("awq_g32", "awq_g128")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's packing: nibble i holds column AWQ_ORDER[i]
 
@@ -86,22 +90,29 @@ def _pack_nibbles(u: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def gptq_weight(w: torch.Tensor, group: int, v2: bool = False):
+def gptq_weight(w: torch.Tensor, group: int, v2: bool = False, sym: bool = True):
     """GPTQ's tensors of one [N, K] weight (round-to-nearest standing in for GPTQ's
     solver: the layout is the point) -> (tensors by suffix, dequantized float32)."""
     n, k = w.shape
     groups = w.float().unflatten(1, (-1, group))
-    scale = (groups.abs().amax(dim=-1) / 7.0).clamp_min(1e-4).to(torch.float16)  # [N, K/g]
-    q = torch.round(groups / scale.float()[..., None]).clamp(-8, 7).flatten(1)
-    u = (q + 8).to(torch.int64)  # GPTQ's unsigned values, zero point 8
-    zero = 8 if v2 else 7
+    if sym:
+        scale = (groups.abs().amax(dim=-1) / 7.0).clamp_min(1e-4).to(torch.float16)  # [N, K/g]
+        zero = torch.full((n, k // group), 8, dtype=torch.int64)
+    else:  # min-max over the group, as GPTQ's quantizer with sym=False
+        low, high = groups.amin(dim=-1).clamp(max=0), groups.amax(dim=-1).clamp(min=0)
+        scale = ((high - low) / 15.0).clamp_min(1e-4).to(torch.float16)
+        zero = torch.round(-low / scale.float()).clamp(0 if v2 else 1, 15).to(torch.int64)
+    u = torch.round(groups / scale.float()[..., None]) + zero[..., None]
+    u = u.clamp(0, 15).to(torch.int64).flatten(1)  # GPTQ's unsigned values
+    stored = zero if v2 else zero - 1  # the original format stores z - 1
     tensors = {
         "qweight": _pack_nibbles(u).t().contiguous(),  # along K: [N, K / 8] -> [K / 8, N]
-        "qzeros": _pack_nibbles(torch.full((k // group, n), zero)),
+        "qzeros": _pack_nibbles(stored.t().contiguous()),  # along N: [K / g, N / 8]
         "scales": scale.t().contiguous(),
         "g_idx": (torch.arange(k) // group).to(torch.int32),
     }
-    deq = ((u - 8).float().unflatten(1, (-1, group)) * scale.float()[..., None]).flatten(1)
+    shifted = (u.unflatten(1, (-1, group)) - zero[..., None]).float()
+    deq = (shifted * scale.float()[..., None]).flatten(1)
     return tensors, deq
 
 
@@ -120,7 +131,8 @@ def _expand(s: torch.Tensor, bn: int, bk: int, shape) -> torch.Tensor:
 def quantize_weight(w: torch.Tensor, scheme: str, block=(128, 128)):
     """-> (tensors by suffix, dequantized float32 weight)."""
     if scheme.startswith("gptq"):
-        return gptq_weight(w, int(scheme.split("_g")[-1]), v2="_v2_" in scheme)
+        group, v2, sym = int(scheme.split("_g")[-1]), "_v2_" in scheme, "_asym_" not in scheme
+        return gptq_weight(w, group, v2=v2, sym=sym)
     if scheme.startswith("awq"):
         return awq_weight(w, int(scheme.split("_g")[-1]))
     w = w.float()
@@ -163,7 +175,8 @@ def quantization_config(scheme: str, block=(128, 128)) -> dict:
     if scheme.startswith("gptq"):
         return {  # as GPTQModel writes it (fields that do not change storage included)
             "quant_method": "gptq", "bits": 4, "group_size": int(scheme.split("_g")[-1]),
-            "desc_act": False, "sym": True, "lm_head": False, "damp_percent": 0.01,
+            "desc_act": False, "sym": "_asym_" not in scheme, "lm_head": False,
+            "damp_percent": 0.01,
             "true_sequential": True, "static_groups": False,
             "checkpoint_format": "gptq_v2" if "_v2_" in scheme else "gptq",
             "meta": {"quantizer": ["gptqmodel:2.2.0"]}, "pack_dtype": "int32",

@@ -58,6 +58,8 @@ def test_kimi_int4_targets_and_ignores():
     [
         ("gptq_g128", W4A16Scheme(128), 7),
         ("gptq_v2_g32", W4A16Scheme(32), 8),
+        ("gptq_asym_g32", W4A16Scheme(32, zero_point=True), 7),
+        ("gptq_v2_asym_g32", W4A16Scheme(32, zero_point=True), 8),
         ("awq_g32", W4A16Scheme(32, zero_point=True), None),
     ],
 )
@@ -68,7 +70,7 @@ def test_int4_configs_take_their_modules_from_the_checkpoint(scheme, want, store
     cfg = parse_quantization_config(quantization_config(scheme))
     assert cfg.gptq_stored_zero == stored_zero
     keys = ["m.q_proj.qweight", "m.q_proj.scales", "m.q_proj.qzeros"]
-    keys += [] if want.zero_point else ["m.q_proj.g_idx"]  # GPTQ's, checked and dropped
+    keys += ["m.q_proj.g_idx"] if cfg.method == "gptq" else []  # checked and dropped
     keys += ["m.gate.weight", "lm_head.weight"]
     cfg.bind_checkpoint(qweight_modules(keys))
     assert cfg.scheme_for(["m.q_proj"], "q") == want
@@ -77,7 +79,8 @@ def test_int4_configs_take_their_modules_from_the_checkpoint(scheme, want, store
     zeros = "m.q_proj.weight_offset" if want.zero_point else None
     renamed = ["m.q_proj.weight_packed", "m.q_proj.weight_shape", "m.q_proj.weight_scale"]
     renamed += [zeros] if zeros else []
-    assert int4_keys(keys, cfg.method) == [*renamed, "m.gate.weight", "lm_head.weight"]
+    want_keys = [*renamed, "m.gate.weight", "lm_head.weight"]
+    assert int4_keys(keys, cfg.method, want.zero_point) == want_keys
 
 
 def test_compressed_tensors_fp8_schemes():

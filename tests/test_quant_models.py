@@ -40,6 +40,7 @@ from tests.conftest import TOKENIZER_FILES, VOCAB, build_hf_model
 from tests.oracle_helpers import MARGIN_TOL, hf_greedy, kvloom_prompt_logits
 from tests.quant_checkpoints import (
     AWQ_SCHEMES,
+    GPTQ_ASYM_SCHEMES,
     GPTQ_SCHEMES,
     fake_quant_fp8_experts,
     fake_quant_fp8_inputs,
@@ -193,11 +194,20 @@ def test_qwen3_5_split_projections_match_dequantized_oracle(qwen3_5_src, tmp_pat
     check_against_oracle(*pair, scheme, group=32 if scheme == "fp8_block" else None)
 
 
-@pytest.mark.parametrize("scheme", GPTQ_SCHEMES)
+@pytest.mark.parametrize("scheme", GPTQ_SCHEMES + GPTQ_ASYM_SCHEMES)
 def test_gptq_dense_checkpoint_matches_dequantized_oracle(dense_src, tmp_path, scheme):
-    """GPTQ (symmetric, no activation order) runs on the W4A16 kernels: its qweight and
-    scales transposed are pack-quantized's tensors (workers/layers/quantization/int4_layouts.py)."""
+    """GPTQ (no activation order) runs on the W4A16 kernels: its qweight and scales
+    transposed are pack-quantized's tensors (workers/layers/quantization/int4_layouts.py);
+    an asymmetric one (sym: false) adds AWQ's per-group zero-point offsets."""
     check_against_oracle(*make_pair(dense_src, tmp_path, scheme), scheme)
+
+
+def test_asymmetric_gptq_moe_hybrid_checkpoint_matches_dequantized_oracle(moe_src, tmp_path):
+    """Zero points in the experts (the fused MoE's offsets) and in the dense projections."""
+    quantized, dequantized = make_pair(moe_src, tmp_path, "gptq_asym_g32")
+    check_against_oracle(quantized, dequantized, "gptq_asym_g32")
+    layer = llm(quantized).engine.executor.worker.runner.model.model.layers[0]
+    assert layer.mlp.experts.gate_up.quant_method.scheme.name == "w4a16-g32-zp"
 
 
 def test_gptq_moe_hybrid_checkpoint_matches_dequantized_oracle(moe_src, tmp_path):
@@ -394,7 +404,7 @@ def test_bad_gptq_tensors_name_the_tensor(dense_src, tmp_path, edit, match):
     ("scheme", "edit", "field"),
     [
         ("gptq_g32", {"bits": 8}, "bits"),
-        ("gptq_g32", {"sym": False}, "sym"),
+        ("gptq_g32", {"sym": None}, "sym"),
         ("gptq_g32", {"desc_act": True}, "desc_act"),
         ("gptq_g32", {"group_size": -1}, "group_size"),
         ("gptq_g32", {"checkpoint_format": "marlin"}, "checkpoint_format"),

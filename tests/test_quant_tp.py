@@ -106,9 +106,11 @@ def scheme_outputs(state, scheme: str):
     keys, items = list(tensors.keys()), tensors.items()
     if qconfig.method in ("gptq", "awq"):  # as build_model and checkpoint_weights read them
         qconfig.bind_checkpoint(qweight_modules(keys))
-        keys = int4_keys(keys, qconfig.method)
-        group = qconfig.rules[0][1].group_size
-        items = Int4Reader(qconfig.method, group, qconfig.gptq_stored_zero)(items)
+        scheme_ = qconfig.rules[0][1]
+        keys = int4_keys(keys, qconfig.method, scheme_.zero_point)
+        items = Int4Reader(
+            qconfig.method, scheme_.group_size, qconfig.gptq_stored_zero, scheme_.zero_point
+        )(items)
     names = checkpoint_module_names(block, keys, STACKED)
     quantize_model(block, qconfig, names, torch.device("cpu"))
     load_weights(block, items, STACKED)

@@ -42,7 +42,7 @@ def build_model(klass, model_config, dtype: torch.dtype, tp, device) -> nn.Modul
     keys = checkpoint_keys(Path(model_config.model))
     if qconfig.method in INT4_LAYOUTS:
         qconfig.bind_checkpoint(qweight_modules(keys))
-        keys = int4_keys(keys, qconfig.method)
+        keys = int4_keys(keys, qconfig.method, qconfig.rules[0][1].zero_point)
     names = checkpoint_module_names(
         model, keys, klass.stacked_params, klass.ignored_weight_prefixes
     )
@@ -56,5 +56,7 @@ def checkpoint_weights(model_config, weights: Iterable[tuple[str, torch.Tensor]]
     qconfig = parse_quantization_config(model_config.quantization)
     if qconfig is None or qconfig.method not in INT4_LAYOUTS:
         return weights
-    group = qconfig.rules[0][1].group_size
-    return Int4Reader(qconfig.method, group, qconfig.gptq_stored_zero)(weights)
+    scheme = qconfig.rules[0][1]
+    return Int4Reader(
+        qconfig.method, scheme.group_size, qconfig.gptq_stored_zero, scheme.zero_point
+    )(weights)

@@ -8,9 +8,10 @@ field. Four methods:
   `weight_block_size` [bn, bk] blocks with `weight_scale_inv` per block, activations
   quantized at run time per token and bk group (`activation_scheme: "dynamic"`). Modules
   listed in `modules_to_not_convert` (or `ignored_layers`) stay in the float dtype.
-* `quant_method: "gptq"` (AutoGPTQ / GPTQModel int4): symmetric, no activation order, read
-  as W4A16 (int4_layouts.py turns its tensors into compressed-tensors' layout); the
-  modules it quantized are those with a `qweight` in the checkpoint (`bind_checkpoint`).
+* `quant_method: "gptq"` (AutoGPTQ / GPTQModel int4): no activation order, read as W4A16
+  (int4_layouts.py turns its tensors into compressed-tensors' layout), with a zero-point
+  offset per group where `sym` is false (as AWQ); the modules it quantized are those with
+  a `qweight` in the checkpoint (`bind_checkpoint`).
 * `quant_method: "awq"` (AutoAWQ's GEMM layout): int4 with zero points, read as W4A16 with
   a zero-point offset per group (int4_layouts.py turns its tensors into that layout).
 * `quant_method: "compressed-tensors"` (llm-compressor; Kimi's INT4 checkpoints): each
@@ -369,7 +370,7 @@ def parse_quantization_config(cfg: dict | None) -> QuantizationConfig | None:
     raise ValueError(
         f"{FIELD}.quant_method {method!r} is not supported; kvloom reads 'fp8' (block-scaled), "
         "'compressed-tensors' (float-quantized FP8, pack-quantized W4A16), 'gptq' "
-        "(symmetric int4) and 'awq' (int4 with zero points, GEMM layout)"
+        "(int4) and 'awq' (int4 with zero points, GEMM layout)"
     )
 
 
@@ -399,8 +400,9 @@ def _parse_gptq(cfg: dict) -> QuantizationConfig:
     """GPTQ configs carry many producer fields (damp_percent, true_sequential, meta, ...)
     that do not change how weights are stored; these are the ones that do."""
     group = _int4_group_size(cfg)
-    if cfg.get("sym") is not True:
-        _fail("sym", "true (zero points other than 8 are not supported)", cfg.get("sym"))
+    sym = cfg.get("sym")
+    if not isinstance(sym, bool):
+        _fail("sym", "true or false", sym)
     if cfg.get("desc_act", False) is not False:
         _fail("desc_act", "false (activation reordering is not supported)", cfg.get("desc_act"))
     fmt = cfg.get("checkpoint_format") or cfg.get("format") or "gptq"
@@ -413,6 +415,7 @@ def _parse_gptq(cfg: dict) -> QuantizationConfig:
         _fail("lm_head", "false (a quantized lm_head is not supported)", cfg["lm_head"])
     if cfg.get("dynamic"):
         _fail("dynamic", "empty (per-module overrides are not supported)", cfg["dynamic"])
-    qconfig = QuantizationConfig("gptq", [(("Linear",), W4A16Scheme(group))], ("lm_head",), None)
+    scheme = W4A16Scheme(group, zero_point=not sym)  # asymmetric: zero points, as AWQ's
+    qconfig = QuantizationConfig("gptq", [(("Linear",), scheme)], ("lm_head",), None)
     qconfig.gptq_stored_zero = GPTQ_STORED_ZERO[fmt]
     return qconfig

@@ -12,14 +12,17 @@ stored transposed:
   point z of each group and output column; `g_idx` int32 [K] (optional) the group of
   each input feature;
 * w[n, k] = scales[k // g, n] * (u[k, n] - z). GPTQ's original format ("gptq") stores
-  z - 1, its v2 format ("gptq_v2") z itself.
+  z - 1, its v2 format ("gptq_v2") z itself. (A v1 zero point of 0 has no encoding: it
+  wraps to 15 and reads back as 16, as GPTQ's own kernels add 1 to the stored value.)
 
 With z = 8 for every group (what `sym: true` writes), u - 8 is compressed-tensors' signed
 value and u its stored nibble, so `weight_packed` is `qweight` transposed and
 `weight_scale` is `scales` transposed: no repacking, no new kernel. This module turns a
 GPTQ checkpoint's tensor names and tensors into those, checking the zero points and
-`g_idx` on the way (a nonzero offset or a reordered `g_idx` is an error naming the
-tensor: the W4A16 kernels have neither zero points nor reordering).
+`g_idx` on the way (a zero point other than 8 or a reordered `g_idx` is an error naming
+the tensor). An asymmetric layer (`sym: false`) keeps its zero points as AWQ's do, below:
+`weight_offset` = s * (z - 8), and the same `weight_packed` (u is still q + 8's nibble).
+A reordered `g_idx` stays an error: the W4A16 kernels do not reorder.
 
 AWQ (`quant_method: "awq"`, AutoAWQ's GEMM layout, `version: "gemm"`): `qweight` int32
 [K, N / 8] and `qzeros` int32 [K / g, N / 8] packed along N, nibble i of a word holding
@@ -37,11 +40,18 @@ import torch
 
 from kvloom.kernels.w4a16_gemm import INT4_OFFSET, pack_int4
 
-# Checkpoint tensor suffix -> the W4A16 tensor it becomes (None: checked, dropped).
+# Checkpoint tensor suffix -> the W4A16 tensor it becomes (None: checked, dropped), by
+# (method, zero points kept).
 RENAMED = {
-    "gptq": {"qweight": "weight_packed", "scales": "weight_scale", "qzeros": None, "g_idx": None},
-    "awq": {"qweight": "weight_packed", "scales": "weight_scale", "qzeros": "weight_offset"},
-}
+    ("gptq", False): {
+        "qweight": "weight_packed", "scales": "weight_scale", "qzeros": None, "g_idx": None
+    },
+    ("gptq", True): {
+        "qweight": "weight_packed", "scales": "weight_scale", "qzeros": "weight_offset",
+        "g_idx": None,
+    },
+    ("awq", True): {"qweight": "weight_packed", "scales": "weight_scale", "qzeros": "weight_offset"},
+}  # fmt: skip
 NEEDED = ("qweight", "scales", "qzeros")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i]
 
@@ -56,9 +66,9 @@ def qweight_modules(keys: Iterable[str]) -> set[str]:
     return {module for module, suffix in map(_split, keys) if suffix == "qweight"}
 
 
-def int4_keys(keys: Iterable[str], method: str) -> list[str]:
-    """The checkpoint's tensor names as `Int4Reader(method, ...)` yields them."""
-    keys, renamed = list(keys), RENAMED[method]
+def int4_keys(keys: Iterable[str], method: str, zero_points: bool) -> list[str]:
+    """The checkpoint's tensor names as `Int4Reader(method, ..., zero_points)` yields them."""
+    keys, renamed = list(keys), RENAMED[method, zero_points]
     quantized = qweight_modules(keys)
     out = []
     for key in keys:
@@ -89,18 +99,27 @@ class Int4Reader:
     """Turns a GPTQ or AWQ checkpoint's tensors into W4A16 ones (`__call__`), one module
     at a time as its `qweight`, `scales` and `qzeros` arrive; `finish()` names any module
     whose tensors did not all arrive. `stored_zero`: what a GPTQ checkpoint stores for
-    z = 8."""
+    z = 8. `zero_points`: keep them as `weight_offset` (AWQ; GPTQ with `sym: false`), else
+    (symmetric GPTQ) check that every one is 8."""
 
-    def __init__(self, method: str, group_size: int, stored_zero: int | None = None):
+    def __init__(
+        self,
+        method: str,
+        group_size: int,
+        stored_zero: int | None = None,
+        zero_points: bool | None = None,
+    ):
         self.method = method
         self.group_size = group_size
         self.stored_zero = stored_zero
+        self.zero_points = method == "awq" if zero_points is None else zero_points
+        self.renamed = RENAMED[method, self.zero_points]
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
 
     def __call__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator:
         for name, tensor in weights:
             module, suffix = _split(name)
-            if suffix not in RENAMED[self.method]:
+            if suffix not in self.renamed:
                 yield name, tensor
                 continue
             if suffix == "g_idx":
@@ -161,7 +180,12 @@ class Int4Reader:
         yield f"{module}.weight_shape", torch.tensor([n, k], dtype=torch.int64)
 
     def _gptq(self, module, qweight, scales, qzeros, n) -> Iterator:
-        zeros = _unpack_columns(qzeros)[:, :n]
+        zeros = _unpack_columns(qzeros)[:, :n]  # [K / g, N]
+        if self.zero_points:  # z - 8 = stored - stored_zero (v1 stores z - 1: 7 for z = 8)
+            yield f"{module}.weight_packed", qweight.t().contiguous()
+            yield f"{module}.weight_scale", scales.t().contiguous()
+            yield f"{module}.weight_offset", _offset(zeros - self.stored_zero, scales)
+            return
         off = zeros != self.stored_zero
         if off.any():
             group, col = (int(i) for i in off.nonzero()[0])
@@ -177,9 +201,12 @@ class Int4Reader:
         values = _unpack_awq(qweight)  # [K, N] in [0, 15]
         yield f"{module}.weight_packed", pack_int4(values.t() - INT4_OFFSET)
         yield f"{module}.weight_scale", scales.t().contiguous()
-        zeros = _unpack_awq(qzeros) - INT4_OFFSET  # [K / g, N]
-        offset = zeros.to(torch.float32) * scales.to(torch.float32)
-        yield f"{module}.weight_offset", offset.t().contiguous()
+        yield f"{module}.weight_offset", _offset(_unpack_awq(qzeros) - INT4_OFFSET, scales)
+
+
+def _offset(shifted_zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(z - 8) [K / g, N] and the scales -> weight_offset [N, K / g] float32 = s * (z - 8)."""
+    return (shifted_zeros.to(torch.float32) * scales.to(torch.float32)).t().contiguous()
 
 
 def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:
