@@ -12,6 +12,10 @@ dequantized back to float (the reference model). Formats:
 * "w4a16_g32" / "w4a16_g128": compressed-tensors pack-quantized (Kimi): `weight_packed`
   int32 written by compressed-tensors' own `pack_to_int32`, `weight_scale` bfloat16
   [N, K / g], `weight_shape` int64 [2].
+* "w4a16_asym_g32": the same with `symmetric: false`: min-max groups, a signed zero point
+  per row and group in `weight_zero_point` int32 [N / 8, K / g], packed along N by
+  compressed-tensors' own `pack_to_int32(..., packed_dim=0)`; the dequantized weight
+  from the library's own unpacking.
 * "gptq_g32" / "gptq_g128" (and "gptq_v2_g32"): quant_method "gptq" as AutoGPTQ /
   GPTQModel write it, symmetric, no activation order: `qweight` int32 [K / 8, N] packed
   along K, `qzeros` int32 [K / g, N / 8] packed along N (z - 1 = 7 in the original
@@ -156,14 +160,27 @@ def quantize_weight(w: torch.Tensor, scheme: str, block=(128, 128)):
 
     group = int(scheme.split("_g")[1])
     groups = w.unflatten(1, (-1, group))
-    scale = (groups.abs().amax(dim=-1) / 7.0).clamp_min(1e-8).to(torch.bfloat16)
-    q = torch.round(groups / scale.float()[..., None]).clamp(-8, 7).flatten(1).to(torch.int8)
+    if "_asym_" in scheme:  # min-max: zp = round(-min / s) - 8, q = round(w / s) + zp
+        low, high = groups.amin(dim=-1).clamp(max=0), groups.amax(dim=-1).clamp(min=0)
+        scale = ((high - low) / 15.0).clamp_min(1e-8).to(torch.bfloat16)
+        zero = (torch.round(-low / scale.float()) - 8).clamp(-8, 7)
+    else:
+        scale = (groups.abs().amax(dim=-1) / 7.0).clamp_min(1e-8).to(torch.bfloat16)
+        zero = torch.zeros_like(scale, dtype=torch.float32)
+    q = torch.round(groups / scale.float()[..., None]) + zero[..., None]
+    q = q.clamp(-8, 7).flatten(1).to(torch.int8)
     packed = pack_to_int32(q, 4)
     # The dequantized weight from the library's own unpacking (the format's oracle).
     unpacked = unpack_from_int32(packed, 4, torch.Size(w.shape)).float()
-    deq = (unpacked.unflatten(1, (-1, group)) * scale.float()[..., None]).flatten(1)
-    shape = torch.tensor(list(w.shape), dtype=torch.int64)
-    return {"weight_packed": packed, "weight_scale": scale, "weight_shape": shape}, deq
+    tensors = {"weight_packed": packed, "weight_scale": scale}
+    if "_asym_" in scheme:
+        zp_packed = pack_to_int32(zero.to(torch.int8), 4, packed_dim=0)
+        zero = unpack_from_int32(zp_packed, 4, torch.Size(scale.shape), packed_dim=0).float()
+        tensors["weight_zero_point"] = zp_packed
+    shifted = unpacked.unflatten(1, (-1, group)) - zero[..., None]
+    deq = (shifted * scale.float()[..., None]).flatten(1)
+    tensors["weight_shape"] = torch.tensor(list(w.shape), dtype=torch.int64)
+    return tensors, deq
 
 
 def quantization_config(scheme: str, block=(128, 128)) -> dict:
@@ -215,7 +232,7 @@ def quantization_config(scheme: str, block=(128, 128)) -> dict:
         weights = {
             "num_bits": 4,
             "type": "int",
-            "symmetric": True,
+            "symmetric": "_asym_" not in scheme,
             "strategy": "group",
             "group_size": int(scheme.split("_g")[1]),
             "dynamic": False,

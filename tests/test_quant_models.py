@@ -194,6 +194,19 @@ def test_qwen3_5_split_projections_match_dequantized_oracle(qwen3_5_src, tmp_pat
     check_against_oracle(*pair, scheme, group=32 if scheme == "fp8_block" else None)
 
 
+def test_asymmetric_compressed_tensors_int4_matches_dequantized_oracle(dense_src, tmp_path):
+    """pack-quantized with `symmetric: false`: weight_zero_point packed along N (written and
+    unpacked for the oracle by compressed-tensors itself) becomes per-group offsets."""
+    check_against_oracle(*make_pair(dense_src, tmp_path, "w4a16_asym_g32"), "w4a16_asym_g32")
+
+
+def test_asymmetric_compressed_tensors_int4_moe_matches_dequantized_oracle(moe_src, tmp_path):
+    quantized, dequantized = make_pair(moe_src, tmp_path, "w4a16_asym_g32")
+    check_against_oracle(quantized, dequantized, "w4a16_asym_g32")
+    layer = llm(quantized).engine.executor.worker.runner.model.model.layers[0]
+    assert layer.mlp.experts.gate_up.quant_method.scheme.name == "w4a16-g32-zp"
+
+
 @pytest.mark.parametrize("scheme", GPTQ_SCHEMES + GPTQ_ASYM_SCHEMES)
 def test_gptq_dense_checkpoint_matches_dequantized_oracle(dense_src, tmp_path, scheme):
     """GPTQ (no activation order) runs on the W4A16 kernels: its qweight and scales
@@ -344,7 +357,8 @@ def test_fused_parts_quantized_differently(dense_src, tmp_path):
         ("fp8_block", {"scale_fmt": "ue8m0"}, "scale_fmt"),
         ("w4a16_g32", {"format": "marlin-24"}, "format"),
         ("w4a16_g32", {"quantization_status": "frozen"}, "quantization_status"),
-        ("w4a16_g32", {"weights": {"symmetric": False}}, "weights.symmetric"),
+        ("fp8_channel", {"weights": {"symmetric": False}}, "weights.symmetric"),
+        ("w4a16_g32", {"weights": {"symmetric": "no"}}, "weights.symmetric"),
         ("w4a16_g32", {"weights": {"actorder": "group"}}, "weights.actorder"),
         ("w4a16_g32", {"weights": {"group_size": 256}}, "weights.group_size"),
         ("w4a16_g32", {"weights": {"num_bits": 8}}, "weights"),
@@ -511,3 +525,25 @@ def test_kimi_linear_int4_experts(tmp_path):
     err = (ours - ref).abs().max().item()
     print(f"ERRNORM kimi-linear int4 experts: {err:.3g}")
     assert err <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (
+            lambda t: t.pop(f"{GPTQ_DOWN}.weight_zero_point"),
+            rf"missing 1 weight\(s\): {GPTQ_DOWN}\.weight_offset .*weight_zero_point",
+        ),
+        (
+            lambda t: t.update(
+                {f"{GPTQ_DOWN}.weight_zero_point": torch.zeros(3, 1, dtype=torch.int32)}
+            ),
+            rf"{GPTQ_DOWN}\.weight_zero_point: expected int32",
+        ),
+    ],
+)
+def test_bad_compressed_tensors_zero_points_name_the_tensor(dense_src, tmp_path, edit, match):
+    quantized = write_quantized(dense_src, tmp_path / "q", "w4a16_asym_g32")
+    edit_tensors(quantized, edit)
+    with pytest.raises(ValueError, match=match):
+        llm(quantized)

@@ -149,4 +149,10 @@ def load_weights(
     missing = sorted(f"{m}.{p}" + (f"[shard {s}]" if s else "") for m, p, s in expected - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-        raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
+        hint = ""
+        if any(name.split("[")[0].endswith(".weight_offset") for name in missing):
+            hint = (
+                " (a weight_offset is made from a zero-point layer's weight_zero_point in "
+                "compressed-tensors with symmetric: false, or its qzeros in GPTQ / AWQ)"
+            )
+        raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {shown}{hint}")

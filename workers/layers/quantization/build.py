@@ -13,6 +13,11 @@ from torch import nn
 from kvloom.kernels.dispatch import set_batch_invariant
 from kvloom.workers.layers.quantization.apply import checkpoint_module_names, quantize_model
 from kvloom.workers.layers.quantization.config import parse_quantization_config
+from kvloom.workers.layers.quantization.ct_zero_points import (
+    ZeroPointReader,
+    zero_point_keys,
+    zero_point_modules,
+)
 from kvloom.workers.layers.quantization.int4_layouts import Int4Reader, int4_keys, qweight_modules
 from kvloom.workers.layers.quantization.scope import deferred_weights
 from kvloom.workers.weight_loader import checkpoint_keys
@@ -43,6 +48,7 @@ def build_model(klass, model_config, dtype: torch.dtype, tp, device) -> nn.Modul
     if qconfig.method in INT4_LAYOUTS:
         qconfig.bind_checkpoint(qweight_modules(keys))
         keys = int4_keys(keys, qconfig.method, qconfig.rules[0][1].zero_point)
+    keys = zero_point_keys(keys)
     names = checkpoint_module_names(
         model, keys, klass.stacked_params, klass.ignored_weight_prefixes
     )
@@ -52,10 +58,14 @@ def build_model(klass, model_config, dtype: torch.dtype, tp, device) -> nn.Modul
 
 def checkpoint_weights(model_config, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable:
     """The checkpoint's tensors as the model's layers load them: a GPTQ or AWQ
-    checkpoint's turned into the W4A16 layout (int4_layouts.py), any other's unchanged."""
+    checkpoint's turned into the W4A16 layout (int4_layouts.py), compressed-tensors' zero
+    points into offsets (ct_zero_points.py), any other's unchanged."""
     qconfig = parse_quantization_config(model_config.quantization)
-    if qconfig is None or qconfig.method not in INT4_LAYOUTS:
+    if qconfig is None:
         return weights
+    if qconfig.method not in INT4_LAYOUTS:  # compressed-tensors' asymmetric int4, if any
+        modules = zero_point_modules(checkpoint_keys(Path(model_config.model)))
+        return ZeroPointReader(modules)(weights) if modules else weights
     scheme = qconfig.rules[0][1]
     return Int4Reader(
         qconfig.method, scheme.group_size, qconfig.gptq_stored_zero, scheme.zero_point

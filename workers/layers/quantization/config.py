@@ -18,8 +18,8 @@ field. Four methods:
   `config_groups` entry applies a scheme to its `targets` (class name "Linear", exact
   module names or "re:" regexes), minus `ignore`. Formats: `float-quantized` FP8 weights
   per channel or per tensor (`weight_scale`, optional static `input_scale`) or in blocks;
-  `pack-quantized` int4 symmetric group-quantized weights (`weight_packed`,
-  `weight_scale`, `weight_shape`) with float activations (W4A16).
+  `pack-quantized` int4 group-quantized weights (`weight_packed`, `weight_scale`,
+  `weight_shape`; asymmetric ones add `weight_zero_point`) with float activations (W4A16).
 
 Module names are the checkpoint's (e.g. `model.layers.0.mlp.experts.3.gate_proj`), so the
 rules match what the checkpoint's authors wrote.
@@ -245,10 +245,11 @@ def _ct_scheme(group: dict, fmt: str, path: str) -> Scheme:
         )
     if weights.get("dynamic", False) is not False:
         _fail(path + "weights.dynamic", "false", weights.get("dynamic"))
-    if weights.get("symmetric", True) is not True:
+    symmetric = weights.get("symmetric", True)
+    if symmetric is not True and not (symmetric is False and fmt == "pack-quantized"):
         _fail(
             path + "weights.symmetric",
-            "true (asymmetric weights are not supported)",
+            "true (false only for pack-quantized int4 weights)",
             weights.get("symmetric"),
         )
     strategy = weights.get("strategy")
@@ -266,7 +267,8 @@ def _ct_scheme(group: dict, fmt: str, path: str) -> Scheme:
             _fail(path + "weights.group_size", "32, 64 or 128", group_size)
         if acts is not None:
             _fail(path + "input_activations", "null for W4A16 (float activations)", acts)
-        return W4A16Scheme(int(group_size))
+        # asymmetric: `weight_zero_point` per group, kept as AWQ's (ct_zero_points.py)
+        return W4A16Scheme(int(group_size), zero_point=not symmetric)
     # float-quantized / naive-quantized FP8
     if weights.get("type") != "float" or weights.get("num_bits") != 8:
         _fail(
