@@ -66,6 +66,7 @@ from kvloom.kernels.causal_conv1d_triton import (
     conv1d_update_channels,
 )
 from kvloom.kernels.gemv import CONV_GEMV_MAX_M, GEMV_MAX_M, NORM_GEMV_MAX_K, NORM_GEMV_MAX_M
+from kvloom.kernels.int4_nibbles_triton import word_nibbles
 from kvloom.kernels.pdl_triton import pdl_launch, prefetch_l2, uses_pdl
 from kvloom.kernels.rms_norm_triton import (
     rms_row_rstd,
@@ -374,27 +375,6 @@ def _scale_at(s_rows, k, K, EVEN_K: tl.constexpr, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _word_nibbles(words):
-    """[BLOCK_N, 8] int32 words -> [BLOCK_N, 8, 8] nibbles, lowest first, each word's eight
-    in the thread that holds the word. Built from joins (each keeps its new dimension in
-    one thread's registers), not a broadcast shift: that one left the nibble dimension
-    across threads, so each thread fetched eight rows' words from shared memory for one
-    nibble each. sm_90 PTX of one 512-column step (16 features, 4 warps): 1,079
-    instructions with 64 shared-memory loads of words before, 776 with none now (Triton
-    3.9; 3.6: 1,065 and 757, and x's 72 two-byte global loads gone); the same bits
-    (interpreted, every plan)."""
-    n0, n1 = words & 0xF, (words >> 4) & 0xF
-    n2, n3 = (words >> 8) & 0xF, (words >> 12) & 0xF
-    n4, n5 = (words >> 16) & 0xF, (words >> 20) & 0xF
-    n6, n7 = (words >> 24) & 0xF, (words >> 28) & 0xF
-    # joined[..., i, j, k] = nibble 4i + 2j + k, so the reshape keeps the natural order.
-    even = tl.join(tl.join(n0, n4), tl.join(n2, n6))  # [..., i, j] = nibble 4i + 2j
-    odd = tl.join(tl.join(n1, n5), tl.join(n3, n7))  # [..., i, j] = nibble 4i + 2j + 1
-    joined = tl.join(even, odd)
-    return tl.reshape(joined, [joined.shape[0], joined.shape[1], 8])
-
-
-@triton.jit
 def _weight_chunk(
     w_tile,
     s_rows,
@@ -417,8 +397,9 @@ def _weight_chunk(
         # word loads can be 32-byte vectors.
         kk = tl.multiple_of(kk, 64)
         word_k = kk + tl.arange(0, 8) * 8  # first column of each word
-        # The hint lets a row's eight words load as 16-byte vectors (without it, kk // 8
-        # is not known to be 8-aligned and every word took its own 4-byte copy).
+        # A row's eight words are 32-byte aligned (the compiler does not carry kk's
+        # alignment through the division). With 16 features a tile is 128 words, one per
+        # thread of 4 warps, so the copies stay 4 bytes wide either way.
         word0 = tl.multiple_of(kk // 8, 8)
         if EVEN_K:
             words = tl.load(w_tile + word0, eviction_policy="evict_first")
@@ -429,7 +410,11 @@ def _weight_chunk(
                 other=0,
                 eviction_policy="evict_first",
             )
-        nibbles = _word_nibbles(words)
+        # Each word's nibbles stay in its thread (word_nibbles): sm_90 PTX of one
+        # 512-column step (16 features, 4 warps) went from 1,079 instructions with 64
+        # shared-memory word loads to 776 with none (Triton 3.9; 3.6: 1,065 and 757), the
+        # same bits.
+        nibbles = word_nibbles(words)
         # (2^23 + nibble) as float32 bits, minus 2^23 + 8: q exactly, without an
         # int -> float conversion (a quarter-rate instruction).
         q = (nibbles | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0

@@ -29,6 +29,7 @@ from kvloom.kernels.arg_checks_triton import (
     check_same_device,
 )
 from kvloom.kernels.fused_moe_triton import _dot, _interpreted
+from kvloom.kernels.int4_nibbles_triton import word_nibbles
 from kvloom.kernels.w4a16_gemm import check_w4_args
 
 BLOCK_M_CHOICES = (16, 32, 64)
@@ -69,7 +70,7 @@ def dequant_w4_tile(
     word_ids = k0 // 8 + tl.arange(0, WORDS)
     w_mask = rows_ok[:, None] & (word_ids < in_features // 8)[None, :]
     words = tl.load(w_rows[:, None] + word_ids[None, :], mask=w_mask, other=0)
-    nibbles = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+    nibbles = word_nibbles(words)  # [rows, WORDS, 8], each word's eight in its thread
     q = tl.reshape(nibbles, [words.shape[0], BLOCK_K]) - 8  # feature k = word * 8 + nibble
     w = q.to(tl.float32) * _group_values(s_rows, rows_ok, k0, in_features, GROUP, BLOCK_K)
     if HAS_OFFSET:
