@@ -9,7 +9,7 @@
 #     [spec-profile] [spec-decode] [deterministic] [all-gpu-tests] [gdn-mixed]
 #     [trace-dense] [bench-kimi] [fp8-plans] [mla] [host-256] [gpu-gaps]
 #     [act-quant] [scaled-mm-accuracy] [attention-fusion] [norm-gemv] [gdn-decode]
-#     [moe-pairs] [fusion-ab] [bench-int4]
+#     [moe-pairs] [fusion-ab] [bench-int4] [bench-fp8]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -171,16 +171,21 @@ for section in "$@"; do
           | grep -v "it/s" | tail -4 || status=1
       done
       ;;
-    pending-tests)  # gpu tests of code that landed without a GPU run (see the closing notes)
-      timeout 400 python3 -m pytest -q -p no:cacheprovider \
-        tests/triton_interpret/test_mla_attention_triton.py \
-        tests/triton_interpret/test_fp8_gemm_plans_triton.py 2>&1 \
-        | tee "$OUT/pending_kernel_tests.log" | tail -12 || status=1
-      timeout 200 python3 -m pytest -q -p no:cacheprovider -k gated_add \
-        tests/triton_interpret/test_kernels_triton_dense.py 2>&1 | tail -3 || status=1
-      timeout 500 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kda_gates.py \
-        tests/test_moe_router_sigmoid.py tests/test_cuda_graphs.py tests/test_kda_fla.py 2>&1 \
-        | tee "$OUT/pending_gpu_tests.log" | tail -12 || status=1
+    pending-tests)  # gpu tests of code that landed without a GPU run (see the closing notes):
+      # the in-thread int4 unpacking (GEMV, GEMM, MoE; AWQ offsets) and the FP8 quantizer
+      # at the serving widths
+      timeout ${PENDING_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rfE -m gpu \
+        tests/triton_interpret/test_quant_kernels_triton.py \
+        tests/triton_interpret/test_fp8_scaled_mm_triton.py::test_gpu_quantizer_at_the_serving_widths_is_the_reference \
+        2>&1 | tee "$OUT/pending_gpu_tests.log" | tail -15 || status=1
+      ;;
+    bench-fp8)  # Qwen3-8B with block-FP8 weights: batch-1 decode and the offline run
+      for kind in latency throughput; do
+        python3 -m kvloom.cluster.cli bench $kind --shape qwen3-8b --quantization fp8 \
+          --out "$OUT/kvloom_qwen3-8b_${kind}_fp8.json" 2>&1 | grep "^RESULT" \
+          | sed "s/^RESULT /RESULT fp8 /"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      done
       ;;
     act-quant)  # FP8 activation quantizer, old vs new us in a CUDA graph (issue 22)
       timeout 500 python3 benchmarks/quant_moe_plans.py --no-moe --no-linear --act-quant \
