@@ -31,9 +31,10 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "KVLOOM_DISABLE_TRITON": ("", "1: every kernel takes its pure-torch reference"),
     "KVLOOM_NO_GEMV": ("", "1: small-row linears (bf16, FP8, W4A16) skip the Triton GEMVs"),
     "KVLOOM_SCALED_MM": (
-        "",
-        "1: prefill-size FP8 block-scaled linears on Hopper take cuBLAS's blockwise GEMM "
-        "(torch._scaled_mm) instead of kvloom's Triton GEMM (opt-in: its accuracy is open)",
+        "1",
+        "0: prefill-size FP8 block-scaled linears on Hopper take kvloom's Triton GEMM "
+        "instead of cuBLAS's blockwise GEMM (torch._scaled_mm, the default: 2.4x faster "
+        "offline on an H100, float32 sums within 2e-4 of the output scale)",
     ),
     "KVLOOM_UNFUSED": (
         "",

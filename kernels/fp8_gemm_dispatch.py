@@ -3,17 +3,22 @@
 Triton GEMM (kernels/fp8_gemm_triton.py).
 
 Both compute `fp8_gemm.fp8_linear_ref`'s semantics on the same e4m3 activations (the
-Triton quantizer's, bitwise the reference's); cuBLAS sums in its own order. On the H200
-it ran 4-5x the Triton GEMM at 4,096 tokens and agreed within about one bf16 ulp
+Triton quantizer's, bitwise the reference's); cuBLAS sums in its own order, with the FP8
+tensor cores' accumulation: its float32 output was 1.5e-4 and 1.9e-4 of the output's
+largest magnitude from the float64 product of the served operands on an H200
+(benchmarks/scaled_mm_accuracy.py, 2026-12-05), where the Triton GEMM (full-precision
+accumulation, `max_num_imprecise_acc=0`) stays within 5e-7; about one bf16 ulp of a
+bf16 output. On an H100 (2026-12-05) the 1,000-request offline run of the Qwen3-8B shape
+with block-FP8 weights took 31.45 s through cuBLAS and 75.41 s through the Triton GEMM
+(vLLM 0.26's CUTLASS kernel: 48.12 s), so cuBLAS is the default
 (docs/benchmarks/quantization.md).
 
 `scaled_mm_blocker` names the first reason a call cannot take cuBLAS (None: it can):
 
-- it is off unless `KVLOOM_SCALED_MM=1`: on the H200 (2026-12-05) its float32 output was
-  4.4e-3 to 8.7e-3 of the output's largest magnitude away from the float64 product of the
-  same quantized operands (Triton's GEMM: 2e-7 to 5e-7), at every Qwen3-8B projection and
-  64-4,096 tokens, with weights near e4m3's range and block scales spread 20x. A probe
-  with narrower weights and scales gave 1.2e-4. Until that is understood it is opt-in;
+- `KVLOOM_SCALED_MM=0` turns it off. (Until 2026-12-05 it was opt-in: a GPU test saw
+  4.4e-3 to 8.7e-3 of the output scale against its oracle, which quantized on the GPU,
+  where torch's division by a Python number multiplies by the reciprocal; the oracle's
+  codes were not the served ones. The reference now divides by a tensor.)
 - rows are padded to a multiple of 4: cuBLAS refused 65 tokens (torch checks the
   activation scales' stride is exactly the row count, so the scales cannot be padded
   alone, and cuBLAS needs their 16-byte alignment);
@@ -86,7 +91,7 @@ def scaled_mm_blocker(
     tokens = x.numel() // max(k, 1)
     out_dtype = out_dtype or x.dtype
     if not envs.flag(ENABLE_ENV):
-        return f"off unless {ENABLE_ENV}=1 (its accuracy: module doc)"
+        return f"turned off ({ENABLE_ENV}=0)"
     if dispatch.batch_invariant():
         return "the deterministic mode keeps the batch-invariant Triton GEMM"
     if block_scale is None:

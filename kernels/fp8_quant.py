@@ -40,7 +40,12 @@ def per_token_group_quant_fp8_ref(
         raise ValueError(f"x: expected [T, K], got shape {list(x.shape)}")
     check_group_size(group_size, x.shape[1])
     groups = x.float().unflatten(1, (x.shape[1] // group_size, group_size))
-    scales = groups.abs().amax(dim=-1).clamp_min(SCALE_EPS) / FP8_MAX
+    peak = groups.abs().amax(dim=-1).clamp_min(SCALE_EPS)
+    # A tensor divisor, not the Python number: on CUDA torch divides by a CPU scalar as a
+    # multiplication by its reciprocal, which rounds differently from a division; on an
+    # H100 that moved 59% of the scales by an ulp and flipped e4m3 codes (2026-12-05).
+    # Divided by a tensor, every device rounds amax / 448 correctly, as the kernels do.
+    scales = peak / torch.full_like(peak, FP8_MAX)
     x_q = quantize_fp8_with_scale(groups, scales[..., None]).flatten(1)
     return x_q, scales
 

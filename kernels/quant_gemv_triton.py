@@ -50,42 +50,45 @@ _STEP_COLUMNS = {"fp8": 256, "int4": 512}
 
 # Measured plans by (format, N, K), then by the largest M each serves (as gemv_triton's
 # GEMV_PLAN_TABLE; one split_k per entry): the fastest candidate of
-# `benchmarks/quant_moe_plans.py --gemv` at 1 and 8 rows on an H200 (2026-12-05,
-# docs/benchmarks/data/quant_gemv_h200_2026-12-05s14.json; every candidate gave the
-# default plan's bits). 2..7 rows take the 8-row plan (not timed there). Comments: us
-# at that M, then the default plan's.
+# `benchmarks/quant_moe_plans.py --gemv` at 1 and 8 rows (every candidate gives the
+# default plan's bits); 2..7 rows take the 8-row plan (not timed). FP8: an H200
+# (2026-12-05, docs/benchmarks/data/quant_gemv_h200_2026-12-05s14.json; an H100 picked
+# the same plans the next lease). int4: an H100, after the in-thread unpacking
+# (data/quant_gemv_h100_2026-12-05s15.json): the H200's 8-row plan from before it
+# (16 features, 256 columns, 2 warps) had become 2.5-4x the slowest. Comments: us at
+# that M, then the plan replaced (or the default's).
 QUANT_GEMV_PLAN_TABLE: dict[tuple[str, int, int], dict[int, GemvPlan]] = {
     ("fp8", 6144, 4096): {
-        1: GemvPlan(32, 256, 4, 4, 1),  # 13.5 us (default 13.9)
-        8: GemvPlan(16, 256, 4, 4, 1),  # 36.3 us (the default)
+        1: GemvPlan(32, 256, 4, 4, 1),  # H200 13.5 us (default 13.9)
+        8: GemvPlan(16, 256, 4, 4, 1),  # H200 36.3 us (the default)
     },
     ("fp8", 4096, 4096): {
-        1: GemvPlan(32, 256, 4, 4, 1),  # 9.1 us (default 10.9)
-        8: GemvPlan(32, 256, 4, 4, 1),  # 26.0 us (default 27.3)
+        1: GemvPlan(32, 256, 4, 4, 1),  # H200 9.1 us (default 10.9)
+        8: GemvPlan(32, 256, 4, 4, 1),  # H200 26.0 us (default 27.3)
     },
     ("fp8", 24576, 4096): {
-        1: GemvPlan(32, 256, 4, 4, 1),  # 34.4 us (default 47.7)
-        8: GemvPlan(32, 256, 4, 4, 1),  # 122.1 us (default 164.1)
+        1: GemvPlan(32, 256, 4, 4, 1),  # H200 34.4 us (default 47.7)
+        8: GemvPlan(32, 256, 4, 4, 1),  # H200 122.1 us (default 164.1)
     },
     ("fp8", 4096, 12288): {
-        1: GemvPlan(32, 256, 4, 4, 1),  # 22.5 us (default 27.4)
-        8: GemvPlan(32, 256, 4, 4, 1),  # 69.1 us (default 73.4)
+        1: GemvPlan(32, 256, 4, 4, 1),  # H200 22.5 us (default 27.4)
+        8: GemvPlan(32, 256, 4, 4, 1),  # H200 69.1 us (default 73.4)
     },
     ("int4", 6144, 4096): {
-        1: GemvPlan(16, 512, 4, 4, 1),  # 23.6 us (the default)
-        8: GemvPlan(16, 256, 2, 6, 1),  # 40.5 us (default 42.7)
+        1: GemvPlan(16, 512, 4, 4, 1),  # H100 16.0 us (unchanged)
+        8: GemvPlan(16, 512, 4, 4, 1),  # H100 43.0 us (was 16/256/2 warps: 104.9)
     },
     ("int4", 4096, 4096): {
-        1: GemvPlan(32, 512, 4, 3, 1),  # 20.6 us (default 21.0)
-        8: GemvPlan(16, 256, 2, 6, 1),  # 31.5 us (default 38.2)
+        1: GemvPlan(16, 512, 4, 4, 1),  # H100 12.4 us (was 32/512/4 warps: 14.8)
+        8: GemvPlan(16, 512, 4, 4, 1),  # H100 30.8 us (was 104.1)
     },
     ("int4", 24576, 4096): {
-        1: GemvPlan(32, 512, 4, 3, 1),  # 64.7 us (default 84.0)
-        8: GemvPlan(16, 256, 2, 6, 1),  # 120.9 us (default 188.5)
+        1: GemvPlan(32, 512, 4, 3, 1),  # H100 46.9 us (unchanged)
+        8: GemvPlan(16, 512, 4, 4, 1),  # H100 155.9 us (was 306.0; 64/512/8 warps 155.4)
     },
     ("int4", 4096, 12288): {
-        1: GemvPlan(32, 512, 4, 3, 1),  # 57.3 us (default 58.5)
-        8: GemvPlan(16, 256, 2, 6, 1),  # 87.5 us (default 110.2)
+        1: GemvPlan(16, 512, 4, 4, 1),  # H100 31.6 us (was 32/512/4 warps: 41.9)
+        8: GemvPlan(16, 512, 4, 4, 1),  # H100 80.8 us (was 315.1)
     },
 }
 

@@ -4,7 +4,7 @@
 * what `ops.fp8_linear` then runs: cuBLAS (a fake `torch._scaled_mm` that enforces the
   operand and scale layouts torch's `_scaled_mm` checks for 1x128 / 128x128 scaling and
   computes the blockwise product in float64), the Triton GEMM (a spy) in the
-  deterministic mode, without KVLOOM_SCALED_MM=1 and after a refusal, which is
+  deterministic mode, with KVLOOM_SCALED_MM=0 and after a refusal, which is
   remembered for the shape and logged once; the result against `fp8_linear_ref`;
 * the block scale an FP8 layer keeps (`Fp8Method.block_scale`) against the checkpoint's
   own [N / 128, K / 128] tensor, on tensor-parallel ranks (fused QKV with and without
@@ -231,9 +231,9 @@ def test_the_deterministic_mode_and_the_switch_keep_the_triton_gemm(fakes, monke
         dispatch.set_batch_invariant(before)
     assert fp8_gemm_dispatch.scaled_mm_blocker(**call) is None
     monkeypatch.setenv("KVLOOM_SCALED_MM", "0")
-    assert "KVLOOM_SCALED_MM" in fp8_gemm_dispatch.scaled_mm_blocker(**call)
+    assert "KVLOOM_SCALED_MM=0" in fp8_gemm_dispatch.scaled_mm_blocker(**call)
     monkeypatch.delenv("KVLOOM_SCALED_MM")
-    assert "KVLOOM_SCALED_MM" in fp8_gemm_dispatch.scaled_mm_blocker(**call)  # opt-in
+    assert fp8_gemm_dispatch.scaled_mm_blocker(**call) is None  # on by default
     monkeypatch.setenv("KVLOOM_SCALED_MM", "1")
     assert fp8_gemm_dispatch.scaled_mm_blocker(**call) is None
 
@@ -299,7 +299,7 @@ def test_the_deterministic_mode_runs_the_triton_gemm(fakes, deterministic_mode):
 
 def test_the_switch_runs_the_triton_gemm(fakes, monkeypatch):
     cublas, triton_calls = fakes
-    monkeypatch.delenv("KVLOOM_SCALED_MM")
+    monkeypatch.setenv("KVLOOM_SCALED_MM", "0")
     run_linear(128)
     assert triton_calls == ["gemm"] and not cublas.calls
 

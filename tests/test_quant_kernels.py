@@ -16,6 +16,7 @@ from kvloom.kernels.fused_moe import fused_moe_ref
 from kvloom.kernels.quant_gemv import fp8_gemv_ref, gemv_group
 from kvloom.kernels.w4a16_gemm import dequantize_w4, pack_int4, unpack_int4, w4a16_linear_ref
 from kvloom.kernels.w4a16_moe import w4a16_fused_moe_ref
+from tests.kernel_env import gpu, needs_cuda
 
 
 def gen(seed: int) -> torch.Generator:
@@ -45,6 +46,20 @@ def test_per_token_group_quant_semantics():
     # e4m3 keeps 3 mantissa bits: half a step is 1/16 of the value's binade.
     assert ((back - groups).abs() <= groups.abs() / 16 + 1e-12).all()
     assert x_q.float().abs().amax() == FP8_MAX  # each group's max lands on 448
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[gpu, needs_cuda])])
+def test_per_token_group_scales_are_correctly_rounded_on_every_device(device):
+    """amax / 448 rounded once, as the Triton quantizers compute it (div_rn), on the CPU and
+    on the GPU, where torch divides by a Python number as a multiplication by its
+    reciprocal (the reference did, and its GPU scales were an ulp off in 59% of groups)."""
+    x = torch.randn(64, 1024, generator=gen(2))
+    _, x_s = per_token_group_quant_fp8_ref(x.to(device), 128)
+    amax = x.unflatten(1, (8, 128)).abs().amax(-1)
+    exact = (amax.double() / FP8_MAX).float()  # the true quotient, rounded once
+    by_reciprocal = amax * torch.tensor(1 / FP8_MAX, dtype=torch.float32)
+    assert not torch.equal(by_reciprocal, exact)  # these inputs tell the two apart
+    assert torch.equal(x_s.cpu(), exact)
 
 
 @pytest.mark.parametrize(
