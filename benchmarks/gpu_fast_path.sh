@@ -151,10 +151,12 @@ for section in "$@"; do
         tests/triton_interpret/test_fp8_scaled_mm_triton.py
       # test_quant_kernels_triton.py ran past 480 s in one group beside the others on an
       # H200 (2026-12-05, after the AWQ cases): its gpu tests and the rest run apart.
-      run_group G6a -m gpu tests/triton_interpret/test_quant_kernels_triton.py
+      run_group G6a -m gpu tests/triton_interpret/test_quant_kernels_triton.py \
+        tests/test_quant_kernels.py
       run_group G6c -m "not gpu" tests/triton_interpret/test_quant_kernels_triton.py
       run_group G6b tests/triton_interpret/test_fp8_act_quant_triton.py \
-        tests/triton_interpret/test_quant_moe_pairs_plan_triton.py
+        tests/triton_interpret/test_quant_moe_pairs_plan_triton.py \
+        tests/triton_interpret/test_w4a16_dequant_triton.py
       run_group G7 -m gpu tests/test_ray_gpu.py tests/test_distributed_all_gatherv.py \
         tests/test_distributed_process_group.py tests/test_ray_async_scheduling.py \
         tests/test_deterministic_gpu.py
@@ -172,11 +174,11 @@ for section in "$@"; do
       done
       ;;
     pending-tests)  # gpu tests of code that landed without a GPU run (see the closing notes):
-      # the in-thread int4 unpacking (GEMV, GEMM, MoE; AWQ offsets) and the FP8 quantizer
-      # at the serving widths
+      # the FP8 reference quantizer's division (a836842) and cuBLAS's bound, the int4
+      # dequantization kernel of the W4A16 prefill path
       timeout ${PENDING_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rfE -m gpu \
-        tests/triton_interpret/test_quant_kernels_triton.py \
-        tests/triton_interpret/test_fp8_scaled_mm_triton.py::test_gpu_quantizer_at_the_serving_widths_is_the_reference \
+        tests/triton_interpret/test_fp8_scaled_mm_triton.py \
+        tests/test_quant_kernels.py tests/triton_interpret/test_w4a16_dequant_triton.py \
         2>&1 | tee "$OUT/pending_gpu_tests.log" | tail -15 || status=1
       ;;
     bench-fp8)  # Qwen3-8B with block-FP8 weights: batch-1 decode and the offline run

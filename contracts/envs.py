@@ -36,6 +36,11 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "instead of cuBLAS's blockwise GEMM (torch._scaled_mm, the default: 2.4x faster "
         "offline on an H100, float32 sums within 2e-4 of the output scale)",
     ),
+    "KVLOOM_W4A16_DEQUANT_GEMM": (
+        "1",
+        "0: prefill-size W4A16 linears (512 tokens and up) take kvloom's Triton W4A16 GEMM "
+        "instead of the weight dequantized once and cuBLAS (the default)",
+    ),
     "KVLOOM_UNFUSED": (
         "",
         "decode fusions to turn off, comma-separated (A/B timing, or an escape hatch): "

@@ -842,12 +842,17 @@ def fp8_linear(
 
 def w4a16_linear(x, packed, scale, group_size, bias=None, out_dtype=None):
     """y = x W^T for int4 group-quantized W, dequantized in the kernel (w4a16_gemm.py);
-    the weight-streaming GEMV at decode sizes (`_quant_gemv`), same semantics."""
+    the weight-streaming GEMV at decode sizes (`_quant_gemv`); at prefill sizes the
+    weight dequantized once, then cuBLAS (kernels/w4a16_dispatch.py); same semantics."""
     if use_triton(x):
         if _quant_gemv(x, group_size, True, packed, scale):
             from kvloom.kernels.quant_gemv_triton import w4a16_gemv_triton
 
             return w4a16_gemv_triton(x, packed, scale, group_size, bias, out_dtype)
+        from kvloom.kernels import w4a16_dispatch
+
+        if w4a16_dispatch.dequant_gemm_blocker(x, out_dtype) is None:
+            return w4a16_dispatch.w4a16_linear_dequant(x, packed, scale, group_size, bias)
         from kvloom.kernels.w4a16_gemm_triton import w4a16_linear_triton
 
         return w4a16_linear_triton(x, packed, scale, group_size, bias, out_dtype)
