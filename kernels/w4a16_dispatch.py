@@ -15,7 +15,9 @@ takes cuBLAS):
 - `KVLOOM_W4A16_DEQUANT_GEMM=0` turns it off;
 - the deterministic mode keeps one kernel at every size (cuBLAS picks its algorithm by
   shape);
-- fewer than DEQUANT_MIN_TOKENS tokens: below it the weight's bytes dominate;
+- fewer than DEQUANT_MIN_TOKENS tokens: the threshold sits above the largest decode
+  batch CUDA graphs capture by default (256 rows), so eager and replayed decode steps
+  of one size run one kernel (the H100 figures above would favour cuBLAS at 256 too);
 - a CUDA graph is being captured: the dense weight would be a graph allocation, and
   decode batches keep their captured Triton plans;
 - the activations are not bfloat16 or float16 on a CUDA device, or the output dtype is
@@ -30,7 +32,7 @@ from kvloom.contracts import envs
 from kvloom.kernels import dispatch
 
 ENABLE_ENV = "KVLOOM_W4A16_DEQUANT_GEMM"
-# Above the largest decode batch CUDA graphs capture by default (256 rows).
+# Above the largest decode batch CUDA graphs capture by default (module docstring).
 DEQUANT_MIN_TOKENS = 512
 DTYPES = (torch.bfloat16, torch.float16)
 
