@@ -197,13 +197,18 @@ for section in "$@"; do
       timeout 400 python3 benchmarks/scaled_mm_accuracy.py \
         --out "$OUT/scaled_mm_accuracy.json" 2>&1 | tail -30 || status=1
       ;;
-    bench-int4)  # Qwen3-8B batch-1 decode with int4 weights: symmetric W4A16, AWQ's zero points
+    bench-int4)  # Qwen3-8B batch-1 decode with int4 weights: symmetric W4A16, AWQ's zero points;
+      # then W4A16's offline run (its prefill: dequantize once + cuBLAS, kernels/w4a16_dispatch.py)
       for q in w4a16 awq; do
         python3 -m kvloom.cluster.cli bench latency --shape qwen3-8b --quantization $q \
           --out "$OUT/kvloom_qwen3-8b_latency_$q.json" 2>&1 | grep "^RESULT ms_per_token" \
           | sed "s/^RESULT /RESULT $q /"
         [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       done
+      python3 -m kvloom.cluster.cli bench throughput --shape qwen3-8b --quantization w4a16 \
+        --out "$OUT/kvloom_qwen3-8b_throughput_w4a16.json" 2>&1 | grep "^RESULT seconds" \
+        | sed "s/^RESULT /RESULT w4a16 offline /"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       ;;
     fp8-plans)  # FP8 GEMM plans, imprecise accumulation, torch._scaled_mm (quantization.md)
       timeout 400 python3 benchmarks/quant_moe_plans.py --no-moe --fp8-plans \
