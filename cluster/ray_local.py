@@ -109,7 +109,6 @@ class _Embedded:
 
 
 _embedded: _Embedded | None = None
-_ports_set_here: set[str] = set()  # metrics-port variables set here, not by the operator
 _connected_hooks: list[Callable[[], None]] = []
 _lock = threading.Lock()  # one connect_ray at a time
 _atexit_registered = False
@@ -225,10 +224,6 @@ def _start_local(num_cpus: int, init_kwargs: dict[str, Any]) -> None:
     # test run) was seen to need more. The variable stays the operator's to set.
     os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    for name in _METRICS_PORT_VARIABLES:
-        if name not in os.environ or name in _ports_set_here:  # else: the operator's
-            os.environ[name] = str(free_loopback_port())
-            _ports_set_here.add(name)
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
 
@@ -241,7 +236,7 @@ def _start_local(num_cpus: int, init_kwargs: dict[str, Any]) -> None:
     for attempt in range(1, START_ATTEMPTS + 1):
         host = _HostThread()
         try:
-            with _single_machine_ray(), _agent_port_free():
+            with _metrics_ports(), _single_machine_ray(), _agent_port_free():
                 host.run(init)
             break
         except Exception as exc:
@@ -278,6 +273,22 @@ def _children(process: Any) -> list[Any]:
         return process.children(recursive=True)
     except psutil.Error:
         return []
+
+
+@contextlib.contextmanager
+def _metrics_ports() -> Iterator[None]:
+    """Free metrics ports for the processes `ray.init` spawns, unless the operator set the
+    variables. They are set only while Ray starts: left in this process's environment,
+    a child it starts later (a `kvloom serve` subprocess) would take them for the
+    operator's and give its own Ray this Ray's ports, which are in use."""
+    chosen = [name for name in _METRICS_PORT_VARIABLES if name not in os.environ]
+    for name in chosen:
+        os.environ[name] = str(free_loopback_port())
+    try:
+        yield
+    finally:
+        for name in chosen:
+            os.environ.pop(name, None)
 
 
 @contextlib.contextmanager

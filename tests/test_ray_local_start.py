@@ -1,8 +1,10 @@
-"""The embedded Ray's start-up retries (cluster/ray_local.py): a start that timed out is
-tried again up to START_ATTEMPTS times; any other failure is reported at once. `ray.init`
-is faked, so no Ray starts here."""
+"""The embedded Ray's start-up (cluster/ray_local.py): a start that timed out is tried
+again up to START_ATTEMPTS times; any other failure is reported at once; the metrics-port
+variables are set for `ray.init` only. `ray.init` is faked, so no Ray starts here."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -20,7 +22,8 @@ def fake_init(monkeypatch):
 
     def install(failures: list[str]) -> list[dict]:
         def init(*args, **kwargs):
-            calls.append(kwargs)
+            ports = {name: os.environ.get(name) for name in ray_local._METRICS_PORT_VARIABLES}
+            calls.append({**kwargs, "metrics_ports": ports})
             if len(calls) <= len(failures):
                 raise Exception(failures[len(calls) - 1])
 
@@ -54,3 +57,27 @@ def test_other_failures_are_not_retried(fake_init):
     with pytest.raises(ray_local.RayStartError, match="full"):
         ray_local._start_local(1, {})
     assert len(calls) == 1
+
+
+def test_metrics_ports_are_free_ones_during_init_only(fake_init, monkeypatch):
+    """A child process started after the embedded Ray (a `kvloom serve` subprocess) must
+    not inherit this Ray's metrics ports as if an operator had chosen them."""
+    for name in ray_local._METRICS_PORT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    calls = fake_init([TIMEOUT])
+    ray_local._start_local(1, {})
+    ray_local._embedded = None
+    seen = [call["metrics_ports"] for call in calls]
+    assert all(port and int(port) > 0 for ports in seen for port in ports.values())
+    assert not any(name in os.environ for name in ray_local._METRICS_PORT_VARIABLES)
+
+
+def test_the_operators_metrics_ports_are_kept(fake_init, monkeypatch):
+    monkeypatch.setenv("AUTOSCALER_METRIC_PORT", "45001")
+    monkeypatch.delenv("DASHBOARD_METRIC_PORT", raising=False)
+    calls = fake_init([])
+    ray_local._start_local(1, {})
+    ray_local._embedded = None
+    assert calls[0]["metrics_ports"]["AUTOSCALER_METRIC_PORT"] == "45001"
+    assert os.environ["AUTOSCALER_METRIC_PORT"] == "45001"
+    assert "DASHBOARD_METRIC_PORT" not in os.environ
