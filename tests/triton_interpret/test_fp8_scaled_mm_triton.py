@@ -48,7 +48,7 @@ QWEN3_8B = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]  # (N, K)
 # gpu_fast_path.md) and cuBLAS adds the blocks in float32, as every FP8 GEMM on these
 # GPUs does (vLLM's CUTLASS kernel too). Measured on an H200 against the float64 product
 # of the served operands: 1.2e-4 to 2.7e-4 at every Qwen3-8B projection (2026-12-05).
-# A misread scale or a flipped e4m3 code costs 5e-3 and more (the 2026-12-05 failures,
+# A misread scale or a flipped e4m3 code costs 4e-3 and more (the 2026-12-05 failures,
 # whose oracle quantized differently); the Triton GEMM stays within 5e-7.
 ACCUMULATION_TOL = 5e-4
 HOPPER = CUDA and torch.cuda.get_device_capability() == (9, 0)
