@@ -14,6 +14,10 @@ The embedded Ray is a single-machine Ray and is treated as one (ARCHITECTURE inv
   ends, within seconds, any process of the embedded Ray still alive (Ray's agents were seen
   to linger for a minute, reparented to init). A cluster named by RAY_ADDRESS is only
   disconnected from, never stopped.
+- **its workers at the driver's priority**: Ray runs worker processes at niceness 15 so its
+  driver stays responsive, but here the workers are the engine (scheduler and model actors):
+  niced, any busy process on the host starved them (a quickstart's engine took over 100 s to
+  start beside two busy cores instead of 26 s). `RAY_worker_niceness` stays the operator's.
 - **started from a thread that outlives it** (`_HostThread`): Ray ties its processes to the
   thread that spawned them.
 
@@ -231,6 +235,8 @@ def _start_local(num_cpus: int, init_kwargs: dict[str, Any]) -> None:
         # address="local": a Ray of its own, even where another Ray runs on this host
         # (without it, ray.init joins that one and refuses num_cpus).
         options = dict(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+        if "RAY_worker_niceness" not in os.environ:
+            options["_system_config"] = {"worker_niceness": 0}
         ray.init("local", **{**options, **init_kwargs}, _node_ip_address=LOOPBACK)
 
     for attempt in range(1, START_ATTEMPTS + 1):

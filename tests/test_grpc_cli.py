@@ -15,6 +15,7 @@ import pytest
 from kvloom.client import Client, collect
 from kvloom.cluster import cli
 from kvloom.cluster.frontend import BackgroundServer, ServerOptions, engine_factory
+from tests.subprocess_stacks import run_or_show_stacks
 
 CLI = [sys.executable, "-m", "kvloom.cluster.cli"]
 
@@ -27,11 +28,8 @@ def model_dir(tiny_model):
 def test_quickstart_writes_the_model_serves_chats_and_exits_cleanly(tmp_path):
     model_dir = tmp_path / "demo"
     begun = time.monotonic()
-    done = subprocess.run(
-        [*CLI, "quickstart", "--model-dir", str(model_dir), "--max-tokens", "8"],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    done = run_or_show_stacks(
+        [*CLI, "quickstart", "--model-dir", str(model_dir), "--max-tokens", "8"], timeout=120
     )
     assert done.returncode == 0, done.stderr
     assert time.monotonic() - begun < 60

@@ -1,6 +1,7 @@
 """The embedded Ray's start-up (cluster/ray_local.py): a start that timed out is tried
 again up to START_ATTEMPTS times; any other failure is reported at once; the metrics-port
-variables are set for `ray.init` only. `ray.init` is faked, so no Ray starts here."""
+variables are set for `ray.init` only; its workers run at the driver's niceness. `ray.init`
+is faked except in the last test, which starts a real Ray."""
 
 from __future__ import annotations
 
@@ -81,3 +82,31 @@ def test_the_operators_metrics_ports_are_kept(fake_init, monkeypatch):
     assert calls[0]["metrics_ports"]["AUTOSCALER_METRIC_PORT"] == "45001"
     assert os.environ["AUTOSCALER_METRIC_PORT"] == "45001"
     assert "DASHBOARD_METRIC_PORT" not in os.environ
+
+
+def test_the_operators_worker_niceness_is_kept(fake_init, monkeypatch):
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    calls = fake_init([])
+    ray_local._start_local(1, {})
+    assert calls[0]["_system_config"] == {"worker_niceness": 0}
+    monkeypatch.setenv("RAY_worker_niceness", "15")
+    calls.clear()
+    ray_local._start_local(1, {})
+    ray_local._embedded = None
+    assert "_system_config" not in calls[0]
+
+
+def test_the_embedded_rays_actors_run_at_the_drivers_niceness(monkeypatch):
+    """Ray nices its workers to 15; kvloom's actors are the engine, and niced they starved
+    beside any busy process (a quickstart did not start its engine within 100 s)."""
+    import ray
+
+    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ray_local.shutdown_ray()
+    ray_local.connect_ray(num_cpus_for_local=1)
+    try:
+        niceness = ray.remote(num_cpus=0)(lambda: os.nice(0))
+        assert ray.get(niceness.remote(), timeout=60) == os.nice(0)
+    finally:
+        ray_local.shutdown_ray()
