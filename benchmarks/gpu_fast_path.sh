@@ -9,7 +9,7 @@
 #     [spec-profile] [spec-decode] [deterministic] [all-gpu-tests] [gdn-mixed]
 #     [trace-dense] [bench-kimi] [fp8-plans] [mla] [host-256] [gpu-gaps]
 #     [act-quant] [scaled-mm-accuracy] [attention-fusion] [norm-gemv] [gdn-decode]
-#     [moe-pairs] [fusion-ab] [bench-int4] [bench-fp8]
+#     [moe-pairs] [fusion-ab] [bench-int4] [bench-fp8] [int4-gemv]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -215,6 +215,25 @@ for section in "$@"; do
         --out "$OUT/kvloom_qwen3-8b_throughput_w4a16.json" 2>&1 | grep "^RESULT seconds" \
         | sed "s/^RESULT /RESULT w4a16 offline /"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      ;;
+    int4-gemv)  # the int4 GEMV's 16-bit dequantization: its gpu tests, float32 vs 16-bit
+      # route per launch (benchmarks/int4_gemv_dequant.py), then W4A16 / AWQ batch-1 decode
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu -k gemv \
+        tests/triton_interpret/test_quant_kernels_triton.py 2>&1 | tail -6 || status=1
+      timeout 400 python3 benchmarks/int4_gemv_dequant.py --out "$OUT/int4_gemv_dequant.json" \
+        2>&1 | python3 -c "import json, sys
+for line in sys.stdin:
+    if not line.startswith('{'): print(line.rstrip()); continue
+    r = json.loads(line); t = r['table_plan']
+    print(r['N'], r['K'], r['rows'], 'floor', round(r['floor_us'], 1), 'table', t,
+          'f32', round(r['float32_us'][t], 1), 'half', round(r['half_us'][t], 1), 'best',
+          r['half_best'], round(r['half_us'][r['half_best']], 1), 'bitwise', r['bitwise_equal'])
+" || status=1
+      for q in w4a16 awq; do
+        python3 -m kvloom.cluster.cli bench latency --shape qwen3-8b --quantization $q \
+          --out "$OUT/kvloom_qwen3-8b_latency_$q.json" 2>&1 | grep "^RESULT ms_per_token" \
+          | sed "s/^RESULT /RESULT $q /"
+      done
       ;;
     fp8-plans)  # FP8 GEMM plans, imprecise accumulation, torch._scaled_mm (quantization.md)
       timeout 400 python3 benchmarks/quant_moe_plans.py --no-moe --fp8-plans \

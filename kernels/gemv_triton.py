@@ -66,7 +66,7 @@ from kvloom.kernels.causal_conv1d_triton import (
     conv1d_update_channels,
 )
 from kvloom.kernels.gemv import CONV_GEMV_MAX_M, GEMV_MAX_M, NORM_GEMV_MAX_K, NORM_GEMV_MAX_M
-from kvloom.kernels.int4_nibbles_triton import word_nibbles
+from kvloom.kernels.int4_nibbles_triton import nibble_q_16bit, nibble_q_fp32, word_nibbles
 from kvloom.kernels.pdl_triton import pdl_launch, prefetch_l2, uses_pdl
 from kvloom.kernels.rms_norm_triton import (
     rms_row_rstd,
@@ -366,12 +366,18 @@ def _new_acc(BLOCK_N: tl.constexpr, WFMT: tl.constexpr):
 
 
 @triton.jit
-def _scale_at(s_rows, k, K, EVEN_K: tl.constexpr, GROUP: tl.constexpr):
-    """Scales of the groups holding columns `k` (any shape broadcasting against s_rows).
-    Columns past K (a masked tail) read group K - 1's scale: in bounds, times a zero."""
+def _scale_at(
+    s_rows, k, K, EVEN_K: tl.constexpr, GROUP: tl.constexpr, AS_FP32: tl.constexpr = True
+):
+    """Scales of the groups holding columns `k` (any shape broadcasting against s_rows),
+    as float32 or (AS_FP32 False) as stored. Columns past K (a masked tail) read group
+    K - 1's scale: in bounds, times a zero."""
     if not EVEN_K:
         k = tl.minimum(k, K - 1)
-    return tl.load(s_rows + k // GROUP).to(tl.float32)
+    scale = tl.load(s_rows + k // GROUP)
+    if AS_FP32:
+        scale = scale.to(tl.float32)
+    return scale
 
 
 @triton.jit
@@ -387,11 +393,13 @@ def _weight_chunk(
     WFMT: tl.constexpr,
     GROUP: tl.constexpr,
     EVEN_K: tl.constexpr,
+    HALF_DEQUANT: tl.constexpr,
 ):
     """The float32 weights of columns [kk, kk + 64), shaped like the accumulator.
     FMT_FP8: e4m3 * its group's float32 scale (one float32 rounding, no activation
     quantization). FMT_INT4: (q - 8) * scale rounded once to W_DTYPE (the activations'
-    dtype), as w4a16_gemm's reference holds its operand. GROUP 0: one scale per row."""
+    dtype), as w4a16_gemm's reference holds its operand; HALF_DEQUANT (launch_gemv says
+    when) computes the same bits in 16-bit arithmetic. GROUP 0: one scale per row."""
     if WFMT == FMT_INT4:
         # kk is a multiple of 64 (split ranges and steps are): 8-word aligned, so the
         # word loads can be 32-byte vectors.
@@ -415,9 +423,17 @@ def _weight_chunk(
         # shared-memory word loads to 776 with none (Triton 3.9; 3.6: 1,065 and 757), the
         # same bits.
         nibbles = word_nibbles(words)
-        # (2^23 + nibble) as float32 bits, minus 2^23 + 8: q exactly, without an
-        # int -> float conversion (a quarter-rate instruction).
-        q = (nibbles | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        if HALF_DEQUANT:  # the same bits in 16-bit arithmetic (nibble_q_16bit)
+            tl.static_assert(GROUP != 0)  # a row scale stays float32 (launch_gemv)
+            q16 = nibble_q_16bit(nibbles, W_DTYPE)
+            if GROUP % 64 == 0:
+                scale16 = _scale_at(s_rows, kk, K, EVEN_K, GROUP, False)[:, None, None]
+            else:
+                scale16 = _scale_at(s_rows[:, None], word_k[None, :], K, EVEN_K, GROUP, False)[
+                    :, :, None
+                ]
+            return (q16 * scale16).to(tl.float32)
+        q = nibble_q_fp32(nibbles)
         if GROUP == 0:
             scale = row_scale[:, None, None]
         elif GROUP % 64 == 0:  # the chunk is inside one group
@@ -563,6 +579,7 @@ def _gemv_kernel(
     GDC: tl.constexpr = False,
     PREFETCH_LINES: tl.constexpr = 1,
     LINE: tl.constexpr = 64,
+    HALF_DEQUANT: tl.constexpr = False,
 ):
     """Program (i, s): features [i * BLOCK_N, (i + 1) * BLOCK_N) of all ROWS rows over K
     range s. Rows are unrolled by hand (one accumulator each, ROWS <= 8) so every row
@@ -660,6 +677,7 @@ def _gemv_kernel(
                 WFMT,
                 GROUP,
                 EVEN_K,
+                HALF_DEQUANT,
             )
             if NORM:
                 acc0 = _normed_row_fma(
@@ -1144,6 +1162,7 @@ def launch_gemv(
         EVEN_K=is_even_k(k, plan),
         WFMT=fmt,
         GROUP=group,
+        HALF_DEQUANT=_half_dequant(x, fmt, scales, group),
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
         **_norm_args(x, norm),
@@ -1215,6 +1234,20 @@ def launch_gemv(
         **act_options,
     )
     return out
+
+
+def _half_dequant(x: torch.Tensor, fmt: int, scales: torch.Tensor | None, group: int) -> bool:
+    """Whether int4 weights dequantize in 16-bit arithmetic (_weight_chunk): grouped bf16
+    or fp16 scales of x's dtype, compiled (Triton's CPU interpreter gets 16-bit float
+    arithmetic wrong, so interpreted launches keep the float32 route to the same bits)."""
+    return (
+        fmt == FMT_INT4.value
+        and group != 0
+        and scales is not None
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and scales.dtype == x.dtype
+        and type(_gemv_kernel).__name__ != "InterpretedFunction"
+    )
 
 
 def _check_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

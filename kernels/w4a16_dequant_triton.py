@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvloom.kernels.int4_nibbles_triton import word_nibbles
+from kvloom.kernels.int4_nibbles_triton import nibble_q_fp32, word_nibbles
 from kvloom.kernels.w4a16_gemm import PACK_FACTOR, check_w4_args
 
 BLOCK_N = 16  # weight rows per program
@@ -44,8 +44,7 @@ def _dequant_w4_kernel(
     ok = (rows < N)[:, None] & (words < WORDS)[None, :]
     packed = tl.load(packed_ptr + rows64[:, None] * stride_pn + words[None, :], mask=ok, other=0)
     nibbles = word_nibbles(packed)  # [BLOCK_N, BLOCK_W, 8], values 0..15
-    # (2^23 + nibble) as float32 bits, minus 2^23 + 8: q exactly, no int -> float convert.
-    q = (nibbles | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    q = nibble_q_fp32(nibbles)
     cols = words[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
     ok3 = ok[:, :, None]
     scale = tl.load(

@@ -33,7 +33,7 @@ from kvloom.kernels.fp8_quant import per_token_group_quant_fp8_ref
 from kvloom.kernels.fused_moe_triton import choose_block_m as choose_route_block
 from kvloom.kernels.gemv_triton import GemvPlan
 from kvloom.kernels.quant_gemv import fp8_gemv_ref, w4a16_gemv_ref
-from kvloom.kernels.w4a16_gemm import pack_int4, w4a16_linear_ref
+from kvloom.kernels.w4a16_gemm import dequantize_w4, pack_int4, w4a16_linear_ref
 from kvloom.kernels.w4a16_moe import w4a16_fused_moe_ref
 from tests.kernel_env import DEVICE, gpu, needs_cuda
 
@@ -481,6 +481,29 @@ def test_gpu_quant_gemv_qwen3_8b_shapes(fmt, rows, width):
     chosen = choose_quant_gemv_plan(1, rows, width, fmt)
     other = GemvPlan(16, 128, 4, 3, chosen.split_k)
     assert torch.equal(launch(x[3:4], plan=other), one), f"plan {other.name} differs"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("group", [128, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_int4_gemv_weights_are_the_references_bits(dtype, group):
+    """Compiled, the int4 GEMV dequantizes in 16-bit arithmetic (gemv_triton's
+    HALF_DEQUANT); the interpreter takes the float32 route. One-hot activation rows read
+    single weights back (every other product is an exact zero): each must be
+    dequantize_w4's bits, for scales from subnormal-product sizes to large."""
+    n, k = 64, 512
+    packed, scale = w4_weight((n, k), group, 95, torch.float32)
+    magnitudes = torch.tensor([1e-7, 1e-4, 1.0, 300.0]).repeat_interleave(n // 4)
+    scale = (scale * magnitudes[:, None]).to(dtype)
+    expected = dequantize_w4(packed, scale, group, dtype).float()
+    packed, scale = on(packed), on(scale)
+    for first in range(0, k, 8):
+        x = torch.zeros(8, k, dtype=dtype)
+        x[torch.arange(8), first + torch.arange(8)] = 1.0
+        got = w4a16_gemv_triton(on(x), packed, scale, group, out_dtype=torch.float32)
+        want = expected[:, first : first + 8].T
+        assert torch.equal(got.cpu(), want), f"columns {first}..{first + 7} differ"
 
 
 @gpu
