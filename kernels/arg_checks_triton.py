@@ -37,3 +37,8 @@ def check_last_dim_contiguous(name: str, tensor: torch.Tensor) -> None:
 
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def is_interpreted(kernel) -> bool:
+    """Whether Triton built this kernel for its CPU interpreter (TRITON_INTERPRET=1)."""
+    return type(kernel).__name__ == "InterpretedFunction"

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvloom.kernels.arg_checks_triton import next_power_of_2
+from kvloom.kernels.arg_checks_triton import is_interpreted, next_power_of_2
 from kvloom.kernels.l2norm import L2NORM_EPS
 
 # The one matmul tile (half precision; float32 takes the "ieee" dot with the same tile).
@@ -70,10 +70,6 @@ def matmul_plan(m: int, capability: tuple[int, int] | None, dtype: torch.dtype) 
 
 _STATE_TILE_ELEMENTS = 4096  # the delta-rule program's [Dk, BV] float32 state tile
 _CONV_BLOCK_C = 64
-
-
-def _interpreted(kernel) -> bool:
-    return type(kernel).__name__ == "InterpretedFunction"
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -147,10 +143,10 @@ def matmul_triton(
     if m == 0 or n == 0:
         return out
     if plan is None:
-        cuda = x.is_cuda and not _interpreted(_matmul_kernel)
+        cuda = x.is_cuda and not is_interpreted(_matmul_kernel)
         plan = matmul_plan(m, _capability(x.device.index) if cuda else None, x.dtype)
     grid = (triton.cdiv(m, plan["BLOCK_M"]), triton.cdiv(n, plan["BLOCK_N"]))
-    upcast = _interpreted(_matmul_kernel) and x.dtype != torch.float32
+    upcast = is_interpreted(_matmul_kernel) and x.dtype != torch.float32
     _matmul_kernel[grid](
         x,
         weight,

@@ -69,11 +69,11 @@ from kvloom.kernels.arg_checks_triton import (
     check_dtype,
     check_last_dim_contiguous,
     check_same_device,
+    is_interpreted,
     next_power_of_2,
 )
 from kvloom.kernels.fp8_gemm import check_fp8_gemm_args
 from kvloom.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, SCALE_EPS, check_group_size
-from kvloom.kernels.fused_moe_triton import _interpreted
 
 # The small plans' tiling, also the FP8 MoE's (fp8_moe_triton imports these).
 BLOCK_N = 64
@@ -537,7 +537,7 @@ def fp8_matmul_triton(
         BLOCK_N=plan.block_n,
         BLOCK_K=block_k,
         GROUP=plan.group,
-        INTERPRETED=_interpreted(_fp8_gemm_kernel),
+        INTERPRETED=is_interpreted(_fp8_gemm_kernel),
         IMPRECISE_ACC=imprecise_acc,
         num_warps=plan.warps,
         num_stages=plan.stages,

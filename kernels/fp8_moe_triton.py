@@ -25,7 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kvloom.kernels.arg_checks_triton import check_dtype, check_same_device, next_power_of_2
+from kvloom.kernels.arg_checks_triton import (
+    check_dtype,
+    check_same_device,
+    is_interpreted,
+    next_power_of_2,
+)
 from kvloom.kernels.fp8_gemm_triton import (
     BLOCK_N,
     NUM_STAGES,
@@ -37,7 +42,6 @@ from kvloom.kernels.fp8_gemm_triton import (
 from kvloom.kernels.fp8_moe import check_fp8_moe_args
 from kvloom.kernels.fused_moe_triton import (
     MAX_SUM_BLOCK,
-    _interpreted,
     _route_block,
     _sum_slots_kernel,
     plan_route_blocks,
@@ -279,7 +283,7 @@ def fp8_fused_moe_triton(
     meta = dict(
         BLOCK_M=block_m,
         BLOCK_N=BLOCK_N,
-        INTERPRETED=_interpreted(_fp8_gate_up_kernel),
+        INTERPRETED=is_interpreted(_fp8_gate_up_kernel),
         PAIRS=pairs,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,

@@ -66,6 +66,7 @@ from kvloom.kernels.arg_checks_triton import (
     check_dtype,
     check_last_dim_contiguous,
     check_same_device,
+    is_interpreted,
     next_power_of_2,
 )
 from kvloom.kernels.dispatch import batch_invariant
@@ -440,11 +441,6 @@ def _sum_slots_kernel(
     tl.store(out_ptr + token * stride_out + cols, out, mask=cols < hidden_size)
 
 
-def _interpreted(kernel) -> bool:
-    """Whether Triton built this kernel for its CPU interpreter (TRITON_INTERPRET=1)."""
-    return type(kernel).__name__ == "InterpretedFunction"
-
-
 def _check_block_m(block_m) -> None:
     if isinstance(block_m, bool) or not isinstance(block_m, int):
         raise ValueError(f"block_m: expected an int in {BLOCK_M_CHOICES} or None, got {block_m!r}")
@@ -550,7 +546,7 @@ def fused_moe_triton(
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
         DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
-        INTERPRETED=_interpreted(_gate_up_kernel),
+        INTERPRETED=is_interpreted(_gate_up_kernel),
         PAIRS=pairs,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,

@@ -58,7 +58,12 @@ import triton.language as tl
 
 from kvloom.contracts import envs
 from kvloom.kernels.activation_triton import silu_mul
-from kvloom.kernels.arg_checks_triton import check_dtype, check_same_device, next_power_of_2
+from kvloom.kernels.arg_checks_triton import (
+    check_dtype,
+    check_same_device,
+    is_interpreted,
+    next_power_of_2,
+)
 from kvloom.kernels.causal_conv1d_triton import ACTIVATIONS as CONV_ACTIVATIONS
 from kvloom.kernels.causal_conv1d_triton import (
     causal_conv1d_update_triton,
@@ -1246,7 +1251,7 @@ def _half_dequant(x: torch.Tensor, fmt: int, scales: torch.Tensor | None, group:
         and scales is not None
         and x.dtype in (torch.bfloat16, torch.float16)
         and scales.dtype == x.dtype
-        and type(_gemv_kernel).__name__ != "InterpretedFunction"
+        and not is_interpreted(_gemv_kernel)
     )
 
 

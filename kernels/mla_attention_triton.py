@@ -58,6 +58,7 @@ from kvloom.kernels.arg_checks_triton import (
     check_dtype,
     check_last_dim_contiguous,
     check_same_device,
+    is_interpreted,
     next_power_of_2,
 )
 from kvloom.kernels.kv_cache_write import check_scale, is_fp8
@@ -65,7 +66,6 @@ from kvloom.kernels.paged_attention_triton import (
     LOG2E,
     _dot,
     _find_row,
-    _interpreted,
     check_paging_args,
 )
 
@@ -357,7 +357,7 @@ def mla_attention_triton(
         TILE=plan["TILE"],
         PAGE=latent_cache.shape[1],
         DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
-        DOT_INTERPRETED=_interpreted(_mla_attention_kernel),
+        DOT_INTERPRETED=is_interpreted(_mla_attention_kernel),
         KV_FP8=fp8,
         num_warps=plan["num_warps"],
         num_stages=plan["num_stages"],

@@ -72,6 +72,7 @@ from kvloom.kernels.arg_checks_triton import (
     check_dtype,
     check_last_dim_contiguous,
     check_same_device,
+    is_interpreted,
     next_power_of_2,
 )
 from kvloom.kernels.kv_cache_write import check_scale, is_fp8
@@ -570,11 +571,6 @@ def _merge_decode_splits_kernel(
     tl.store(out_lse_ptr + token64 * stride_olt + head * stride_olh, lse)
 
 
-def _interpreted(kernel) -> bool:
-    """Whether Triton built this kernel for its CPU interpreter (TRITON_INTERPRET=1)."""
-    return type(kernel).__name__ == "InterpretedFunction"
-
-
 def _plans(group: int, head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
     """(short-row plan, long-row plan), from the model's shape only.
 
@@ -774,7 +770,7 @@ def _launch(
         ROWS=rows,
         SHORT_ROW=short_row,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_INTERPRETED=_interpreted(_paged_attention_kernel),
+        DOT_INTERPRETED=is_interpreted(_paged_attention_kernel),
         KV_FP8=fp8,
         KV_WIDEN=kv_cache.dtype != q.dtype,
         STRIDED=kv_stride > 1,

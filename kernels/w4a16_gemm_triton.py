@@ -27,8 +27,9 @@ from kvloom.kernels.arg_checks_triton import (
     check_dtype,
     check_last_dim_contiguous,
     check_same_device,
+    is_interpreted,
 )
-from kvloom.kernels.fused_moe_triton import _dot, _interpreted
+from kvloom.kernels.fused_moe_triton import _dot
 from kvloom.kernels.int4_nibbles_triton import word_nibbles
 from kvloom.kernels.w4a16_gemm import check_w4_args
 
@@ -197,7 +198,7 @@ def w4a16_linear_triton(
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        INTERPRETED=_interpreted(_w4a16_gemm_kernel),
+        INTERPRETED=is_interpreted(_w4a16_gemm_kernel),
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )

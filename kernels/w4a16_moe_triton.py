@@ -33,6 +33,7 @@ from kvloom.kernels.arg_checks_triton import (
     check_dtype,
     check_last_dim_contiguous,
     check_same_device,
+    is_interpreted,
     next_power_of_2,
 )
 from kvloom.kernels.fused_moe_triton import (
@@ -42,7 +43,6 @@ from kvloom.kernels.fused_moe_triton import (
     NUM_STAGES,
     NUM_WARPS,
     _dot,
-    _interpreted,
     _route_block,
     _sum_slots_kernel,
     choose_block_m,
@@ -295,7 +295,7 @@ def w4a16_fused_moe_triton(
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
         DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
-        INTERPRETED=_interpreted(_w4_gate_up_kernel),
+        INTERPRETED=is_interpreted(_w4_gate_up_kernel),
         PAIRS=pairs,
         HAS_OFFSET=has_offset,
         num_warps=NUM_WARPS,
