@@ -14,7 +14,11 @@ an H200 with the defaults):
 
     python benchmarks/deterministic_cost.py [--shapes qwen3-8b qwen3-next-24l]
         [--num-requests 256] [--prompt-len 128 512] [--output-len 64 128] [--repeat 2]
-        [--out FILE]
+        [--plan-tables FILE ...] [--out FILE]
+
+`--plan-tables` adds one "on" run per table file (benchmarks/batch_invariant_plans.py
+--tables writes them: the matmul's Hopper tiles and K chunk length), each reported as a
+variant beside the default table's.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 
 from kvloom import Engine
 from kvloom.cluster.bench import offline_workload, run_offline, shape_dir
+from kvloom.kernels import batch_invariant_triton
 from kvloom.kernels.dispatch import set_batch_invariant
 
 
@@ -61,6 +66,25 @@ def run_once(model: str, args, deterministic: bool) -> dict:
     }
 
 
+def _variant_run(model: str, args, table_path: Path, off_tok_s: float) -> dict:
+    """The mode on with the matmul table in `table_path`, then the default table back."""
+    table = json.loads(table_path.read_text())
+    default = (batch_invariant_triton.SM90_MATMUL_PLANS, batch_invariant_triton.MATMUL_K_CHUNK)
+    batch_invariant_triton.set_matmul_table(table["plans"], table["k_chunk"])
+    try:
+        on = run_once(model, args, True)
+    finally:
+        batch_invariant_triton.set_matmul_table(*default)
+    return {
+        "table": table_path.name,
+        "k_chunk": table["k_chunk"],
+        "plans": table["plans"],
+        "on_tok_s": on["tok_s"],
+        "on_seconds_per_run": on["seconds_per_run"],
+        "cost": round(1 - on["tok_s"] / off_tok_s, 4),
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["qwen3-8b", "qwen3-next-24l"])
@@ -71,6 +95,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--repeat", type=int, default=2, help="runs per engine; the last is timed")
+    parser.add_argument("--plan-tables", type=Path, nargs="*", default=[])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     rows = []
@@ -89,6 +114,9 @@ def main(argv=None) -> int:
                 "off_seconds_per_run": off["seconds_per_run"],
                 "on_seconds_per_run": on["seconds_per_run"],
                 "cost": round(1 - on["tok_s"] / off["tok_s"], 4),
+                "variants": [
+                    _variant_run(model, args, table, off["tok_s"]) for table in args.plan_tables
+                ],
             }
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -9,7 +9,8 @@
 #     [spec-profile] [spec-decode] [deterministic] [all-gpu-tests] [gdn-mixed]
 #     [trace-dense] [bench-kimi] [fp8-plans] [mla] [host-256] [gpu-gaps]
 #     [act-quant] [scaled-mm-accuracy] [attention-fusion] [norm-gemv] [gdn-decode]
-#     [moe-pairs] [fusion-ab] [bench-int4] [bench-fp8] [int4-gemv]
+#     [moe-pairs] [fusion-ab] [bench-int4] [bench-fp8] [int4-gemv] [det-plans]
+#     [det-cost-tables]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -267,6 +268,18 @@ for line in sys.stdin:
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_deterministic_gpu.py \
         2>&1 | tail -4 || status=1
       timeout 300 python3 benchmarks/deterministic_cost.py --out "$OUT/deterministic_cost.json" \
+        2>&1 | grep -v "it/s" | tail -6 || status=1
+      ;;
+    det-plans)  # the mode's matmul tiles and K chunks, then its dense cost with each table
+      timeout 330 python3 benchmarks/batch_invariant_plans.py --out "$OUT/batch_invariant_plans.json" \
+        --tables /tmp/det_tables 2>&1 | grep -E "^RESULT|^TABLE|Error" || status=1
+      cp -r /tmp/det_tables "$OUT/"
+      timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests/triton_interpret/test_batch_invariant_triton.py 2>&1 | tail -3 || status=1
+      ;;
+    det-cost-tables)  # deterministic_cost.py with every table det-plans wrote (same warm machine)
+      timeout 560 python3 benchmarks/deterministic_cost.py --shapes ${DET_SHAPES:-qwen3-8b} \
+        --plan-tables /tmp/det_tables/*.json --out "$OUT/deterministic_cost_tables.json" \
         2>&1 | grep -v "it/s" | tail -6 || status=1
       ;;
     *) echo "unknown section $section"; status=2 ;;
