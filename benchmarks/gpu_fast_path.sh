@@ -10,7 +10,7 @@
 #     [trace-dense] [bench-kimi] [fp8-plans] [mla] [host-256] [gpu-gaps]
 #     [act-quant] [scaled-mm-accuracy] [attention-fusion] [norm-gemv] [gdn-decode]
 #     [moe-pairs] [fusion-ab] [bench-int4] [bench-fp8] [int4-gemv] [det-plans]
-#     [det-cost-tables]
+#     [det-cost-tables] [moe-stages]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -269,6 +269,17 @@ for line in sys.stdin:
         2>&1 | tail -4 || status=1
       timeout 300 python3 benchmarks/deterministic_cost.py --out "$OUT/deterministic_cost.json" \
         2>&1 | grep -v "it/s" | tail -6 || status=1
+      ;;
+    moe-stages)  # the fused MoE's decode plan at other pipelining depths: µs per layer
+      # (bits checked), then batch-1 ms/token of MOE_SHAPE at each MOE_STAGES_AB depth
+      timeout 300 python3 benchmarks/moe_layer_launches.py --tokens 1 2 4 --plans sorted pairs \
+        --pairs-stages 3 4 6 8 8,4 12,6 --out "$OUT/moe_pairs_stages.json" 2>&1 \
+        | grep -E "^(qwen3|kimi)" | cut -c1-60 || status=1
+      for depth in ${MOE_STAGES_AB:-6 8,4}; do
+        KVLOOM_MOE_DECODE_STAGES=$depth python3 -m kvloom.cluster.cli bench latency \
+          --shape ${MOE_SHAPE:-qwen3-next-24l} --out "$OUT/moe_stages_${depth/,/_}.json" \
+          2>&1 | grep "^RESULT" || status=1
+      done
       ;;
     det-plans)  # the mode's matmul tiles and K chunks, then its dense cost with each table
       # DET_SWEEP_ARGS: the rows and chunk lengths swept (the script's defaults take longer)

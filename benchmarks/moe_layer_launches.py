@@ -22,7 +22,11 @@ How launches are counted:
     the Triton launches).
 
     python benchmarks/moe_layer_launches.py [--tokens 1 2 4 8] [--plans sorted pairs]
-        [--repeats 200] [--out FILE.json]
+        [--repeats 200] [--pairs-stages 3 4,3 6 8,4] [--shapes qwen3-next] [--out FILE.json]
+
+`--pairs-stages` times the pairs plan once per pipelining depth (KVLOOM_MOE_DECODE_STAGES
+values: "6" for both launches, "6,4" for gate_up and down), each checked bitwise against
+the first plan.
     python benchmarks/moe_layer_launches.py --interpret
 """
 
@@ -143,14 +147,22 @@ def force_cuda_dispatch() -> None:
 
 
 @contextmanager
-def moe_plan(plan: str):
-    """Forces the fused MoE's plan: "pairs" (no route sort) or "sorted"."""
+def moe_plan(plan: str, stages: str | None = None):
+    """Forces the fused MoE's plan: "pairs" (no route sort) or "sorted"; `stages`, the
+    pairs plan's pipelining depths (a KVLOOM_MOE_DECODE_STAGES value)."""
     original = fused_moe_triton.uses_pairs_plan
     fused_moe_triton.uses_pairs_plan = lambda hidden, sorted_block_m: plan == "pairs"
+    saved = os.environ.get("KVLOOM_MOE_DECODE_STAGES")
+    if stages is not None:
+        os.environ["KVLOOM_MOE_DECODE_STAGES"] = stages
     try:
         yield
     finally:
         fused_moe_triton.uses_pairs_plan = original
+        if saved is None:
+            os.environ.pop("KVLOOM_MOE_DECODE_STAGES", None)
+        else:
+            os.environ["KVLOOM_MOE_DECODE_STAGES"] = saved
 
 
 def interpreted_launches(layer, x) -> list[str]:
@@ -219,6 +231,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--plans", nargs="+", choices=PLANS, default=list(PLANS))
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--pairs-stages", nargs="+", default=[None], help="e.g. 3 6 8,4")
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--interpret", action="store_true", help="CPU, tiny widths")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -229,7 +243,13 @@ def main() -> None:
         force_cuda_dispatch()
     device = "cuda" if cuda else "cpu"
     results = []
-    for name, full in SHAPES.items():
+    runs = [
+        (plan, stages)
+        for plan in args.plans
+        for stages in (args.pairs_stages if plan == "pairs" else [None])
+    ]
+    for name in args.shapes:
+        full = SHAPES[name]
         shape = {**full, **TINY} if args.interpret else full
         for fold in (False, True):
             layer = build_layer(shape, fold, device)
@@ -237,22 +257,22 @@ def main() -> None:
                 gen = torch.Generator(device=device).manual_seed(tokens)
                 x = torch.randn(tokens, shape["hidden"], generator=gen, device=device)
                 x = x.to(torch.bfloat16)
-                outputs = {}
-                for plan in args.plans:
+                first = None
+                for plan, stages in runs:
                     row = dict(model=name, folded=fold, tokens=tokens, plan=plan, **shape)
+                    row["pairs_stages"] = stages
                     started = time.perf_counter()
-                    with moe_plan(plan):
+                    with moe_plan(plan, stages):
                         row.update(measure(layer, x, cuda, args.repeats))
-                    outputs[plan] = row.pop("output")
-                    row["bitwise_as_first_plan"] = torch.equal(
-                        outputs[plan], outputs[args.plans[0]]
-                    )
+                    output = row.pop("output")
+                    first = output if first is None else first
+                    row["bitwise_as_first_plan"] = torch.equal(output, first)
                     row["seconds"] = round(time.perf_counter() - started, 2)
                     results.append(row)
                     timing = f", {row['us_per_layer']:.2f} us/layer (graph)" if cuda else ""
                     print(
                         f"{name:12s} {'folded' if fold else 'two-branch':10s} T={tokens:<3d} "
-                        f"{plan:6s} {row['launches']:2d} launches{timing}, bitwise="
+                        f"{plan:6s} {stages or '':5s} {row['launches']:2d} launches{timing}, bitwise="
                         f"{row['bitwise_as_first_plan']}: {', '.join(row['kernels'])}"
                     )
     if args.out:

@@ -59,6 +59,12 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "with pdl: 128-byte lines of each weight row a GEMV program asks L2 for before it "
         "waits on the launch before it; 0 turns the prefetch off (an A/B of its cost)",
     ),
+    "KVLOOM_MOE_DECODE_STAGES": (
+        "",
+        "software-pipelining depth of the fused MoE's decode (pairs) plan: one integer for "
+        "its gate_up and down launches, or two, 'GATE_UP,DOWN' (empty: the plan's own); "
+        "the same bits at any depth (A/B timing)",
+    ),
     "KVLOOM_NO_FLA": (
         "",
         "1: linear-attention prefill (Gated DeltaNet, KDA) on CUDA skips fla-core's kernels",
@@ -123,6 +129,25 @@ def pdl_prefetch_lines() -> int:
     if lines < 0:
         raise ValueError(f"KVLOOM_PDL_PREFETCH_LINES: expected an integer >= 0, got {raw!r}")
     return lines
+
+
+def moe_decode_stages() -> tuple[int, int] | None:
+    """(gate_up, down) pipelining depths of the fused MoE's pairs plan, or None."""
+    raw = get("KVLOOM_MOE_DECODE_STAGES").strip()
+    if not raw:
+        return None
+    try:
+        depths = tuple(int(part) for part in raw.split(","))
+    except ValueError:
+        depths = ()
+    if len(depths) == 1:
+        depths = depths * 2
+    if len(depths) != 2 or not all(1 <= d <= 16 for d in depths):
+        raise ValueError(
+            f"KVLOOM_MOE_DECODE_STAGES: expected one or two integers in [1, 16] "
+            f"('6' or '6,4'), got {raw!r}"
+        )
+    return depths
 
 
 def drafter_timeout_s() -> float:

@@ -95,6 +95,18 @@ MAX_SUM_BLOCK = 1024
 # benchmarks/moe_layer_launches.py times both plans at T = 1, 2, 4, 8 to check it.
 PAIRS_PLAN_MAX_TOKENS = 4
 PAIRS_BLOCK_M = BLOCK_M_CHOICES[0]  # the sorted plan's block at decode sizes
+# The pairs plan's software-pipelining depths (gate_up, down): at one token its gate_up
+# launch is only T * k * (I / BLOCK_N) programs (Qwen3-Next: 80, 88 with the shared expert
+# folded in: fewer than the SMs), each
+# streaming K = H columns, so its speed is the weight bytes each program keeps in flight.
+# The depth schedules the same dots over the same K tiles: the same bits at any depth.
+# KVLOOM_MOE_DECODE_STAGES overrides it (benchmarks/moe_layer_launches.py --pairs-stages).
+PAIRS_STAGES = (NUM_STAGES, NUM_STAGES)
+
+
+def pairs_stages() -> tuple[int, int]:
+    """(gate_up, down) num_stages of a pairs-plan launch."""
+    return envs.moe_decode_stages() or PAIRS_STAGES
 
 
 def choose_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
@@ -549,8 +561,8 @@ def fused_moe_triton(
         INTERPRETED=is_interpreted(_gate_up_kernel),
         PAIRS=pairs,
         num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
     )
+    gate_up_stages, down_stages = pairs_stages() if pairs else (NUM_STAGES, NUM_STAGES)
     id_strides = (topk_ids.stride(0), topk_ids.stride(1))
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, BLOCK_N))](
         hidden,
@@ -570,6 +582,7 @@ def fused_moe_triton(
         act.stride(0),
         *id_strides,
         **dot_args,
+        num_stages=gate_up_stages,
     )
     _down_kernel[(num_blocks, triton.cdiv(hidden_size, BLOCK_N))](
         act,
@@ -592,6 +605,7 @@ def fused_moe_triton(
         routed.stride(0),
         *id_strides,
         **dot_args,
+        num_stages=down_stages,
     )
     block_h = min(MAX_SUM_BLOCK, next_power_of_2(hidden_size))
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](

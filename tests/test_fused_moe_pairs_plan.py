@@ -27,6 +27,7 @@ from kvloom.kernels.fused_moe_triton import (
     PAIRS_PLAN_MAX_TOKENS,
     choose_block_m,
     fused_moe_triton,
+    pairs_stages,
     uses_pairs_plan,
 )
 
@@ -225,6 +226,50 @@ def test_pairs_plan_launches_three_kernels_where_the_sorted_plan_launches_five()
     assert torch.equal(pairs, sorted_out)
 
 
+@pytest.mark.parametrize(
+    "setting,want", [("", (3, 3)), ("6", (6, 6)), ("8,4", (8, 4)), (" 5 , 2 ", (5, 2))]
+)
+def test_pairs_plan_pipelines_at_the_depths_asked_and_the_sorted_plan_keeps_its_own(
+    monkeypatch, setting, want
+):
+    """KVLOOM_MOE_DECODE_STAGES sets the pairs plan's gate_up and down num_stages (same
+    bits: the interpreter ignores depth; the gpu test compares compiled depths)."""
+    if CUDA:
+        pytest.skip("reads interpreted launches' arguments")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    monkeypatch.setenv("KVLOOM_MOE_DECODE_STAGES", setting)
+    seen = []
+    original = InterpretedFunction.__getitem__
+
+    def recording(kernel, grid):
+        launch = original(kernel, grid)
+
+        def run(*args, **kwargs):
+            seen.append((kernel.fn.__name__, kwargs.get("num_stages")))
+            return launch(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(InterpretedFunction, "__getitem__", recording)
+    w13, w2 = make_weights(5, 40, 24, torch.bfloat16, seed=12)
+    weights, ids = make_routing(2, 4, 2, seed=13)
+    x = torch.randn(2, 40).to(torch.bfloat16)
+    pairs = fused_moe_triton(x, w13, w2, weights, ids, pairs=True)
+    stages = dict(seen)
+    assert (stages["_gate_up_kernel"], stages["_down_kernel"]) == want
+    seen.clear()
+    assert torch.equal(fused_moe_triton(x, w13, w2, weights, ids, pairs=False), pairs)
+    assert dict(seen)["_gate_up_kernel"] == dict(seen)["_down_kernel"] == 3
+
+
+@pytest.mark.parametrize("bad", ["0", "6,4,2", "x", "17"])
+def test_a_bad_decode_depth_names_the_variable(monkeypatch, bad):
+    monkeypatch.setenv("KVLOOM_MOE_DECODE_STAGES", bad)
+    with pytest.raises(ValueError, match="KVLOOM_MOE_DECODE_STAGES: expected one or two"):
+        pairs_stages()
+
+
 # ---------------------------------------------------------------- CUDA
 
 
@@ -275,6 +320,22 @@ def test_gpu_pairs_plan_bitwise_at_qwen3_next_shape(dtype):
         assert torch.equal(auto, pairs)
         ref = fused_moe_ref(x, w13, w2, weights, ids)
         torch.testing.assert_close(pairs, ref, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages", ["4", "6,4", "8", "8,8"])
+def test_gpu_pairs_plan_bitwise_at_every_pipelining_depth(monkeypatch, stages):
+    """Qwen3-Next's widths: the pairs plan at another KVLOOM_MOE_DECODE_STAGES depth gives
+    the sorted plan's bits."""
+    if not CUDA:
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("KVLOOM_MOE_DECODE_STAGES", stages)
+    w13, w2 = qwen3_next_experts(torch.bfloat16)
+    for num_tokens in (1, 2, PAIRS_PLAN_MAX_TOKENS):
+        weights, ids = qwen3_next_routing(num_tokens, seed=30 + num_tokens)
+        x = torch.randn(num_tokens, 2048, generator=gen(num_tokens)).to("cuda", torch.bfloat16)
+        pairs, sorted_plans = both_plans(x, w13, w2, weights, ids)
+        assert_bitwise(f"gpu stages {stages} T={num_tokens}", pairs, sorted_plans)
 
 
 @pytest.mark.gpu
