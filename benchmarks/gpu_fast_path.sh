@@ -284,7 +284,7 @@ for line in sys.stdin:
     det-plans)  # the mode's matmul tiles and K chunks, then its dense cost with each table
       # DET_SWEEP_ARGS: the rows and chunk lengths swept (the script's defaults take longer)
       timeout 330 python3 benchmarks/batch_invariant_plans.py --out "$OUT/batch_invariant_plans.json" \
-        --tables /tmp/det_tables ${DET_SWEEP_ARGS:---m 256 4096 --k-chunks none 1024} \
+        --tables /tmp/det_tables ${DET_SWEEP_ARGS:---m 256 4096 --k-chunks none 1024 2048} \
         2>&1 | grep -E "^RESULT|^TABLE|Error" || status=1
       cp -r /tmp/det_tables "$OUT/"
       timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu \
