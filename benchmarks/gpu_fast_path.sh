@@ -272,7 +272,7 @@ for line in sys.stdin:
       ;;
     moe-stages)  # the fused MoE's decode plan at other pipelining depths: µs per layer
       # (bits checked), then batch-1 ms/token of MOE_SHAPE at each MOE_STAGES_AB depth
-      # (default: the fastest bitwise depth at one token)
+      # (default: the plan's own, 3, and the fastest bitwise depth at one token)
       timeout 300 python3 benchmarks/moe_layer_launches.py --tokens 1 2 4 --plans sorted pairs \
         --pairs-stages 3 4 6 8 8,4 12,6 --out "$OUT/moe_pairs_stages.json" 2>&1 \
         | grep -E "^(qwen3|kimi)" | cut -c1-60 || status=1
@@ -281,7 +281,7 @@ ok = [r for r in rows if r['model'] == 'qwen3-next' and r['folded'] and r['token
       and r['plan'] == 'pairs' and r['bitwise_as_first_plan']]
 print(min(ok, key=lambda r: r['us_per_layer'])['pairs_stages'])")
       echo "fastest bitwise pairs depth at one token (Qwen3-Next, folded): $best"
-      for depth in ${MOE_STAGES_AB:-$best}; do
+      for depth in ${MOE_STAGES_AB:-3 $best}; do
         KVLOOM_MOE_DECODE_STAGES=$depth python3 -m kvloom.cluster.cli bench latency \
           --shape ${MOE_SHAPE:-qwen3-next-24l} --out "$OUT/moe_stages_${depth/,/_}.json" \
           2>&1 | grep "^RESULT" || status=1
