@@ -121,10 +121,10 @@ def test_split_k_over_its_workspace_walks_the_chunks_in_program(monkeypatch):
     x = rand(9, 256, seed=14, dtype=torch.bfloat16)
     w = rand(24, 256, seed=15, dtype=torch.bfloat16)
     split = dict(MATMUL_PLAN, SPLIT_K=True)
-    walked = matmul_triton(x, w, plan=split, k_chunk=64)
+    walked = matmul_triton(x, w, plan=split, k_chunk=128)  # a multiple of every table tile's
     monkeypatch.setattr(bit, "SPLIT_K_WORKSPACE_BYTES", 0)
-    assert torch.equal(matmul_triton(x, w, plan=split, k_chunk=64), walked)
-    monkeypatch.setattr(bit, "MATMUL_K_CHUNK", 64)
+    assert torch.equal(matmul_triton(x, w, plan=split, k_chunk=128), walked)
+    monkeypatch.setattr(bit, "MATMUL_K_CHUNK", 128)
     assert torch.equal(matmul_triton(x, w), walked)  # the process-wide chunk length
 
 
