@@ -17,8 +17,8 @@ an H200 with the defaults):
         [--plan-tables FILE ...] [--out FILE]
 
 `--plan-tables` adds one "on" run per table file (benchmarks/batch_invariant_plans.py
---tables writes them: the matmul's Hopper tiles and K chunk length), each reported as a
-variant beside the default table's.
+--tables writes one: the matmul's Hopper tiles), each reported as a variant beside the
+default table's.
 """
 
 from __future__ import annotations
@@ -69,15 +69,14 @@ def run_once(model: str, args, deterministic: bool) -> dict:
 def _variant_run(model: str, args, table_path: Path, off_tok_s: float) -> dict:
     """The mode on with the matmul table in `table_path`, then the default table back."""
     table = json.loads(table_path.read_text())
-    default = (batch_invariant_triton.SM90_MATMUL_PLANS, batch_invariant_triton.MATMUL_K_CHUNK)
-    batch_invariant_triton.set_matmul_table(table["plans"], table["k_chunk"])
+    default = batch_invariant_triton.SM90_MATMUL_PLANS
+    batch_invariant_triton.set_matmul_table(table["plans"])
     try:
         on = run_once(model, args, True)
     finally:
-        batch_invariant_triton.set_matmul_table(*default)
+        batch_invariant_triton.set_matmul_table(default)
     return {
         "table": table_path.name,
-        "k_chunk": table["k_chunk"],
         "plans": table["plans"],
         "on_tok_s": on["tok_s"],
         "on_seconds_per_run": on["seconds_per_run"],

@@ -287,16 +287,16 @@ print(min(ok, key=lambda r: r['us_per_layer'])['pairs_stages'])")
           2>&1 | grep "^RESULT" || status=1
       done
       ;;
-    det-plans)  # the mode's matmul tiles and K chunks, then its dense cost with each table
-      # DET_SWEEP_ARGS: the rows and chunk lengths swept (the script's defaults take longer)
+    det-plans)  # the mode's matmul tiles (a table of the fastest same-bits ones) + gpu tests
+      # DET_SWEEP_ARGS: the rows swept (the script's defaults take longer)
       timeout 330 python3 benchmarks/batch_invariant_plans.py --out "$OUT/batch_invariant_plans.json" \
-        --tables /tmp/det_tables ${DET_SWEEP_ARGS:---m 256 4096 --k-chunks none 1024 2048} \
+        --tables /tmp/det_tables ${DET_SWEEP_ARGS:---m 256 4096} \
         2>&1 | grep -E "^RESULT|^TABLE|Error" || status=1
       cp -r /tmp/det_tables "$OUT/"
       timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu \
         tests/triton_interpret/test_batch_invariant_triton.py 2>&1 | tail -3 || status=1
       ;;
-    det-cost-tables)  # deterministic_cost.py with every table det-plans wrote (same warm machine)
+    det-cost-tables)  # deterministic_cost.py with the table det-plans wrote (same warm machine)
       timeout 560 python3 benchmarks/deterministic_cost.py --shapes ${DET_SHAPES:-qwen3-8b} \
         --plan-tables /tmp/det_tables/*.json --out "$OUT/deterministic_cost_tables.json" \
         2>&1 | grep -v "it/s" | tail -6 || status=1

@@ -3,18 +3,12 @@
 Same semantics as the references in `batch_invariant.py`. Each output element gets one
 summation order whatever else is in the launch:
 
-* `matmul_triton`: y = x W^T (+ bias). A row's bits never depend on its neighbours: K is
-  cut into chunks of a fixed `MATMUL_K_CHUNK` columns (None: one chunk), each chunk summed
-  from its first column upwards in BLOCK_K steps into a float32 accumulator started at
-  zero, and the chunks' sums added in K order into a float32 total. That order is a
-  function of K alone, so where the chunks are summed is free: in one program walking them
-  in turn, or split-K, one program per chunk writing its sum to a float32 workspace that a
-  second launch adds up in chunk order (the same float32 additions, so the same bits;
-  tested). Split-K gives small-M launches more programs without changing any bit. One tile
-  (`MATMUL_PLAN`) for every M, except on Hopper, where the tile and split-K are picked by
-  M from `SM90_MATMUL_PLANS`: every wgmma tile measured there gives the same bits
-  (invariant 7). (cuBLAS picks split-K by M, which changes the order; the GEMV fast path
-  sums in another order again.)
+* `matmul_triton`: y = x W^T (+ bias), no split-K: a program owns an output tile and walks
+  K from 0 upwards in BLOCK_K steps into a float32 accumulator, so a row's bits do not
+  depend on its neighbours. One tile shape (`MATMUL_PLAN`) for every M, except on Hopper,
+  where the tile is picked by M from `SM90_MATMUL_PLANS`: every wgmma tile measured there
+  gives the same bits (invariant 7), and the larger ones are faster. (cuBLAS picks split-K
+  by M, which changes the order; the GEMV fast path sums in another order again.)
 * `serial_causal_conv1d_triton` / `serial_gated_delta_rule_triton`: the linear-attention
   conv and recurrence token by token, one program per (sequence, channel or state-column
   block) looping over that sequence's tokens with the same per-token arithmetic. Prefill
@@ -39,23 +33,9 @@ from kvloom.kernels.l2norm import L2NORM_EPS
 # The one matmul tile (half precision; float32 takes the "ieee" dot with the same tile).
 MATMUL_PLAN = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
 
-# K columns per chunk (a multiple of every BLOCK_K), or None for one chunk of all K. It
-# decides the summation order, so every plan of a process shares it.
-MATMUL_K_CHUNK: int | None = None
-# The most float32 workspace (bytes) one split-K launch may take; above it the launch sums
-# its chunks in-program instead (the same bits).
-SPLIT_K_WORKSPACE_BYTES = 64 << 20
 
-
-def _plan(bm: int, bn: int, bk: int, warps: int, stages: int, split_k: bool = False) -> dict:
-    return {
-        "BLOCK_M": bm,
-        "BLOCK_N": bn,
-        "BLOCK_K": bk,
-        "num_warps": warps,
-        "num_stages": stages,
-        "SPLIT_K": split_k,
-    }
+def _plan(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
 
 
 # Hopper (sm_90) tiles by row count: (largest M, plan). On an H200 all 36 tiles tried
@@ -73,11 +53,12 @@ SM90_MATMUL_PLANS = (
 )
 
 
-def set_matmul_table(plans, k_chunk: int | None) -> None:
-    """Replaces this process's Hopper tile table and chunk length (a table written by
-    benchmarks/batch_invariant_plans.py: [[largest M or None, plan], ...], ascending, the
-    last None). Set it before an engine starts: captured CUDA graphs keep their tiles."""
-    global SM90_MATMUL_PLANS, MATMUL_K_CHUNK
+def set_matmul_table(plans) -> None:
+    """Replaces this process's Hopper tile table with one written by
+    benchmarks/batch_invariant_plans.py --tables: [[largest M or None, plan], ...],
+    ascending, the last None. Set it before an engine starts: captured CUDA graphs keep
+    their tiles. (A tile must give the one plan's bits: the sweep checks each.)"""
+    global SM90_MATMUL_PLANS
     bounds = [most for most, _ in plans]
     if (
         not plans
@@ -86,11 +67,7 @@ def set_matmul_table(plans, k_chunk: int | None) -> None:
         or bounds[:-1] != sorted(bounds[:-1])
     ):
         raise ValueError(f"plans: expected ascending row bounds ending in None, got {bounds}")
-    for _, plan in plans:
-        if k_chunk is not None and k_chunk % plan["BLOCK_K"]:
-            raise ValueError(f"k_chunk {k_chunk} is not a multiple of BLOCK_K {plan['BLOCK_K']}")
     SM90_MATMUL_PLANS = tuple((most, dict(plan)) for most, plan in plans)
-    MATMUL_K_CHUNK = k_chunk
 
 
 @functools.cache
@@ -121,81 +98,23 @@ def _matmul_kernel(
     M,
     N,
     K,
-    K_CHUNK,
     stride_xm,
     stride_wn,
     stride_om,
-    stride_os,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
-    SPLIT: tl.constexpr,
-    WALK_CHUNKS: tl.constexpr,
 ):
-    """SPLIT: this program sums chunk program_id(2) only and stores it, float32, at
-    out_ptr + program_id(2) * stride_os (no bias). Else it sums every chunk in turn
-    (WALK_CHUNKS: a second float32 tile holds the total, so only chunked launches pay its
-    registers) and stores the total (+ bias) in out's dtype."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
-    mask = row_ok[:, None] & col_ok[None, :]
-    if WALK_CHUNKS:
-        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for c0 in range(0, K, K_CHUNK):
-            total += _chunk_sum(
-                x_ptr, w_ptr, rows, cols, row_ok, col_ok, c0, tl.minimum(c0 + K_CHUNK, K),
-                K, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
-            )  # fmt: skip
-    elif SPLIT:
-        k_lo = tl.program_id(2) * K_CHUNK
-        total = _chunk_sum(
-            x_ptr, w_ptr, rows, cols, row_ok, col_ok, k_lo, tl.minimum(k_lo + K_CHUNK, K),
-            K, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
-        )  # fmt: skip
-    else:
-        total = _chunk_sum(
-            x_ptr, w_ptr, rows, cols, row_ok, col_ok, 0, K,
-            K, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST,
-        )  # fmt: skip
-    if SPLIT:
-        part = out_ptr + tl.program_id(2).to(tl.int64) * stride_os
-        tl.store(part + rows[:, None] * stride_om + cols[None, :], total, mask=mask)
-    else:
-        if HAS_BIAS:
-            total += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        out = total.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out, mask=mask)
-
-
-@triton.jit
-def _chunk_sum(
-    x_ptr,
-    w_ptr,
-    rows,
-    cols,
-    row_ok,
-    col_ok,
-    k_lo,
-    k_hi,
-    K,
-    stride_xm,
-    stride_wn,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """x[rows, k_lo:k_hi] @ w[cols, k_lo:k_hi]^T from column k_lo upwards in BLOCK_K steps
-    into a float32 accumulator started at zero."""
     depth = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + depth) < K
         a = tl.load(
             x_ptr + rows[:, None] * stride_xm + (k0 + depth)[None, :],
@@ -211,32 +130,13 @@ def _chunk_sum(
             acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(a, b, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
-def _sum_chunks_kernel(
-    parts_ptr,
-    b_ptr,
-    out_ptr,
-    numel,
-    N,
-    CHUNKS,
-    HAS_BIAS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """out = ((0 + part 0) + part 1) + ... (+ bias), the in-program order of the chunks."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < numel
-    total = tl.zeros([BLOCK], dtype=tl.float32)
-    for c in range(0, CHUNKS):
-        total += tl.load(parts_ptr + c * numel + offs, mask=ok, other=0.0)
     if HAS_BIAS:
-        total += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-_SUM_BLOCK = 1024
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + rows[:, None] * stride_om + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & col_ok[None, :],
+    )
 
 
 def matmul_triton(
@@ -244,11 +144,9 @@ def matmul_triton(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     plan: dict | None = None,
-    k_chunk: int | None = None,
 ):
     """x [M, K] (last dim contiguous) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype.
-    plan: a tile other than the one `matmul_plan` picks (benchmarks/batch_invariant_plans.py
-    compares them); k_chunk: a chunk length other than MATMUL_K_CHUNK (the same sweep)."""
+    plan: a tile other than MATMUL_PLAN (benchmarks/batch_invariant_plans.py compares them)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"x, weight: expected [M, K] and [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
@@ -264,58 +162,28 @@ def matmul_triton(
     if plan is None:
         cuda = x.is_cuda and not is_interpreted(_matmul_kernel)
         plan = matmul_plan(m, _capability(x.device.index) if cuda else None, x.dtype)
-    chunk = k_chunk or MATMUL_K_CHUNK
-    if chunk is None:
-        chunk = triton.cdiv(max(k, 1), plan["BLOCK_K"]) * plan["BLOCK_K"]
-    elif chunk % plan["BLOCK_K"]:
-        raise ValueError(f"k_chunk {chunk} is not a multiple of BLOCK_K {plan['BLOCK_K']}")
-    chunks = triton.cdiv(k, chunk)
-    split = (
-        plan.get("SPLIT_K", False) and chunks > 1 and chunks * m * n * 4 <= SPLIT_K_WORKSPACE_BYTES
-    )
-    target = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device) if split else out
-    grid = (
-        triton.cdiv(m, plan["BLOCK_M"]),
-        triton.cdiv(n, plan["BLOCK_N"]),
-        chunks if split else 1,
-    )
-    has_bias = bias is not None
+    grid = (triton.cdiv(m, plan["BLOCK_M"]), triton.cdiv(n, plan["BLOCK_N"]))
+    upcast = is_interpreted(_matmul_kernel) and x.dtype != torch.float32
     _matmul_kernel[grid](
         x,
         weight,
-        bias if has_bias else x,
-        target,
+        bias if bias is not None else x,
+        out,
         m,
         n,
         k,
-        chunk,
         x.stride(0),
         weight.stride(0),
-        n if split else out.stride(0),
-        m * n,
-        HAS_BIAS=has_bias,
+        out.stride(0),
+        HAS_BIAS=bias is not None,
         BLOCK_M=plan["BLOCK_M"],
         BLOCK_N=plan["BLOCK_N"],
         BLOCK_K=plan["BLOCK_K"],
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        UPCAST=is_interpreted(_matmul_kernel) and x.dtype != torch.float32,
-        SPLIT=split,
-        WALK_CHUNKS=chunks > 1 and not split,
+        UPCAST=upcast,
         num_warps=plan["num_warps"],
         num_stages=plan["num_stages"],
     )
-    if split:
-        numel = m * n
-        _sum_chunks_kernel[(triton.cdiv(numel, _SUM_BLOCK),)](
-            target,
-            bias if has_bias else x,
-            out,
-            numel,
-            n,
-            chunks,
-            HAS_BIAS=has_bias,
-            BLOCK=_SUM_BLOCK,
-        )
     return out
 
 

@@ -13,18 +13,16 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import batch_invariant_plans  # noqa: E402
 
 
-def tile(bm, split=False):
-    return {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3,
-            "SPLIT_K": split}  # fmt: skip
+def tile(bm, bn=64):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
 
 
-def row(layer, m, plan, ms, same=True, chunk=1024):
-    return {"layer": layer, "m": m, "k_chunk": chunk, "plan": plan, "ms": ms,
-            "same_bits_as_plan": same}  # fmt: skip
+def row(layer, m, plan, ms, same=True):
+    return {"layer": layer, "m": m, "plan": plan, "ms": ms, "same_bits_as_plan": same}
 
 
 def test_each_range_takes_the_least_summed_tile_that_kept_the_bits_everywhere():
-    fast_once, steady, wrong_bits = tile(64, split=True), tile(128), tile(256)
+    fast_once, steady, wrong_bits = tile(64, 128), tile(128), tile(256)
     rows = [
         # 129-512: fast_once wins M=256 but was not measured at 512 on 'down': not eligible
         row("qkv", 256, fast_once, 0.01), row("qkv", 256, steady, 0.05),
@@ -35,36 +33,29 @@ def test_each_range_takes_the_least_summed_tile_that_kept_the_bits_everywhere():
         # > 512: the sum decides, not one case
         row("qkv", 4096, fast_once, 1.0), row("down", 4096, fast_once, 3.0),
         row("qkv", 4096, steady, 1.5), row("down", 4096, steady, 2.0),
-        # another chunk length's rows never count
-        row("qkv", 4096, wrong_bits, 0.0001, chunk=None),
     ]  # fmt: skip
-    table = batch_invariant_plans.best_table(rows, 1024)
+    table = batch_invariant_plans.best_table(rows)
     assert [most for most, _ in table] == [most for most, _ in bit.SM90_MATMUL_PLANS]
     assert table[0][1] == bit.SM90_MATMUL_PLANS[0][1]  # no M <= 128 measured: kept
     assert table[1][1] == steady
     assert table[2][1] == steady  # 3.5 ms summed against 4.0
 
 
-def test_split_k_is_tried_only_where_k_has_more_than_one_chunk():
-    assert not any(p["SPLIT_K"] for p in batch_invariant_plans.candidates(split_k=False))
-    tried = list(batch_invariant_plans.candidates(split_k=True))
-    assert {p["SPLIT_K"] for p in tried} == {False, True}
-    for p in tried:  # every pipeline fits the shared memory budget
+def test_every_candidate_pipeline_fits_the_shared_memory_budget():
+    tried = list(batch_invariant_plans.candidates())
+    assert {p["BLOCK_M"] for p in tried} == {64, 128, 256}
+    for p in tried:
         stage = (p["BLOCK_M"] + p["BLOCK_N"]) * p["BLOCK_K"] * 2
         assert p["num_stages"] * stage <= batch_invariant_plans.SHARED_MEMORY_BYTES
 
 
 def test_a_table_is_checked_then_set_for_the_process(monkeypatch):
     monkeypatch.setattr(bit, "SM90_MATMUL_PLANS", bit.SM90_MATMUL_PLANS)
-    monkeypatch.setattr(bit, "MATMUL_K_CHUNK", bit.MATMUL_K_CHUNK)
     with pytest.raises(ValueError, match="ending in None"):
-        bit.set_matmul_table([[512, tile(64)], [128, tile(128)], [None, tile(64)]], None)
+        bit.set_matmul_table([[512, tile(64)], [128, tile(128)], [None, tile(64)]])
     with pytest.raises(ValueError, match="ending in None"):
-        bit.set_matmul_table([[128, tile(64)]], None)
-    with pytest.raises(ValueError, match="k_chunk 96 is not a multiple of BLOCK_K 64"):
-        bit.set_matmul_table([[None, tile(64)]], 96)
-    bit.set_matmul_table([[100, tile(64, split=True)], [None, tile(128)]], 1024)
-    assert bit.MATMUL_K_CHUNK == 1024
-    assert bit.matmul_plan(100, (9, 0), bit.torch.bfloat16) == tile(64, split=True)
+        bit.set_matmul_table([[128, tile(64)]])
+    bit.set_matmul_table([[100, tile(64, 128)], [None, tile(128)]])
+    assert bit.matmul_plan(100, (9, 0), bit.torch.bfloat16) == tile(64, 128)
     assert bit.matmul_plan(101, (9, 0), bit.torch.bfloat16) == tile(128)
     assert bit.matmul_plan(101, (8, 0), bit.torch.bfloat16) == bit.MATMUL_PLAN  # Hopper only

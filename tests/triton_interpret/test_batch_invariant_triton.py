@@ -94,46 +94,6 @@ def test_every_plan_gives_the_one_plans_bits():
         assert torch.equal(matmul_triton(x, w, plan=plan), base), plan
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("bias", [False, True])
-def test_split_k_sums_the_chunks_in_the_in_program_order(dtype, bias):
-    """K in chunks: one program per chunk plus the chunk-sum launch gives the bits of one
-    program walking the chunks, for every row count (the last chunk short)."""
-    m, n, k, chunk = 70, 40, 320, 128  # the last chunk short
-    x = rand(m, k, seed=11, dtype=dtype)
-    w = rand(n, k, seed=12, dtype=dtype, scale=0.2)
-    b = rand(n, seed=13, dtype=dtype) if bias else None
-    split = dict(MATMUL_PLAN, SPLIT_K=True)
-    walked = matmul_triton(x, w, b, k_chunk=chunk)
-    assert torch.equal(matmul_triton(x, w, b, plan=split, k_chunk=chunk), walked)
-    for rows in (1, 2, 64, 65):
-        assert torch.equal(matmul_triton(x[:rows], w, b, plan=split, k_chunk=chunk), walked[:rows])
-    tol = 2e-2 if dtype in HALF else 1e-5
-    torch.testing.assert_close(walked.float(), linear_ref(x, w, b).float(), atol=tol, rtol=tol)
-    # chunks change the order: the unchunked sum differs somewhere (float32 shows it)
-    if dtype == torch.float32:
-        assert not torch.equal(matmul_triton(x, w, b), walked)
-
-
-def test_split_k_over_its_workspace_walks_the_chunks_in_program(monkeypatch):
-    import kvloom.kernels.batch_invariant_triton as bit
-
-    x = rand(9, 256, seed=14, dtype=torch.bfloat16)
-    w = rand(24, 256, seed=15, dtype=torch.bfloat16)
-    split = dict(MATMUL_PLAN, SPLIT_K=True)
-    walked = matmul_triton(x, w, plan=split, k_chunk=128)  # a multiple of every table tile's
-    monkeypatch.setattr(bit, "SPLIT_K_WORKSPACE_BYTES", 0)
-    assert torch.equal(matmul_triton(x, w, plan=split, k_chunk=128), walked)
-    monkeypatch.setattr(bit, "MATMUL_K_CHUNK", 128)
-    assert torch.equal(matmul_triton(x, w), walked)  # the process-wide chunk length
-
-
-def test_k_chunk_must_be_a_multiple_of_the_tiles_depth():
-    x, w = rand(2, 96, seed=16), rand(3, 96, seed=17)
-    with pytest.raises(ValueError, match="k_chunk 96 is not a multiple of BLOCK_K 64"):
-        matmul_triton(x, w, k_chunk=96)
-
-
 def test_matmul_reads_a_strided_input():
     x = rand(9, 48, seed=4)[:, :32]  # last dim contiguous, row stride 48
     w = rand(20, 32, seed=5)
@@ -304,12 +264,3 @@ def test_gpu_matmul_rows_invariant_at_model_widths(n, k):
         assert torch.equal(matmul_triton(x, w, plan=plan), full), f"plan {plan}"
     ref = torch.nn.functional.linear(x.float(), w.float())
     torch.testing.assert_close(full.float(), ref, atol=3e-2, rtol=2e-2)
-    # K in 1,024-column chunks: split-K and in-program tiles alike, every batch size
-    walked = matmul_triton(x, w, k_chunk=1024)
-    for _, plan in SM90_MATMUL_PLANS + ((None, MATMUL_PLAN),):
-        for split in (False, True):
-            tile = dict(plan, SPLIT_K=split)
-            for m in (1, 17, 129, 513, 600):
-                got = matmul_triton(x[:m], w, plan=tile, k_chunk=1024)
-                assert torch.equal(got, walked[:m]), f"{tile}, K chunks, batch of {m}"
-    torch.testing.assert_close(walked.float(), ref, atol=3e-2, rtol=2e-2)
