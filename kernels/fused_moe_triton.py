@@ -95,11 +95,12 @@ MAX_SUM_BLOCK = 1024
 # benchmarks/moe_layer_launches.py times both plans at T = 1, 2, 4, 8 to check it.
 PAIRS_PLAN_MAX_TOKENS = 4
 PAIRS_BLOCK_M = BLOCK_M_CHOICES[0]  # the sorted plan's block at decode sizes
-# The pairs plan's software-pipelining depths (gate_up, down): at one token its gate_up
+# The pairs plan's software-pipelining depths (gate_up, down). At one token its gate_up
 # launch is only T * k * (I / BLOCK_N) programs (Qwen3-Next: 80, 88 with the shared expert
-# folded in: fewer than the SMs), each
-# streaming K = H columns, so its speed is the weight bytes each program keeps in flight.
-# The depth schedules the same dots over the same K tiles: the same bits at any depth.
+# folded in: fewer than the SMs), each streaming K = H columns. The depth schedules the
+# same dots over the same K tiles: the same bits at any depth. On an H100 deeper pipelines
+# gained at most 6% per layer at one token and lost at two (docs/benchmarks/
+# gpu_fast_path.md, seventeenth session), so the sorted plan's depth stays.
 # KVLOOM_MOE_DECODE_STAGES overrides it (benchmarks/moe_layer_launches.py --pairs-stages).
 PAIRS_STAGES = (NUM_STAGES, NUM_STAGES)
 
