@@ -79,11 +79,10 @@ def plan_key(plan: dict) -> str:
 def best_table(rows: list[dict]) -> list:
     """Per range of SM90_MATMUL_PLANS: the tile, same bits at every (layer, M) measured,
     whose times summed over the range's measured (layer, M) are least."""
-    mine = rows
-    failed = {plan_key(r["plan"]) for r in mine if not r["same_bits_as_plan"]}
+    failed = {plan_key(r["plan"]) for r in rows if not r["same_bits_as_plan"]}
     table, low = [], 0
     for most, current in SM90_MATMUL_PLANS:
-        inside = [r for r in mine if r["m"] > low and (most is None or r["m"] <= most)]
+        inside = [r for r in rows if r["m"] > low and (most is None or r["m"] <= most)]
         cases = {(r["layer"], r["m"]) for r in inside}
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
