@@ -10,7 +10,7 @@
 #     [trace-dense] [bench-kimi] [fp8-plans] [mla] [host-256] [gpu-gaps]
 #     [act-quant] [scaled-mm-accuracy] [attention-fusion] [norm-gemv] [gdn-decode]
 #     [moe-pairs] [fusion-ab] [bench-int4] [bench-fp8] [int4-gemv] [det-plans]
-#     [det-cost-tables] [moe-stages] [moe-act-down]
+#     [det-cost-tables] [moe-stages]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -284,20 +284,6 @@ print(min(ok, key=lambda r: r['us_per_layer'])['pairs_stages'])")
       for depth in ${MOE_STAGES_AB:-3 $best}; do
         KVLOOM_MOE_DECODE_STAGES=$depth python3 -m kvloom.cluster.cli bench latency \
           --shape ${MOE_SHAPE:-qwen3-next-24l} --out "$OUT/moe_stages_${depth/,/_}.json" \
-          2>&1 | grep "^RESULT" || status=1
-      done
-      ;;
-    moe-act-down)  # the MoE decode plan with gate and up in separate programs (twice the
-      # programs) and SiLU-and-mul in the down launch: its gpu tests, µs per layer (bits
-      # checked), then batch-1 ms/token of MOE_SHAPE without and with it
-      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_moe_pairs_plan.py \
-        2>&1 | tail -3 || status=1
-      timeout 300 python3 benchmarks/moe_layer_launches.py --tokens 1 2 4 --plans sorted pairs \
-        --pairs-stages 3 6 --act-in-down both --out "$OUT/moe_act_down.json" 2>&1 \
-        | grep -E "^(qwen3|kimi)" | cut -c1-75 || status=1
-      for fused in "" moe_act_down; do
-        KVLOOM_FUSED=$fused python3 -m kvloom.cluster.cli bench latency \
-          --shape ${MOE_SHAPE:-qwen3-next-24l} --out "$OUT/moe_act_down_${fused:-default}.json" \
           2>&1 | grep "^RESULT" || status=1
       done
       ;;

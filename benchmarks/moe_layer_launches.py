@@ -22,14 +22,12 @@ How launches are counted:
     the Triton launches).
 
     python benchmarks/moe_layer_launches.py [--tokens 1 2 4 8] [--plans sorted pairs]
-        [--repeats 200] [--pairs-stages 3 4,3 6 8,4] [--act-in-down off|on|both]
-        [--shapes qwen3-next] [--out FILE.json]
+        [--repeats 200] [--pairs-stages 3 4,3 6 8,4] [--shapes qwen3-next] [--out FILE.json]
 
 `--pairs-stages` times the pairs plan once per pipelining depth (KVLOOM_MOE_DECODE_STAGES
 values: "6" for both launches, "6,4" for gate_up and down), each checked bitwise against
-the first plan. `--act-in-down both` times the pairs plan also with gate and up in separate
-programs and SiLU-and-mul in the down launch (KVLOOM_FUSED=moe_act_down). On CUDA each row
-also records each kernel's time in the eager forward (`eager_kernel_us`).
+the first plan. On CUDA each row also records each kernel's time in the eager forward
+(`eager_kernel_us`): which launch the layer's time is in.
     python benchmarks/moe_layer_launches.py --interpret
 """
 
@@ -165,15 +163,13 @@ def env_set(name: str, value: str | None):
 
 
 @contextmanager
-def moe_plan(plan: str, stages: str | None = None, act_in_down: bool = False):
+def moe_plan(plan: str, stages: str | None = None):
     """Forces the fused MoE's plan: "pairs" (no route sort) or "sorted"; `stages`, the
-    pairs plan's pipelining depths (a KVLOOM_MOE_DECODE_STAGES value); `act_in_down`, the
-    pairs plan's gate and up in separate programs (KVLOOM_FUSED=moe_act_down)."""
+    pairs plan's pipelining depths (a KVLOOM_MOE_DECODE_STAGES value)."""
     original = fused_moe_triton.uses_pairs_plan
     fused_moe_triton.uses_pairs_plan = lambda hidden, sorted_block_m: plan == "pairs"
-    fused = "moe_act_down" if act_in_down else ""
     try:
-        with env_set("KVLOOM_MOE_DECODE_STAGES", stages), env_set("KVLOOM_FUSED", fused):
+        with env_set("KVLOOM_MOE_DECODE_STAGES", stages):
             yield
     finally:
         fused_moe_triton.uses_pairs_plan = original
@@ -250,12 +246,6 @@ def main() -> None:
     parser.add_argument("--plans", nargs="+", choices=PLANS, default=list(PLANS))
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--pairs-stages", nargs="+", default=[None], help="e.g. 3 6 8,4")
-    parser.add_argument(
-        "--act-in-down",
-        choices=("off", "on", "both"),
-        default="off",
-        help="the pairs plan with its activation in the down launch (moe_act_down)",
-    )
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--interpret", action="store_true", help="CPU, tiny widths")
     parser.add_argument("--out", default=None)
@@ -267,12 +257,10 @@ def main() -> None:
         force_cuda_dispatch()
     device = "cuda" if cuda else "cpu"
     results = []
-    act_modes = {"off": [False], "on": [True], "both": [False, True]}[args.act_in_down]
     runs = [
-        (plan, stages, act)
+        (plan, stages)
         for plan in args.plans
         for stages in (args.pairs_stages if plan == "pairs" else [None])
-        for act in (act_modes if plan == "pairs" else [False])
     ]
     for name in args.shapes:
         full = SHAPES[name]
@@ -284,12 +272,11 @@ def main() -> None:
                 x = torch.randn(tokens, shape["hidden"], generator=gen, device=device)
                 x = x.to(torch.bfloat16)
                 first = None
-                for plan, stages, act in runs:
+                for plan, stages in runs:
                     row = dict(model=name, folded=fold, tokens=tokens, plan=plan, **shape)
                     row["pairs_stages"] = stages
-                    row["act_in_down"] = act
                     started = time.perf_counter()
-                    with moe_plan(plan, stages, act):
+                    with moe_plan(plan, stages):
                         row.update(measure(layer, x, cuda, args.repeats))
                     output = row.pop("output")
                     first = output if first is None else first
@@ -299,8 +286,8 @@ def main() -> None:
                     timing = f", {row['us_per_layer']:.2f} us/layer (graph)" if cuda else ""
                     print(
                         f"{name:12s} {'folded' if fold else 'two-branch':10s} T={tokens:<3d} "
-                        f"{plan:6s} {stages or '':5s} {'act-down' if act else '':8s} "
-                        f"{row['launches']:2d} launches{timing}, bitwise="
+                        f"{plan:6s} {stages or '':5s} {row['launches']:2d} launches{timing}, "
+                        f"bitwise="
                         f"{row['bitwise_as_first_plan']}: {', '.join(row['kernels'])}"
                     )
     if args.out:

@@ -44,16 +44,14 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "KVLOOM_UNFUSED": (
         "",
         "decode fusions to turn off, comma-separated (A/B timing, or an escape hatch): "
-        "norm_gemv, kv_write, mul_sigmoid, gdn_decode, moe_pairs, moe_act_down, gdn_conv, "
-        "kda_norm, kda_decode, pdl, or all",
+        "norm_gemv, kv_write, mul_sigmoid, gdn_decode, moe_pairs, gdn_conv, kda_norm, "
+        "kda_decode, pdl, or all",
     ),
     "KVLOOM_FUSED": (
         "",
         "decode fusions that are off by default to turn on, comma-separated: norm_gemv "
         "(same bits, but slower on an H200), pdl (decode kernel launches overlap the "
-        "launch before them on Hopper; 25% slower on Qwen3-8B on an H100), moe_act_down "
-        "(the MoE decode plan's gate and up projections in separate programs, twice as "
-        "many, and SiLU-and-mul in the down launch; same bits, not yet timed), or all; "
+        "launch before them on Hopper; 25% slower on Qwen3-8B on an H100), or all; "
         "KVLOOM_UNFUSED wins over it",
     ),
     "KVLOOM_PDL_PREFETCH_LINES": (
@@ -167,9 +165,7 @@ def set_here() -> dict[str, str]:
 # the same bits): the residual add + RMSNorm in the next GEMV's prologue, the KV-cache
 # write in the q/k norm + rotary kernel, Qwen3-Next's attention output gate in one launch,
 # Gated DeltaNet's gates + recurrence + gated norm in one launch, the fused MoE's pairs
-# (decode) plan without its count and place launches, that plan's SiLU-and-mul moved into
-# its down launch's prologue so gate_up can run gate and up in separate programs (twice the
-# programs at one token: Qwen3-Next's 88 leave SMs idle), Gated DeltaNet's conv update in the
+# (decode) plan without its count and place launches, Gated DeltaNet's conv update in the
 # epilogue of its (norm +) in_proj GEMV, KDA's gates + recurrence + output norm in one
 # launch; and KDA's output norm in one launch (the one not bitwise: within an ulp of the
 # torch composition it replaces). Not a fusion but switched the same way: `pdl`, the decode
@@ -181,7 +177,6 @@ FUSIONS = (
     "mul_sigmoid",
     "gdn_decode",
     "moe_pairs",
-    "moe_act_down",
     "gdn_conv",
     "kda_norm",
     "kda_decode",
@@ -193,9 +188,8 @@ FUSIONS = (
 # than the launches they replace (docs/benchmarks/gpu_fast_path.md, eleventh session: the
 # norm + GEMV launch took 2-5x the two launches' time at every decode shape, Qwen3-8B's
 # batch-1 decode 7.02 ms/token with it, 4.74 without).
-# `pdl` is opt-in until a GPU lease has timed it and run its tests; `moe_act_down` until one
-# has timed it.
-OPT_IN_FUSIONS = ("norm_gemv", "pdl", "moe_act_down")
+# `pdl` is opt-in until a GPU lease has timed it and run its tests.
+OPT_IN_FUSIONS = ("norm_gemv", "pdl")
 
 
 @functools.lru_cache(maxsize=16)

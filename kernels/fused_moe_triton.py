@@ -262,13 +262,6 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul(gate, up):
-    """silu(gate) * up in float32: one expression for both places it is computed (the
-    gate_up epilogue, or the down prologue of the split decode launch), so the same bits."""
-    return gate / (1.0 + tl.exp(-gate)) * up
-
-
-@triton.jit
 def _route_block(
     block,
     sorted_ptr,
@@ -322,7 +315,6 @@ def _gate_up_kernel(
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
     PAIRS: tl.constexpr,
-    ACT_IN_DOWN: tl.constexpr,
 ):
     expert, routes = _route_block(
         tl.program_id(0),
@@ -337,31 +329,7 @@ def _gate_up_kernel(
         PAIRS,
     )
     # Unused sorted blocks carry -1; a pair's id out of [0, E) is skipped (never read).
-    in_range = (expert >= 0) & (expert < num_experts)
-    if ACT_IN_DOWN:
-        if in_range:
-            # One projection per program (program_id(1) = 2 * tile + half, half 0 the gate,
-            # 1 up): the same dots as below, stored in float32 for the down launch.
-            valid = routes < num_routes
-            tokens = (routes // top_k).to(tl.int64)
-            half = tl.program_id(1) % 2
-            cols = (tl.program_id(1) // 2) * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_ok = cols < inter
-            ks = tl.arange(0, BLOCK_K)
-            w_ptrs = w13_ptr + expert.to(tl.int64) * stride_we
-            w_ptrs = w_ptrs + (cols + half * inter)[:, None].to(tl.int64) * stride_wn + ks[None, :]
-            x_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :]
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for k0 in range(0, hidden_size, BLOCK_K):
-                k_ok = (k0 + ks) < hidden_size
-                x = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                acc = _dot(w, tl.trans(x), acc, DOT_PRECISION, INTERPRETED)
-                x_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K
-            out_ptrs = act_ptr + routes[None, :].to(tl.int64) * stride_act + half * inter
-            tl.store(out_ptrs + cols[:, None], acc, mask=col_ok[:, None] & valid[None, :])
-    elif in_range:
+    if (expert >= 0) & (expert < num_experts):
         valid = routes < num_routes
         tokens = (routes // top_k).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -385,7 +353,7 @@ def _gate_up_kernel(
             x_ptrs += BLOCK_K
             gate_ptrs += BLOCK_K
             up_ptrs += BLOCK_K
-        act = _silu_mul(acc_gate, acc_up)
+        act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
         out_ptrs = act_ptr + routes[None, :].to(tl.int64) * stride_act + cols[:, None]
         tl.store(
             out_ptrs,
@@ -422,7 +390,6 @@ def _down_kernel(
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
     PAIRS: tl.constexpr,
-    ACT_IN_DOWN: tl.constexpr,
 ):
     expert, routes = _route_block(
         tl.program_id(0),
@@ -448,13 +415,7 @@ def _down_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             k_ok = (k0 + ks) < inter
-            a_mask = valid[:, None] & k_ok[None, :]
-            if ACT_IN_DOWN:  # the float32 gate and up of gate_up's split launch
-                gate = tl.load(a_ptrs, mask=a_mask, other=0.0)
-                up = tl.load(a_ptrs + inter, mask=a_mask, other=0.0)
-                a = _silu_mul(gate, up).to(w2_ptr.dtype.element_ty)
-            else:
-                a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc = _dot(w, tl.trans(a), acc, DOT_PRECISION, INTERPRETED)
             a_ptrs += BLOCK_K
@@ -588,12 +549,7 @@ def fused_moe_triton(
     sorted_routes, block_expert, num_blocks = route_blocks(
         topk_ids, num_experts, block_m, pairs, _fill=None if _fill is None else -7
     )
-    # The split decode launch (`act_in_down`) keeps gate and up in float32 for the down
-    # launch's prologue; otherwise gate_up writes the activation in the hidden dtype.
-    act_in_down = pairs and not envs.unfused("moe_act_down")
-    act_shape = (num_routes, 2 * inter) if act_in_down else (num_routes, inter)
-    act_dtype = torch.float32 if act_in_down else hidden.dtype
-    act = torch.empty(act_shape, dtype=act_dtype, device=hidden.device)
+    act = torch.empty((num_routes, inter), dtype=hidden.dtype, device=hidden.device)
     routed = torch.empty((num_routes, hidden_size), dtype=torch.float32, device=hidden.device)
     if _fill is not None:
         act.fill_(_fill)
@@ -605,13 +561,11 @@ def fused_moe_triton(
         DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32",
         INTERPRETED=is_interpreted(_gate_up_kernel),
         PAIRS=pairs,
-        ACT_IN_DOWN=act_in_down,
         num_warps=NUM_WARPS,
     )
     gate_up_stages, down_stages = pairs_stages() if pairs else (NUM_STAGES, NUM_STAGES)
     id_strides = (topk_ids.stride(0), topk_ids.stride(1))
-    gate_up_tiles = triton.cdiv(inter, BLOCK_N) * (2 if act_in_down else 1)
-    _gate_up_kernel[(num_blocks, gate_up_tiles)](
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, BLOCK_N))](
         hidden,
         w13,
         sorted_routes,

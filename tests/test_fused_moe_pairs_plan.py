@@ -81,20 +81,10 @@ def assert_bitwise(label, pairs, sorted_plans):
 # ---------------------------------------------------------------- bitwise, interpreted
 
 
-@pytest.fixture(params=[False, True], ids=["act_in_gate_up", "act_in_down"])
-def act_in_down(request, monkeypatch):
-    """Both forms of the pairs plan: SiLU-and-mul in gate_up's epilogue (the default), or
-    gate and up in separate programs and the activation in the down launch
-    (KVLOOM_FUSED=moe_act_down)."""
-    monkeypatch.delenv("KVLOOM_UNFUSED", raising=False)
-    monkeypatch.setenv("KVLOOM_FUSED", "moe_act_down" if request.param else "")
-    return request.param
-
-
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("top_k", [1, 3])
 @pytest.mark.parametrize("shared", [False, True])
-def test_pairs_plan_is_bitwise_the_sorted_plans(dtype, top_k, shared, act_in_down):
+def test_pairs_plan_is_bitwise_the_sorted_plans(dtype, top_k, shared):
     # H = 80, I = 72: two 64-wide tiles each, the second partial. Experts shared across
     # tokens (a pool of 3), the folded shared expert E in the last slot.
     num_routed, hidden, inter = 5, 80, 72
@@ -108,7 +98,7 @@ def test_pairs_plan_is_bitwise_the_sorted_plans(dtype, top_k, shared, act_in_dow
         torch.testing.assert_close(pairs.cpu(), ref, rtol=TOL[dtype], atol=TOL[dtype])
 
 
-def test_pairs_plan_reads_strided_int64_ids_and_half_weights(act_in_down):
+def test_pairs_plan_reads_strided_int64_ids_and_half_weights():
     num_tokens, num_experts, top_k, hidden, inter = 3, 4, 2, 40, 24
     w13, w2 = make_weights(num_experts, hidden, inter, torch.bfloat16, seed=2)
     weights, ids = make_routing(num_tokens, num_experts, top_k, seed=3)
@@ -121,7 +111,7 @@ def test_pairs_plan_reads_strided_int64_ids_and_half_weights(act_in_down):
     assert_bitwise("strided int64 ids", pairs, sorted_plans)
 
 
-def test_pairs_plan_drops_out_of_range_ids_as_the_sorted_plan_does(act_in_down):
+def test_pairs_plan_drops_out_of_range_ids_as_the_sorted_plan_does():
     num_tokens, num_experts, top_k, hidden, inter = 3, 4, 3, 40, 24
     w13, w2 = make_weights(num_experts, hidden, inter, torch.float16, seed=5)
     weights, ids = make_routing(num_tokens, num_experts, top_k, seed=6)
@@ -273,40 +263,6 @@ def test_pairs_plan_pipelines_at_the_depths_asked_and_the_sorted_plan_keeps_its_
     assert dict(seen)["_gate_up_kernel"] == dict(seen)["_down_kernel"] == 3
 
 
-def test_act_in_down_runs_gate_and_up_in_separate_programs(monkeypatch):
-    """KVLOOM_FUSED=moe_act_down: the pairs plan's gate_up launch has twice the programs
-    (one projection each) and the down launch the same grid; the sorted plan is
-    unchanged; the same bits throughout."""
-    if CUDA:
-        pytest.skip("reads interpreted launches' grids (the gpu tests compare the bits)")
-    from triton.runtime.interpreter import InterpretedFunction
-
-    grids = []
-    original = InterpretedFunction.__getitem__
-
-    def recording(kernel, grid):
-        grids.append((kernel.fn.__name__, tuple(grid)))
-        return original(kernel, grid)
-
-    monkeypatch.setattr(InterpretedFunction, "__getitem__", recording)
-    monkeypatch.delenv("KVLOOM_UNFUSED", raising=False)
-    w13, w2 = make_weights(5, 40, 72, torch.bfloat16, seed=14)  # I = 72: two 64-wide tiles
-    weights, ids = make_routing(2, 4, 2, seed=15, shared=True)  # 2 tokens x 3 routes
-    x = torch.randn(2, 40, generator=gen(16)).to(torch.bfloat16)
-    launches, outputs = {}, {}
-    for fused in ("", "moe_act_down"):
-        monkeypatch.setenv("KVLOOM_FUSED", fused)
-        for pairs in (True, False):
-            grids.clear()
-            outputs[fused, pairs] = fused_moe_triton(x, w13, w2, weights, ids, pairs=pairs)
-            launches[fused, pairs] = dict(grids)
-    assert launches["", True]["_gate_up_kernel"] == (6, 2)
-    assert launches["moe_act_down", True]["_gate_up_kernel"] == (6, 4)
-    assert launches["moe_act_down", True]["_down_kernel"] == launches["", True]["_down_kernel"]
-    assert launches["moe_act_down", False] == launches["", False]
-    assert all(torch.equal(out, outputs["", False]) for out in outputs.values())
-
-
 @pytest.mark.parametrize("bad", ["0", "6,4,2", "x", "17"])
 def test_a_bad_decode_depth_names_the_variable(monkeypatch, bad):
     monkeypatch.setenv("KVLOOM_MOE_DECODE_STAGES", bad)
@@ -351,7 +307,7 @@ def cuda_kernel_names(*args) -> list[str]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", HALF)
-def test_gpu_pairs_plan_bitwise_at_qwen3_next_shape(dtype, act_in_down):
+def test_gpu_pairs_plan_bitwise_at_qwen3_next_shape(dtype):
     if not CUDA:
         pytest.skip("needs a CUDA GPU")
     w13, w2 = qwen3_next_experts(dtype)
@@ -383,7 +339,7 @@ def test_gpu_pairs_plan_bitwise_at_every_pipelining_depth(monkeypatch, stages):
 
 
 @pytest.mark.gpu
-def test_gpu_pairs_plan_repeated_experts_and_top1(act_in_down):
+def test_gpu_pairs_plan_repeated_experts_and_top1():
     if not CUDA:
         pytest.skip("needs a CUDA GPU")
     for top_k in (1, 4):
