@@ -34,8 +34,11 @@ from kvloom.kernels.l2norm import L2NORM_EPS
 MATMUL_PLAN = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
 
 
-def _plan(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict:
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+def _plan(bm: int, bn: int, bk: int, warps: int, stages: int, tma: bool = False) -> dict:
+    plan = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+    if tma:
+        plan["tma"] = True
+    return plan
 
 
 # Hopper (sm_90) tiles by row count: (largest M, plan). On an H200 all 36 tiles tried
@@ -139,6 +142,74 @@ def _matmul_kernel(
     )
 
 
+@triton.jit(do_not_specialize=["M"])
+def _matmul_tma_kernel(
+    x_desc,
+    w_desc,
+    out_desc,
+    b_ptr,
+    M,
+    N,
+    K,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """`_matmul_kernel` with its tiles moved by the tensor-memory accelerator (Hopper's
+    bulk copies, host-built descriptors that zero-fill past the edges): the same tile, the
+    same dots over K in the same order, so the same bits; fewer instructions per tile."""
+    off_m = tl.program_id(0) * BLOCK_M
+    off_n = tl.program_id(1) * BLOCK_N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = x_desc.load([off_m, k0])
+        b = w_desc.load([off_n, k0]).T
+        if UPCAST:  # the CPU interpreter gets bfloat16 dots wrong; products are exact
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, b, input_precision=PRECISION)
+    if HAS_BIAS:
+        cols = off_n + tl.arange(0, BLOCK_N)
+        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
+
+
+def _tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether bulk-copy descriptors can describe these 2-D tensors: 16-byte aligned base
+    and row stride, unit column stride."""
+    return all(
+        t.data_ptr() % 16 == 0 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+        for t in tensors
+    )
+
+
+def _matmul_tma(x, weight, bias, out, plan, upcast) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bm, bn, bk = plan["BLOCK_M"], plan["BLOCK_N"], plan["BLOCK_K"]
+    (m, k), n = x.shape, weight.shape[0]
+    _matmul_tma_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        TensorDescriptor.from_tensor(x, [bm, bk]),
+        TensorDescriptor.from_tensor(weight, [bn, bk]),
+        TensorDescriptor.from_tensor(out, [bm, bn]),
+        bias if bias is not None else x,
+        m,
+        n,
+        k,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        UPCAST=upcast,
+        num_warps=plan["num_warps"],
+        num_stages=plan["num_stages"],
+    )
+
+
 def matmul_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -146,7 +217,8 @@ def matmul_triton(
     plan: dict | None = None,
 ):
     """x [M, K] (last dim contiguous) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype.
-    plan: a tile other than MATMUL_PLAN (benchmarks/batch_invariant_plans.py compares them)."""
+    plan: a tile other than MATMUL_PLAN (benchmarks/batch_invariant_plans.py compares them);
+    one with "tma" moves its tiles by bulk copies where the tensors allow (`_tma_ready`)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"x, weight: expected [M, K] and [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
@@ -162,8 +234,12 @@ def matmul_triton(
     if plan is None:
         cuda = x.is_cuda and not is_interpreted(_matmul_kernel)
         plan = matmul_plan(m, _capability(x.device.index) if cuda else None, x.dtype)
-    grid = (triton.cdiv(m, plan["BLOCK_M"]), triton.cdiv(n, plan["BLOCK_N"]))
     upcast = is_interpreted(_matmul_kernel) and x.dtype != torch.float32
+    # Bulk copies for half precision only: float32's FMA dot (no wgmma) spills with them.
+    if plan.get("tma") and x.dtype != torch.float32 and _tma_ready(x, weight, out):
+        _matmul_tma(x, weight, bias, out, plan, upcast)
+        return out
+    grid = (triton.cdiv(m, plan["BLOCK_M"]), triton.cdiv(n, plan["BLOCK_N"]))
     _matmul_kernel[grid](
         x,
         weight,

@@ -49,6 +49,15 @@ def test_every_candidate_pipeline_fits_the_shared_memory_budget():
         assert p["num_stages"] * stage <= batch_invariant_plans.SHARED_MEMORY_BYTES
 
 
+def test_each_tile_is_tried_with_pointer_and_bulk_copy_loads():
+    both = list(batch_invariant_plans.candidates())
+    pointers = list(batch_invariant_plans.candidates((False,)))
+    bulk = list(batch_invariant_plans.candidates((True,)))
+    assert not any("tma" in p for p in pointers)
+    assert all(p.pop("tma") is True for p in bulk)
+    assert bulk == pointers and len(both) == 2 * len(pointers)
+
+
 def test_a_table_is_checked_then_set_for_the_process(monkeypatch):
     monkeypatch.setattr(bit, "SM90_MATMUL_PLANS", bit.SM90_MATMUL_PLANS)
     with pytest.raises(ValueError, match="ending in None"):

@@ -94,6 +94,37 @@ def test_every_plan_gives_the_one_plans_bits():
         assert torch.equal(matmul_triton(x, w, plan=plan), base), plan
 
 
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("bias", [False, True])
+def test_bulk_copy_tiles_give_the_pointer_tiles_bits(dtype, bias):
+    """A plan with "tma" (descriptors moving the tiles, zero-filled past the edges) is the
+    same tile's bits, rows invariant to the batch; edges in every dimension. (Float32
+    keeps pointer loads: its FMA dot spills with bulk copies on sm_90.)"""
+    from kvloom.kernels.batch_invariant_triton import _plan
+
+    m, n, k = 70, 72, 80  # partial tiles in M, N and K
+    x = rand(m, k, seed=11, dtype=dtype)
+    w = rand(n, k, seed=12, dtype=dtype, scale=0.2)
+    b = rand(n, seed=13, dtype=dtype) if bias else None
+    tma = {**MATMUL_PLAN, "tma": True}
+    base = matmul_triton(x, w, b, plan=MATMUL_PLAN)
+    out = _assert_rows_invariant(lambda t: matmul_triton(t, w, b, plan=tma), x, (1, 2, 5, 64, 65))
+    assert torch.equal(out.view(torch.int16), base.view(torch.int16))
+    assert _plan(64, 64, 64, 4, 3, tma=True) == tma
+
+
+def test_bulk_copy_plan_falls_back_to_pointers_where_descriptors_cannot_describe():
+    """A row stride that is not a multiple of 16 bytes (here 50 bf16 values) takes the
+    pointer kernel: same bits, no error."""
+    from kvloom.kernels import batch_invariant_triton as bit
+
+    x = rand(9, 50, seed=14, dtype=torch.bfloat16)[:, :32]
+    w = rand(24, 32, seed=15, dtype=torch.bfloat16)
+    assert not bit._tma_ready(x) and bit._tma_ready(w)
+    tma = {**MATMUL_PLAN, "tma": True}
+    assert torch.equal(matmul_triton(x, w, plan=tma), matmul_triton(x, w, plan=MATMUL_PLAN))
+
+
 def test_matmul_reads_a_strided_input():
     x = rand(9, 48, seed=4)[:, :32]  # last dim contiguous, row stride 48
     w = rand(20, 32, seed=5)
@@ -262,5 +293,7 @@ def test_gpu_matmul_rows_invariant_at_model_widths(n, k):
         assert torch.equal(matmul_triton(x[:m], w), full[:m]), f"batch of {m}"
     for _, plan in SM90_MATMUL_PLANS + ((None, MATMUL_PLAN),):
         assert torch.equal(matmul_triton(x, w, plan=plan), full), f"plan {plan}"
+        tma = {**plan, "tma": True}  # the same tile moved by bulk copies
+        assert torch.equal(matmul_triton(x, w, plan=tma), full), f"plan {tma}"
     ref = torch.nn.functional.linear(x.float(), w.float())
     torch.testing.assert_close(full.float(), ref, atol=3e-2, rtol=2e-2)
