@@ -11,11 +11,12 @@ measured keeps the current tile). `benchmarks/deterministic_cost.py --plan-table
 the mode with it.
 
     python benchmarks/batch_invariant_plans.py --out $OUT/plans.json --tables $OUT/tables \
-        [--m 64 256 512 4096] [--layers qkv o gate_up down] [--tma both|only|off]
+        [--m 64 256 512 4096] [--layers qkv o gate_up down] [--loads pointers tma persistent]
 
-Each tile runs twice by default: its operands loaded through pointers, and moved by the
+Each tile runs three ways by default: its operands loaded through pointers; moved by the
 tensor-memory accelerator (`"tma": true` in the plan: host-built descriptors, the same dots
-in the same order).
+in the same order); and that with a persistent grid (`"persistent": true`: one program per
+SM walking the tiles).
 """
 
 from __future__ import annotations
@@ -61,22 +62,27 @@ def time_ms(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def candidates(tma_modes=(False, True)):
-    """Every tile that fits, loaded by pointers and (`tma_modes`) by bulk-copy descriptors."""
+# How a tile's operands are loaded: pointers, bulk-copy descriptors (TMA), or those with a
+# persistent grid (one program per SM walking the tiles).
+LOADS = {"pointers": {}, "tma": {"tma": True}, "persistent": {"tma": True, "persistent": True}}
+
+
+def candidates(loads=tuple(LOADS)):
+    """Every tile that fits, once per way of loading it in `loads`."""
     for bm, bn, warps in TILES:
         for bk in (64, 128):
             for stages in (3, 4, 5):
                 if stages * (bm + bn) * bk * 2 > SHARED_MEMORY_BYTES:
                     continue
-                for tma in tma_modes:
-                    plan = {
+                for load in loads:
+                    yield {
                         "BLOCK_M": bm,
                         "BLOCK_N": bn,
                         "BLOCK_K": bk,
                         "num_warps": warps,
                         "num_stages": stages,
+                        **LOADS[load],
                     }
-                    yield {**plan, "tma": True} if tma else plan
 
 
 def plan_key(plan: dict) -> str:
@@ -111,14 +117,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tables", type=Path, help="folder for the table file")
     parser.add_argument(
-        "--tma",
-        choices=("both", "only", "off"),
-        default="both",
-        help="tiles loaded by bulk-copy descriptors (Hopper's TMA) beside pointer loads",
+        "--loads",
+        nargs="+",
+        choices=list(LOADS),
+        default=list(LOADS),
+        help="ways to load each tile: pointers, bulk-copy descriptors (Hopper's TMA), "
+        "those with a persistent grid",
     )
     args = parser.parse_args()
     torch.manual_seed(0)
-    tma_modes = {"both": (False, True), "only": (True,), "off": (False,)}[args.tma]
     rows = []
     for name in args.layers:
         n, k = LAYERS[name]
@@ -129,7 +136,7 @@ def main() -> None:
             current_ms = time_ms(lambda x=x, w=w: matmul_triton(x, w))
             cublas_ms = time_ms(lambda x=x, w=w: F.linear(x, w))
             best = None
-            for plan in candidates(tma_modes):
+            for plan in candidates(args.loads):
                 run = lambda x=x, w=w, p=plan: matmul_triton(x, w, plan=p)  # noqa: E731
                 try:
                     out = run()

@@ -34,10 +34,16 @@ from kvloom.kernels.l2norm import L2NORM_EPS
 MATMUL_PLAN = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
 
 
-def _plan(bm: int, bn: int, bk: int, warps: int, stages: int, tma: bool = False) -> dict:
+def _plan(
+    bm: int, bn: int, bk: int, warps: int, stages: int, tma: bool = False, persistent=False
+) -> dict:
+    """A tile; `tma`: its operands moved by bulk-copy descriptors; `persistent` (with tma):
+    one program per SM walking the tiles."""
     plan = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
     if tma:
         plan["tma"] = True
+    if persistent:
+        plan["persistent"] = True
     return plan
 
 
@@ -157,24 +163,34 @@ def _matmul_tma_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
     """`_matmul_kernel` with its tiles moved by the tensor-memory accelerator (Hopper's
     bulk copies, host-built descriptors that zero-fill past the edges): the same tile, the
-    same dots over K in the same order, so the same bits; fewer instructions per tile."""
-    off_m = tl.program_id(0) * BLOCK_M
-    off_n = tl.program_id(1) * BLOCK_N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = x_desc.load([off_m, k0])
-        b = w_desc.load([off_n, k0]).T
-        if UPCAST:  # the CPU interpreter gets bfloat16 dots wrong; products are exact
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(a, b, input_precision=PRECISION)
-    if HAS_BIAS:
-        cols = off_n + tl.arange(0, BLOCK_N)
-        acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
+    same dots over K in the same order, so the same bits; fewer instructions per tile.
+    PERSISTENT: a grid of at most one program per SM, each walking tiles in launch order
+    (row tiles fastest, as the one-tile-per-program grid), so no tail wave."""
+    row_tiles = tl.cdiv(M, BLOCK_M)
+    num_tiles = row_tiles * tl.cdiv(N, BLOCK_N)
+    first, step = tl.program_id(0), tl.num_programs(0)
+    if not PERSISTENT:
+        first = tl.program_id(1) * row_tiles + tl.program_id(0)
+        step = num_tiles
+    for tile in range(first, num_tiles, step):
+        off_m = (tile % row_tiles) * BLOCK_M
+        off_n = (tile // row_tiles) * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = x_desc.load([off_m, k0])
+            b = w_desc.load([off_n, k0]).T
+            if UPCAST:  # the CPU interpreter gets bfloat16 dots wrong; products are exact
+                acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(a, b, input_precision=PRECISION)
+        if HAS_BIAS:
+            cols = off_n + tl.arange(0, BLOCK_N)
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
 
 
 def _tma_ready(*tensors: torch.Tensor) -> bool:
@@ -191,7 +207,11 @@ def _matmul_tma(x, weight, bias, out, plan, upcast) -> None:
 
     bm, bn, bk = plan["BLOCK_M"], plan["BLOCK_N"], plan["BLOCK_K"]
     (m, k), n = x.shape, weight.shape[0]
-    _matmul_tma_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    persistent = bool(plan.get("persistent"))
+    if persistent:
+        grid = (min(grid[0] * grid[1], _sm_count(x.device)),)
+    _matmul_tma_kernel[grid](
         TensorDescriptor.from_tensor(x, [bm, bk]),
         TensorDescriptor.from_tensor(weight, [bn, bk]),
         TensorDescriptor.from_tensor(out, [bm, bn]),
@@ -205,9 +225,23 @@ def _matmul_tma(x, weight, bias, out, plan, upcast) -> None:
         BLOCK_K=bk,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         UPCAST=upcast,
+        PERSISTENT=persistent,
         num_warps=plan["num_warps"],
         num_stages=plan["num_stages"],
     )
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (the interpreter: a few, so persistent
+    programs walk several tiles)."""
+    if device.type != "cuda":
+        return 3
+    return _cuda_sm_count(device.index)
+
+
+@functools.cache
+def _cuda_sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def matmul_triton(
@@ -218,7 +252,8 @@ def matmul_triton(
 ):
     """x [M, K] (last dim contiguous) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype.
     plan: a tile other than MATMUL_PLAN (benchmarks/batch_invariant_plans.py compares them);
-    one with "tma" moves its tiles by bulk copies where the tensors allow (`_tma_ready`)."""
+    one with "tma" moves its tiles by bulk copies where the tensors allow (`_tma_ready`),
+    and with "persistent" too runs one program per SM."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
             f"x, weight: expected [M, K] and [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"

@@ -49,13 +49,15 @@ def test_every_candidate_pipeline_fits_the_shared_memory_budget():
         assert p["num_stages"] * stage <= batch_invariant_plans.SHARED_MEMORY_BYTES
 
 
-def test_each_tile_is_tried_with_pointer_and_bulk_copy_loads():
-    both = list(batch_invariant_plans.candidates())
-    pointers = list(batch_invariant_plans.candidates((False,)))
-    bulk = list(batch_invariant_plans.candidates((True,)))
-    assert not any("tma" in p for p in pointers)
-    assert all(p.pop("tma") is True for p in bulk)
-    assert bulk == pointers and len(both) == 2 * len(pointers)
+def test_each_tile_is_tried_with_pointer_bulk_copy_and_persistent_loads():
+    every = list(batch_invariant_plans.candidates())
+    pointers = list(batch_invariant_plans.candidates(["pointers"]))
+    bulk = list(batch_invariant_plans.candidates(["tma"]))
+    persistent = list(batch_invariant_plans.candidates(["persistent"]))
+    assert not any("tma" in p or "persistent" in p for p in pointers)
+    assert all(p.pop("tma") is True and "persistent" not in p for p in bulk)
+    assert all(p.pop("tma") is True and p.pop("persistent") is True for p in persistent)
+    assert bulk == pointers == persistent and len(every) == 3 * len(pointers)
 
 
 def test_a_table_is_checked_then_set_for_the_process(monkeypatch):

@@ -96,21 +96,26 @@ def test_every_plan_gives_the_one_plans_bits():
 
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("bias", [False, True])
-def test_bulk_copy_tiles_give_the_pointer_tiles_bits(dtype, bias):
-    """A plan with "tma" (descriptors moving the tiles, zero-filled past the edges) is the
+@pytest.mark.parametrize("persistent", [False, True])
+def test_bulk_copy_tiles_give_the_pointer_tiles_bits(dtype, bias, persistent):
+    """A plan with "tma" (descriptors moving the tiles, zero-filled past the edges), with
+    or without a persistent grid (the interpreter's 3 "SMs" walk 6 tiles: 2 each), is the
     same tile's bits, rows invariant to the batch; edges in every dimension. (Float32
     keeps pointer loads: its FMA dot spills with bulk copies on sm_90.)"""
     from kvloom.kernels.batch_invariant_triton import _plan
 
-    m, n, k = 70, 72, 80  # partial tiles in M, N and K
+    m, n, k = 70, 72, 80  # partial tiles in M, N and K: 2 x 2 tiles, 2 x 1 at M <= 64
     x = rand(m, k, seed=11, dtype=dtype)
     w = rand(n, k, seed=12, dtype=dtype, scale=0.2)
     b = rand(n, seed=13, dtype=dtype) if bias else None
-    tma = {**MATMUL_PLAN, "tma": True}
+    plan = _plan(64, 64, 64, 4, 3, tma=True, persistent=persistent)
+    assert plan == {**MATMUL_PLAN, "tma": True, **({"persistent": True} if persistent else {})}
     base = matmul_triton(x, w, b, plan=MATMUL_PLAN)
-    out = _assert_rows_invariant(lambda t: matmul_triton(t, w, b, plan=tma), x, (1, 2, 5, 64, 65))
+    out = _assert_rows_invariant(lambda t: matmul_triton(t, w, b, plan=plan), x, (1, 2, 5, 64, 65))
     assert torch.equal(out.view(torch.int16), base.view(torch.int16))
-    assert _plan(64, 64, 64, 4, 3, tma=True) == tma
+    wide = rand(n * 3, k, seed=16, dtype=dtype, scale=0.2)  # 2 x 4 tiles: 3 programs walk 8
+    out = matmul_triton(x, wide, plan=plan)
+    assert torch.equal(out.view(torch.int16), matmul_triton(x, wide).view(torch.int16))
 
 
 def test_bulk_copy_plan_falls_back_to_pointers_where_descriptors_cannot_describe():
@@ -293,7 +298,8 @@ def test_gpu_matmul_rows_invariant_at_model_widths(n, k):
         assert torch.equal(matmul_triton(x[:m], w), full[:m]), f"batch of {m}"
     for _, plan in SM90_MATMUL_PLANS + ((None, MATMUL_PLAN),):
         assert torch.equal(matmul_triton(x, w, plan=plan), full), f"plan {plan}"
-        tma = {**plan, "tma": True}  # the same tile moved by bulk copies
-        assert torch.equal(matmul_triton(x, w, plan=tma), full), f"plan {tma}"
+        for loads in ({"tma": True}, {"tma": True, "persistent": True}):
+            moved = {**plan, **loads}  # the same tile moved by bulk copies (and persistent)
+            assert torch.equal(matmul_triton(x, w, plan=moved), full), f"plan {moved}"
     ref = torch.nn.functional.linear(x.float(), w.float())
     torch.testing.assert_close(full.float(), ref, atol=3e-2, rtol=2e-2)
