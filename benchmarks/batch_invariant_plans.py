@@ -3,7 +3,8 @@ the same bits as the one plan (`MATMUL_PLAN`), on one GPU.
 
 A tile can only be chosen by M if every element's summation order stays the same, so each
 candidate's output is compared bit for bit with the one plan's on the same inputs. Times
-are CUDA-event medians; cuBLAS (`F.linear`) is the reference rate.
+are per call in a CUDA graph (benchmarks/graph_timing.py); cuBLAS (`F.linear`) is the
+reference rate.
 
 `--tables DIR` writes `table.json`: per range of M of `SM90_MATMUL_PLANS` the same-bits tile
 of least summed time over the layers and the Ms measured in that range (a range with no M
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from graph_timing import graph_time_us
 
 from kvloom.kernels.batch_invariant_triton import MATMUL_PLAN, SM90_MATMUL_PLANS, matmul_triton
 
@@ -48,18 +50,11 @@ TILES = (
 SHARED_MEMORY_BYTES = 200 * 1024  # what the pipeline's stages may take (H100/H200: 227 KiB)
 
 
-def time_ms(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def time_ms(fn, reps: int = 10) -> float:
+    """ms per call, `reps` calls captured in one CUDA graph (best of 3 replays): no host
+    time, as the decode graphs run them. (Eager timing charged the bulk-copy tiles their
+    host-built descriptors, 30-40% of a 256-row launch on an H100.)"""
+    return graph_time_us(fn, reps, replays=3) / 1e3
 
 
 # How a tile's operands are loaded: pointers, bulk-copy descriptors (TMA), or those with a
@@ -140,7 +135,7 @@ def main() -> None:
                 run = lambda x=x, w=w, p=plan: matmul_triton(x, w, plan=p)  # noqa: E731
                 try:
                     out = run()
-                    ms = time_ms(run, reps=10)
+                    ms = time_ms(run)
                 except Exception as err:  # out of resources: not a candidate here
                     print(f"skip {plan}: {type(err).__name__}")
                     continue

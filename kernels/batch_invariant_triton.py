@@ -47,18 +47,21 @@ def _plan(
     return plan
 
 
-# Hopper (sm_90) tiles by row count: (largest M, plan). On an H200 all 36 tiles tried
-# (BLOCK_M 64/128 x BLOCK_N 64/128/256 x BLOCK_K 64/128 x 4/8 warps x 3/4 stages, less
-# the ones that do not fit) gave the one plan's bits in bfloat16 at M = 1, 64, 256 and
-# 4096 on Qwen3-8B's linears (benchmarks/batch_invariant_plans.py,
-# docs/benchmarks/deterministic.md). That fits wgmma feeding K to the float32 accumulator
-# in the same order whatever the tile's M, N or BLOCK_K. These three were the fastest:
-# 21-29% less time than the one plan at M <= 256, 42% less at 4096. Other GPUs keep the
-# one plan (not measured there: mma.sync tiles may sum in another order).
+# Hopper (sm_90) tiles by row count: (largest M, plan). Every tile tried gave the one
+# plan's bits in bfloat16 on Qwen3-8B's linears: 36 on an H200 (M = 1, 64, 256, 4096), 115
+# on an H100 (M = 256, 4096: BLOCK_M 64/128/256 x BLOCK_N 64/128/256 x BLOCK_K 64/128 x
+# 4/8 warps x 3/4/5 stages, each by pointers, bulk copies and persistent; benchmarks/
+# batch_invariant_plans.py, docs/benchmarks/deterministic.md). That fits wgmma feeding K to
+# the float32 accumulator in the same order whatever the tile's M, N, BLOCK_K or loads.
+# The table is that H100 sweep's fastest by summed time per range (the M <= 128 tile from
+# the H200's): above 512 rows the 128 x 256 tile by bulk copies, 3-12% under the tile
+# before it at 4,096 rows (gate_up and down 11-12%); the mode's cost on Qwen3-8B at 256
+# requests went from 27.3% to 17.8% with this table (same machine, same run). Other GPUs keep the one plan (not measured there: mma.sync tiles may sum
+# in another order).
 SM90_MATMUL_PLANS = (
     (128, _plan(64, 64, 128, 8, 4)),
-    (512, _plan(64, 128, 64, 4, 4)),
-    (None, _plan(128, 128, 64, 8, 3)),
+    (512, _plan(128, 128, 64, 8, 5)),
+    (None, _plan(128, 256, 64, 8, 3, tma=True)),
 )
 
 
