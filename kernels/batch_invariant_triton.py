@@ -53,14 +53,16 @@ def _plan(
 # 4/8 warps x 3/4/5 stages, each by pointers, bulk copies and persistent; benchmarks/
 # batch_invariant_plans.py, docs/benchmarks/deterministic.md). That fits wgmma feeding K to
 # the float32 accumulator in the same order whatever the tile's M, N, BLOCK_K or loads.
-# The table is that H100 sweep's fastest by summed time per range (the M <= 128 tile from
-# the H200's): above 512 rows the 128 x 256 tile by bulk copies, 3-12% under the tile
-# before it at 4,096 rows (gate_up and down 11-12%); the mode's cost on Qwen3-8B at 256
-# requests went from 27.3% to 17.8% with this table (same machine, same run). Other GPUs keep the one plan (not measured there: mma.sync tiles may sum
+# The table is that H100 sweep's fastest by summed time per range, timed in CUDA graphs
+# (the M <= 128 tile from the H200's): 129-512 rows a 64 x 128 x 128 tile by bulk copies on
+# a persistent grid, above that the 128 x 256 tile by bulk copies (at 4,096 rows within 3%
+# of cuBLAS). The mode's cost on Qwen3-8B at 256 requests: 27.3% with the table before,
+# 17.5% with the bulk-copy tile above 512 rows only, 14.8-15.2% with this table (same
+# machine, runs beside each other). Other GPUs keep the one plan (not measured there: mma.sync tiles may sum
 # in another order).
 SM90_MATMUL_PLANS = (
     (128, _plan(64, 64, 128, 8, 4)),
-    (512, _plan(128, 128, 64, 8, 5)),
+    (512, _plan(64, 128, 128, 4, 4, tma=True, persistent=True)),
     (None, _plan(128, 256, 64, 8, 3, tma=True)),
 )
 
