@@ -246,11 +246,6 @@ def main() -> None:
     parser.add_argument("--plans", nargs="+", choices=PLANS, default=list(PLANS))
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--pairs-stages", nargs="+", default=[None], help="e.g. 3 6 8,4")
-    parser.add_argument(
-        "--pairs-tma",
-        action="store_true",
-        help="also time the pairs plan with its weights moved by bulk copies (PAIRS_TMA)",
-    )
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--interpret", action="store_true", help="CPU, tiny widths")
     parser.add_argument("--out", default=None)
@@ -263,10 +258,9 @@ def main() -> None:
     device = "cuda" if cuda else "cpu"
     results = []
     runs = [
-        (plan, stages, tma)
+        (plan, stages)
         for plan in args.plans
         for stages in (args.pairs_stages if plan == "pairs" else [None])
-        for tma in ([False, True] if plan == "pairs" and args.pairs_tma else [False])
     ]
     for name in args.shapes:
         full = SHAPES[name]
@@ -278,15 +272,12 @@ def main() -> None:
                 x = torch.randn(tokens, shape["hidden"], generator=gen, device=device)
                 x = x.to(torch.bfloat16)
                 first = None
-                for plan, stages, tma in runs:
+                for plan, stages in runs:
                     row = dict(model=name, folded=fold, tokens=tokens, plan=plan, **shape)
                     row["pairs_stages"] = stages
-                    row["pairs_tma"] = tma
                     started = time.perf_counter()
-                    fused_moe_triton.PAIRS_TMA = tma
                     with moe_plan(plan, stages):
                         row.update(measure(layer, x, cuda, args.repeats))
-                    fused_moe_triton.PAIRS_TMA = False
                     output = row.pop("output")
                     first = output if first is None else first
                     row["bitwise_as_first_plan"] = torch.equal(output, first)
@@ -295,8 +286,7 @@ def main() -> None:
                     timing = f", {row['us_per_layer']:.2f} us/layer (graph)" if cuda else ""
                     print(
                         f"{name:12s} {'folded' if fold else 'two-branch':10s} T={tokens:<3d} "
-                        f"{plan:6s} {stages or '':5s} {'tma' if tma else '':3s} "
-                        f"{row['launches']:2d} launches{timing}, "
+                        f"{plan:6s} {stages or '':5s} {row['launches']:2d} launches{timing}, "
                         f"bitwise="
                         f"{row['bitwise_as_first_plan']}: {', '.join(row['kernels'])}"
                     )

@@ -105,24 +105,6 @@ PAIRS_BLOCK_M = BLOCK_M_CHOICES[0]  # the sorted plan's block at decode sizes
 PAIRS_STAGES = (NUM_STAGES, NUM_STAGES)
 
 
-# The pairs plan's expert weights moved by bulk-copy descriptors (Hopper's TMA) instead of
-# pointer loads: the same tiles and dots, so the same bits. An experiment (off) until a
-# GPU lease times it: benchmarks/moe_layer_launches.py --pairs-tma.
-PAIRS_TMA = False
-
-
-def _tma_ready(w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether descriptors can describe the weights as 2-D [rows, K]: contiguous, 16-byte
-    aligned base and rows, half precision."""
-    return all(
-        w.is_contiguous()
-        and w.dtype in (torch.float16, torch.bfloat16)
-        and w.data_ptr() % 16 == 0
-        and (w.shape[-1] * w.element_size()) % 16 == 0
-        for w in (w13, w2)
-    )
-
-
 def pairs_stages() -> tuple[int, int]:
     """(gate_up, down) num_stages of a pairs-plan launch."""
     return envs.moe_decode_stages() or PAIRS_STAGES
@@ -333,7 +315,6 @@ def _gate_up_kernel(
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
     PAIRS: tl.constexpr,
-    W_TMA: tl.constexpr = False,
 ):
     expert, routes = _route_block(
         tl.program_id(0),
@@ -354,32 +335,24 @@ def _gate_up_kernel(
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < inter
         ks = tl.arange(0, BLOCK_K)
-        if W_TMA:  # w13_ptr is a descriptor of w13 as [E * 2I, H]
-            gate_row = expert * (2 * inter) + tl.program_id(1) * BLOCK_N
-        else:
-            gate_ptrs = w13_ptr + expert.to(tl.int64) * stride_we
-            gate_ptrs = gate_ptrs + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
-            up_ptrs = gate_ptrs + inter * stride_wn
+        gate_ptrs = w13_ptr + expert.to(tl.int64) * stride_we
+        gate_ptrs = gate_ptrs + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+        up_ptrs = gate_ptrs + inter * stride_wn
         x_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :]
         acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, hidden_size, BLOCK_K):
             k_ok = (k0 + ks) < hidden_size
             x = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            if W_TMA:  # rows past `inter` read the next block's weights: never stored
-                w_gate = w13_ptr.load([gate_row, k0])
-                w_up = w13_ptr.load([gate_row + inter, k0])
-            else:
-                w_mask = col_ok[:, None] & k_ok[None, :]
-                w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
-                w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            w_gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+            w_up = tl.load(up_ptrs, mask=w_mask, other=0.0)
             x_t = tl.trans(x)
             acc_gate = _dot(w_gate, x_t, acc_gate, DOT_PRECISION, INTERPRETED)
             acc_up = _dot(w_up, x_t, acc_up, DOT_PRECISION, INTERPRETED)
             x_ptrs += BLOCK_K
-            if not W_TMA:
-                gate_ptrs += BLOCK_K
-                up_ptrs += BLOCK_K
+            gate_ptrs += BLOCK_K
+            up_ptrs += BLOCK_K
         act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
         out_ptrs = act_ptr + routes[None, :].to(tl.int64) * stride_act + cols[:, None]
         tl.store(
@@ -417,7 +390,6 @@ def _down_kernel(
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
     PAIRS: tl.constexpr,
-    W_TMA: tl.constexpr = False,
 ):
     expert, routes = _route_block(
         tl.program_id(0),
@@ -437,24 +409,17 @@ def _down_kernel(
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < hidden_size
         ks = tl.arange(0, BLOCK_K)
-        if W_TMA:  # w2_ptr is a descriptor of w2 as [E * H, I]
-            w_row = expert * hidden_size + tl.program_id(1) * BLOCK_N
-        else:
-            w_ptrs = w2_ptr + expert.to(tl.int64) * stride_we
-            w_ptrs = w_ptrs + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+        w_ptrs = w2_ptr + expert.to(tl.int64) * stride_we
+        w_ptrs = w_ptrs + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
         a_ptrs = act_ptr + routes64[:, None] * stride_act + ks[None, :]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             k_ok = (k0 + ks) < inter
             a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            if W_TMA:
-                w = w2_ptr.load([w_row, k0])
-            else:
-                w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc = _dot(w, tl.trans(a), acc, DOT_PRECISION, INTERPRETED)
             a_ptrs += BLOCK_K
-            if not W_TMA:
-                w_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
         weight_offs = (routes // top_k).to(tl.int64) * stride_tw_t + (routes % top_k) * stride_tw_j
         weight = tl.load(weights_ptr + weight_offs, mask=valid, other=0.0).to(tl.float32)
         out_ptrs = routed_ptr + routes64[None, :] * stride_routed + cols[:, None]
@@ -600,15 +565,9 @@ def fused_moe_triton(
     )
     gate_up_stages, down_stages = pairs_stages() if pairs else (NUM_STAGES, NUM_STAGES)
     id_strides = (topk_ids.stride(0), topk_ids.stride(1))
-    w13_arg, w2_arg, w_tma = w13, w2, pairs and PAIRS_TMA and _tma_ready(w13, w2)
-    if w_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        w13_arg = TensorDescriptor.from_tensor(w13.view(-1, hidden_size), [BLOCK_N, BLOCK_K])
-        w2_arg = TensorDescriptor.from_tensor(w2.view(-1, inter), [BLOCK_N, BLOCK_K])
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, BLOCK_N))](
         hidden,
-        w13_arg,
+        w13,
         sorted_routes,
         block_expert,
         topk_ids,
@@ -624,12 +583,11 @@ def fused_moe_triton(
         act.stride(0),
         *id_strides,
         **dot_args,
-        W_TMA=w_tma,
         num_stages=gate_up_stages,
     )
     _down_kernel[(num_blocks, triton.cdiv(hidden_size, BLOCK_N))](
         act,
-        w2_arg,
+        w2,
         sorted_routes,
         block_expert,
         topk_ids,
@@ -648,7 +606,6 @@ def fused_moe_triton(
         routed.stride(0),
         *id_strides,
         **dot_args,
-        W_TMA=w_tma,
         num_stages=down_stages,
     )
     block_h = min(MAX_SUM_BLOCK, next_power_of_2(hidden_size))

@@ -20,7 +20,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvloom.kernels import dispatch
-from kvloom.kernels import fused_moe_triton as fused_moe_triton_module
 from kvloom.kernels.fused_moe import fused_moe_ref
 from kvloom.kernels.fused_moe_triton import (
     BLOCK_M_CHOICES,
@@ -82,18 +81,10 @@ def assert_bitwise(label, pairs, sorted_plans):
 # ---------------------------------------------------------------- bitwise, interpreted
 
 
-@pytest.fixture(params=[False, True], ids=["pointer_weights", "tma_weights"])
-def weights_by_tma(request, monkeypatch):
-    """Both weight loads of the pairs plan: pointers (the default) and bulk-copy
-    descriptors (PAIRS_TMA, an experiment)."""
-    monkeypatch.setattr(fused_moe_triton_module, "PAIRS_TMA", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("top_k", [1, 3])
 @pytest.mark.parametrize("shared", [False, True])
-def test_pairs_plan_is_bitwise_the_sorted_plans(dtype, top_k, shared, weights_by_tma):
+def test_pairs_plan_is_bitwise_the_sorted_plans(dtype, top_k, shared):
     # H = 80, I = 72: two 64-wide tiles each, the second partial. Experts shared across
     # tokens (a pool of 3), the folded shared expert E in the last slot.
     num_routed, hidden, inter = 5, 80, 72
@@ -120,7 +111,7 @@ def test_pairs_plan_reads_strided_int64_ids_and_half_weights():
     assert_bitwise("strided int64 ids", pairs, sorted_plans)
 
 
-def test_pairs_plan_drops_out_of_range_ids_as_the_sorted_plan_does(weights_by_tma):
+def test_pairs_plan_drops_out_of_range_ids_as_the_sorted_plan_does():
     num_tokens, num_experts, top_k, hidden, inter = 3, 4, 3, 40, 24
     w13, w2 = make_weights(num_experts, hidden, inter, torch.float16, seed=5)
     weights, ids = make_routing(num_tokens, num_experts, top_k, seed=6)
@@ -316,7 +307,7 @@ def cuda_kernel_names(*args) -> list[str]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", HALF)
-def test_gpu_pairs_plan_bitwise_at_qwen3_next_shape(dtype, weights_by_tma):
+def test_gpu_pairs_plan_bitwise_at_qwen3_next_shape(dtype):
     if not CUDA:
         pytest.skip("needs a CUDA GPU")
     w13, w2 = qwen3_next_experts(dtype)
@@ -348,7 +339,7 @@ def test_gpu_pairs_plan_bitwise_at_every_pipelining_depth(monkeypatch, stages):
 
 
 @pytest.mark.gpu
-def test_gpu_pairs_plan_repeated_experts_and_top1(weights_by_tma):
+def test_gpu_pairs_plan_repeated_experts_and_top1():
     if not CUDA:
         pytest.skip("needs a CUDA GPU")
     for top_k in (1, 4):
