@@ -287,8 +287,7 @@ def main() -> None:
                     print(
                         f"{name:12s} {'folded' if fold else 'two-branch':10s} T={tokens:<3d} "
                         f"{plan:6s} {stages or '':5s} {row['launches']:2d} launches{timing}, "
-                        f"bitwise="
-                        f"{row['bitwise_as_first_plan']}: {', '.join(row['kernels'])}"
+                        f"bitwise={row['bitwise_as_first_plan']}: {', '.join(row['kernels'])}"
                     )
     if args.out:
         with open(args.out, "w") as f:

@@ -35,7 +35,7 @@ MATMUL_PLAN = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num
 
 
 def _plan(
-    bm: int, bn: int, bk: int, warps: int, stages: int, tma: bool = False, persistent=False
+    bm: int, bn: int, bk: int, warps: int, stages: int, tma: bool = False, persistent: bool = False
 ) -> dict:
     """A tile; `tma`: its operands moved by bulk-copy descriptors; `persistent` (with tma):
     one program per SM walking the tiles."""
@@ -55,11 +55,11 @@ def _plan(
 # the float32 accumulator in the same order whatever the tile's M, N, BLOCK_K or loads.
 # The table is that H100 sweep's fastest by summed time per range, timed in CUDA graphs
 # (the M <= 128 tile from the H200's): 129-512 rows a 64 x 128 x 128 tile by bulk copies on
-# a persistent grid, above that the 128 x 256 tile by bulk copies (at 4,096 rows within 3%
-# of cuBLAS). The mode's cost on Qwen3-8B at 256 requests: 27.3% with the table before,
-# 17.5% with the bulk-copy tile above 512 rows only, 14.8-15.2% with this table (same
-# machine, runs beside each other). Other GPUs keep the one plan (not measured there: mma.sync tiles may sum
-# in another order).
+# a persistent grid, above that the 128 x 256 tile by bulk copies (at 4,096 rows at most
+# 4.2% over cuBLAS). The mode's cost on Qwen3-8B at 256 requests, same machine: 27.3% with
+# the table before, 17.5-19.1% with the bulk-copy tile above 512 rows only, 13.6-15.2%
+# with this table (four runs). Other GPUs keep the one plan (not measured there: mma.sync
+# tiles may sum in another order).
 SM90_MATMUL_PLANS = (
     (128, _plan(64, 64, 128, 8, 4)),
     (512, _plan(64, 128, 128, 4, 4, tma=True, persistent=True)),
@@ -103,6 +103,14 @@ _STATE_TILE_ELEMENTS = 4096  # the delta-rule program's [Dk, BV] float32 state t
 _CONV_BLOCK_C = 64
 
 
+@triton.jit
+def _acc_dot(acc, a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b, both matmul kernels' one K step."""
+    if UPCAST:  # the CPU interpreter gets bfloat16 dots wrong; products are exact
+        return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return acc + tl.dot(a, b, input_precision=PRECISION)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     x_ptr,
@@ -140,10 +148,7 @@ def _matmul_kernel(
             mask=col_ok[None, :] & k_ok[:, None],
             other=0.0,
         )
-        if UPCAST:  # the CPU interpreter gets bfloat16 dots wrong; products are exact
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(a, b, input_precision=PRECISION)
+        acc = _acc_dot(acc, a, b, PRECISION, UPCAST)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -188,10 +193,7 @@ def _matmul_tma_kernel(
         for k0 in range(0, K, BLOCK_K):
             a = x_desc.load([off_m, k0])
             b = w_desc.load([off_n, k0]).T
-            if UPCAST:  # the CPU interpreter gets bfloat16 dots wrong; products are exact
-                acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(a, b, input_precision=PRECISION)
+            acc = _acc_dot(acc, a, b, PRECISION, UPCAST)
         if HAS_BIAS:
             cols = off_n + tl.arange(0, BLOCK_N)
             acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
