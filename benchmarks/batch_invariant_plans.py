@@ -8,7 +8,9 @@ reference rate.
 
 `--tables DIR` writes `table.json`: per range of M of `SM90_MATMUL_PLANS` the same-bits tile
 of least summed time over the layers and the Ms measured in that range (a range with no M
-measured keeps the current tile). `benchmarks/deterministic_cost.py --plan-tables` runs
+measured keeps the current tile), and the same per weight shape ("by_shape"). Run with
+the serving model's shapes (`--layers N,K ...`) on the serving GPU, the file is what
+KVLOOM_DETERMINISTIC_TILES takes; `benchmarks/deterministic_cost.py --plan-tables` runs
 the mode with it.
 
     python benchmarks/batch_invariant_plans.py --out $OUT/plans.json --tables $OUT/tables \
@@ -84,10 +86,12 @@ def plan_key(plan: dict) -> str:
     return json.dumps(plan, sort_keys=True)
 
 
-def best_table(rows: list[dict]) -> list:
+def best_table(rows: list[dict], failed: set[str] | None = None) -> list:
     """Per range of SM90_MATMUL_PLANS: the tile, same bits at every (layer, M) measured,
-    whose times summed over the range's measured (layer, M) are least."""
-    failed = {plan_key(r["plan"]) for r in rows if not r["same_bits_as_plan"]}
+    whose times summed over the range's measured (layer, M) are least. `failed`: tiles
+    to leave out (default: those whose bits differed in `rows`)."""
+    if failed is None:
+        failed = {plan_key(r["plan"]) for r in rows if not r["same_bits_as_plan"]}
     table, low = [], 0
     for most, current in SM90_MATMUL_PLANS:
         inside = [r for r in rows if r["m"] > low and (most is None or r["m"] <= most)]
@@ -105,10 +109,37 @@ def best_table(rows: list[dict]) -> list:
     return table
 
 
+def tables(rows: list[dict]) -> dict:
+    """The table file: one table over every layer measured, and one per weight shape
+    ("N,K"), each without any tile whose bits differed anywhere in the sweep."""
+    failed = {plan_key(r["plan"]) for r in rows if not r["same_bits_as_plan"]}
+    shapes = sorted({(r["n"], r["k"]) for r in rows})
+    return {
+        "plans": best_table(rows, failed),
+        "by_shape": {
+            f"{n},{k}": best_table([r for r in rows if (r["n"], r["k"]) == (n, k)], failed)
+            for n, k in shapes
+        },
+    }
+
+
+def layer_shape(name: str) -> tuple[int, int]:
+    """(N, K) of a layer named in LAYERS, or given as "N,K"."""
+    if name in LAYERS:
+        return LAYERS[name]
+    try:
+        n, k = (int(part) for part in name.split(","))
+    except ValueError:
+        raise SystemExit(f"--layers: {name!r} is neither one of {list(LAYERS)} nor 'N,K'") from None
+    return n, k
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=[64, 256, 512, 4096])
-    parser.add_argument("--layers", nargs="+", default=list(LAYERS))
+    parser.add_argument(
+        "--layers", nargs="+", default=list(LAYERS), help="names of LAYERS, or weight shapes N,K"
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tables", type=Path, help="folder for the table file")
     parser.add_argument(
@@ -123,7 +154,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows = []
     for name in args.layers:
-        n, k = LAYERS[name]
+        n, k = layer_shape(name)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         for m in args.m:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -141,6 +172,8 @@ def main() -> None:
                     continue
                 row = {
                     "layer": name,
+                    "n": n,
+                    "k": k,
                     "m": m,
                     "plan": plan,
                     "ms": round(ms, 4),
@@ -166,7 +199,7 @@ def main() -> None:
         args.out.write_text(json.dumps({"one_plan": MATMUL_PLAN, "rows": rows}, indent=2))
     if args.tables:
         args.tables.mkdir(parents=True, exist_ok=True)
-        table = {"plans": best_table(rows)}
+        table = tables(rows)
         (args.tables / "table.json").write_text(json.dumps(table, indent=2))
         print("TABLE", json.dumps(table), flush=True)
 

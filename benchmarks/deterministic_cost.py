@@ -69,15 +69,16 @@ def run_once(model: str, args, deterministic: bool) -> dict:
 def _variant_run(model: str, args, table_path: Path, off_tok_s: float) -> dict:
     """The mode on with the matmul table in `table_path`, then the default table back."""
     table = json.loads(table_path.read_text())
-    default = batch_invariant_triton.SM90_MATMUL_PLANS
-    batch_invariant_triton.set_matmul_table(table["plans"])
+    default = batch_invariant_triton.matmul_table()
+    batch_invariant_triton.load_matmul_table(table_path)
     try:
         on = run_once(model, args, True)
     finally:
-        batch_invariant_triton.set_matmul_table(default)
+        batch_invariant_triton.set_matmul_table(*default)
     return {
         "table": table_path.name,
         "plans": table["plans"],
+        "by_shape": table.get("by_shape", {}),
         "on_tok_s": on["tok_s"],
         "on_seconds_per_run": on["seconds_per_run"],
         "cost": round(1 - on["tok_s"] / off_tok_s, 4),

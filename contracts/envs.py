@@ -65,6 +65,12 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "its gate_up and down launches, or two, 'GATE_UP,DOWN' (empty: the plan's own); "
         "the same bits at any depth (A/B timing)",
     ),
+    "KVLOOM_DETERMINISTIC_TILES": (
+        "",
+        "a tile table (JSON, written by benchmarks/batch_invariant_plans.py --tables on the "
+        "GPU that serves) replacing the deterministic mode's built-in Hopper matmul tiles; "
+        "its tiles must all give the one plan's bits, as the sweep's do",
+    ),
     "KVLOOM_NO_FLA": (
         "",
         "1: linear-attention prefill (Gated DeltaNet, KDA) on CUDA skips fla-core's kernels",

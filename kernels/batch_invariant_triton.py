@@ -22,11 +22,14 @@ No host synchronisation and grids from shapes only: CUDA graphs capture them.
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
+from kvloom.contracts import envs
 from kvloom.kernels.arg_checks_triton import is_interpreted, next_power_of_2
 from kvloom.kernels.l2norm import L2NORM_EPS
 
@@ -67,21 +70,91 @@ SM90_MATMUL_PLANS = (
 )
 
 
-def set_matmul_table(plans) -> None:
-    """Replaces this process's Hopper tile table with one written by
-    benchmarks/batch_invariant_plans.py --tables: [[largest M or None, plan], ...],
-    ascending, the last None. Set it before an engine starts: captured CUDA graphs keep
-    their tiles. (A tile must give the one plan's bits: the sweep checks each.)"""
-    global SM90_MATMUL_PLANS
-    bounds = [most for most, _ in plans]
+# Tiles for particular weight shapes (N, K), each a table like SM90_MATMUL_PLANS: a tuned
+# table (benchmarks/batch_invariant_plans.py --tables, KVLOOM_DETERMINISTIC_TILES) may give
+# a layer shape its own tiles; other shapes take SM90_MATMUL_PLANS. None built in.
+SM90_SHAPE_PLANS: dict[tuple[int, int], tuple] = {}
+_PLAN_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
+def _row_ranges(plans, what: str) -> tuple:
+    """[[largest M or None, plan], ...] checked: ascending bounds, the last None, each plan
+    a full tile."""
+    try:
+        bounds = [most for most, _ in plans]
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}: expected [[largest M or null, plan], ...]") from None
     if (
         not plans
         or bounds[-1] is not None
         or None in bounds[:-1]
         or bounds[:-1] != sorted(bounds[:-1])
     ):
-        raise ValueError(f"plans: expected ascending row bounds ending in None, got {bounds}")
-    SM90_MATMUL_PLANS = tuple((most, dict(plan)) for most, plan in plans)
+        raise ValueError(f"{what}: expected ascending row bounds ending in None, got {bounds}")
+    for _, plan in plans:
+        missing = [key for key in _PLAN_KEYS if not isinstance(plan.get(key), int)]
+        if missing:
+            raise ValueError(f"{what}: a plan lacks integer {missing}: {plan}")
+    return tuple((most, dict(plan)) for most, plan in plans)
+
+
+def _shape_key(key) -> tuple[int, int]:
+    """(N, K) from a table key: "N,K" (JSON) or a tuple."""
+    parts = key if isinstance(key, tuple) else str(key).split(",")
+    try:
+        n, k = (int(part) for part in parts)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"by_shape: expected keys 'N,K' (a weight's rows and columns), got {key!r}"
+        ) from None
+    return n, k
+
+
+def set_matmul_table(plans, by_shape=None) -> None:
+    """Replaces this process's Hopper tile table with one written by
+    benchmarks/batch_invariant_plans.py --tables: `plans` [[largest M or None, plan], ...],
+    ascending, the last None; `by_shape` {"N,K": such a list} for weight shapes with tiles
+    of their own. Set it before an engine starts: captured CUDA graphs keep their tiles.
+    (Every tile must give the one plan's bits, or the mode is no longer batch-invariant:
+    the sweep checks each and writes only those.)"""
+    global SM90_MATMUL_PLANS, SM90_SHAPE_PLANS
+    table = _row_ranges(plans, "plans")
+    shapes = {
+        _shape_key(key): _row_ranges(ranges, f"by_shape[{key!r}]")
+        for key, ranges in (by_shape or {}).items()
+    }
+    SM90_MATMUL_PLANS, SM90_SHAPE_PLANS = table, shapes
+
+
+def matmul_table() -> tuple[tuple, dict]:
+    """(plans, by_shape) in force: what set_matmul_table takes to restore them."""
+    return SM90_MATMUL_PLANS, dict(SM90_SHAPE_PLANS)
+
+
+def load_matmul_table(path) -> None:
+    """set_matmul_table from a table file ({"plans": [...], "by_shape": {...}}); errors
+    name the file."""
+    try:
+        table = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path}: cannot read a tile table: {err}") from None
+    if not isinstance(table, dict) or "plans" not in table:
+        raise ValueError(f'{path}: expected {{"plans": [...], "by_shape": {{...}}}}')
+    try:
+        set_matmul_table(table["plans"], table.get("by_shape"))
+    except (AttributeError, TypeError, ValueError) as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
+def load_env_matmul_table() -> None:
+    """The table KVLOOM_DETERMINISTIC_TILES names, if any (where a deterministic model is
+    built, in the process that runs it)."""
+    path = envs.get("KVLOOM_DETERMINISTIC_TILES")
+    if path:
+        try:
+            load_matmul_table(path)
+        except ValueError as err:
+            raise ValueError(f"KVLOOM_DETERMINISTIC_TILES: {err}") from None
 
 
 @functools.cache
@@ -89,14 +162,20 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def matmul_plan(m: int, capability: tuple[int, int] | None, dtype: torch.dtype) -> dict:
-    """The tile for an M-row launch of `dtype` on a device of this compute capability
-    (None: not a CUDA device, e.g. the interpreter). Float32 keeps the one plan: only
-    half-precision tiles were measured."""
+def matmul_plan(
+    m: int,
+    capability: tuple[int, int] | None,
+    dtype: torch.dtype,
+    shape: tuple[int, int] | None = None,
+) -> dict:
+    """The tile for an M-row launch of `dtype` against a weight of `shape` (N, K) on a
+    device of this compute capability (None: not a CUDA device, e.g. the interpreter).
+    Float32 keeps the one plan: only half-precision tiles were measured."""
     half = dtype in (torch.bfloat16, torch.float16)
     if capability is None or capability[0] != 9 or not half:
         return MATMUL_PLAN
-    return next(plan for most, plan in SM90_MATMUL_PLANS if most is None or m <= most)
+    ranges = SM90_SHAPE_PLANS.get(shape, SM90_MATMUL_PLANS)
+    return next(plan for most, plan in ranges if most is None or m <= most)
 
 
 _STATE_TILE_ELEMENTS = 4096  # the delta-rule program's [Dk, BV] float32 state tile
@@ -275,7 +354,7 @@ def matmul_triton(
         return out
     if plan is None:
         cuda = x.is_cuda and not is_interpreted(_matmul_kernel)
-        plan = matmul_plan(m, _capability(x.device.index) if cuda else None, x.dtype)
+        plan = matmul_plan(m, _capability(x.device.index) if cuda else None, x.dtype, (n, k))
     upcast = is_interpreted(_matmul_kernel) and x.dtype != torch.float32
     # Bulk copies for half precision only: float32's FMA dot (no wgmma) spills with them.
     if plan.get("tma") and x.dtype != torch.float32 and _tma_ready(x, weight, out):

@@ -70,3 +70,101 @@ def test_a_table_is_checked_then_set_for_the_process(monkeypatch):
     assert bit.matmul_plan(100, (9, 0), bit.torch.bfloat16) == tile(64, 128)
     assert bit.matmul_plan(101, (9, 0), bit.torch.bfloat16) == tile(128)
     assert bit.matmul_plan(101, (8, 0), bit.torch.bfloat16) == bit.MATMUL_PLAN  # Hopper only
+
+
+@pytest.fixture
+def table_restored(monkeypatch):
+    """The module's tables put back after the test, whatever it set."""
+    monkeypatch.setattr(bit, "SM90_MATMUL_PLANS", bit.SM90_MATMUL_PLANS)
+    monkeypatch.setattr(bit, "SM90_SHAPE_PLANS", bit.SM90_SHAPE_PLANS)
+
+
+def shaped_row(layer, n, k, m, plan, ms, same=True):
+    return {**row(layer, m, plan, ms, same), "n": n, "k": k}
+
+
+def test_the_table_file_has_a_table_per_weight_shape_without_tiles_that_changed_bits():
+    small, big, wrong = tile(64), tile(128), tile(256)
+    rows = [
+        # qkv: `big` fastest above 512; o: `small`; `wrong` fastest for o but changed bits on qkv
+        shaped_row("qkv", 6144, 4096, 4096, small, 2.0),
+        shaped_row("qkv", 6144, 4096, 4096, big, 1.0),
+        shaped_row("qkv", 6144, 4096, 4096, wrong, 0.5, same=False),
+        shaped_row("o", 4096, 4096, 4096, small, 1.0),
+        shaped_row("o", 4096, 4096, 4096, big, 1.5),
+        shaped_row("o", 4096, 4096, 4096, wrong, 0.1),
+    ]
+    table = batch_invariant_plans.tables(rows)
+    assert set(table["by_shape"]) == {"6144,4096", "4096,4096"}
+    assert table["by_shape"]["6144,4096"][-1][1] == big
+    assert table["by_shape"]["4096,4096"][-1][1] == small  # not `wrong`: it failed on qkv
+    assert table["plans"][-1][1] == big  # 2.5 ms summed against small's 3.0
+    assert batch_invariant_plans.layer_shape("o") == (4096, 4096)
+    assert batch_invariant_plans.layer_shape("1024,2048") == (1024, 2048)
+    with pytest.raises(SystemExit, match="--layers"):
+        batch_invariant_plans.layer_shape("1024x2048")
+
+
+def test_a_shape_with_its_own_tiles_takes_them_and_other_shapes_the_generic_ones(table_restored):
+    bf16 = bit.torch.bfloat16
+    bit.set_matmul_table(
+        [[None, tile(128)]], {"6144,4096": [[256, tile(64, 128)], [None, tile(64)]]}
+    )
+    assert bit.matmul_plan(256, (9, 0), bf16, (6144, 4096)) == tile(64, 128)
+    assert bit.matmul_plan(257, (9, 0), bf16, (6144, 4096)) == tile(64)
+    assert bit.matmul_plan(256, (9, 0), bf16, (4096, 4096)) == tile(128)
+    assert bit.matmul_plan(256, (9, 0), bf16) == tile(128)
+    assert bit.matmul_plan(256, (8, 0), bf16, (6144, 4096)) == bit.MATMUL_PLAN  # Hopper only
+    saved = bit.matmul_table()
+    bit.set_matmul_table([[None, tile(64)]])
+    assert bit.SM90_SHAPE_PLANS == {}
+    bit.set_matmul_table(*saved)  # restores both
+    assert bit.matmul_plan(1, (9, 0), bf16, (6144, 4096)) == tile(64, 128)
+
+
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        (None, "cannot read a tile table"),
+        ("{not json", "cannot read a tile table"),
+        ('{"by_shape": {}}', "expected"),
+        ('{"plans": [[null, {"BLOCK_M": 64}]]}', "lacks integer"),
+        ('{"plans": [[null, %s]], "by_shape": {"6144x4096": [[null, %s]]}}', "'N,K'"),
+        ('{"plans": [[128, %s]]}', "ending in None"),
+    ],
+)
+def test_a_bad_table_file_is_refused_naming_the_file_and_keeps_the_table(
+    tmp_path, table_restored, content, match
+):
+    path = tmp_path / "table.json"
+    if content is not None:
+        plan = bit.json.dumps(tile(64))
+        path.write_text(content.replace("%s", plan))
+    before = bit.matmul_table()
+    with pytest.raises(ValueError, match=match) as err:
+        bit.load_matmul_table(path)
+    assert str(path) in str(err.value)
+    assert bit.matmul_table() == before
+
+
+def test_the_variable_loads_a_table_where_a_deterministic_model_is_built(
+    tmp_path, monkeypatch, table_restored
+):
+    from types import SimpleNamespace
+
+    from kvloom.kernels import dispatch
+    from kvloom.workers.layers.quantization.build import build_model
+
+    monkeypatch.setattr(dispatch, "_batch_invariant", False)  # build_model sets it: put back
+    path = tmp_path / "tiles.json"
+    path.write_text(bit.json.dumps({"plans": [[None, tile(128, 128)]]}))
+    monkeypatch.setenv("KVLOOM_DETERMINISTIC_TILES", str(path))
+    config = SimpleNamespace(deterministic=False, quantization=None, text_config={})
+    build_model(lambda *args: bit.torch.nn.Linear(2, 2), config, bit.torch.float32, None, "cpu")
+    assert bit.matmul_plan(1000, (9, 0), bit.torch.bfloat16) != tile(128, 128)  # mode off
+    config.deterministic = True
+    build_model(lambda *args: bit.torch.nn.Linear(2, 2), config, bit.torch.float32, None, "cpu")
+    assert bit.matmul_plan(1000, (9, 0), bit.torch.bfloat16) == tile(128, 128)
+    monkeypatch.setenv("KVLOOM_DETERMINISTIC_TILES", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="KVLOOM_DETERMINISTIC_TILES: .*missing.json"):
+        build_model(lambda *args: bit.torch.nn.Linear(2, 2), config, bit.torch.float32, None, "cpu")

@@ -29,6 +29,10 @@ def build_model(klass, model_config, dtype: torch.dtype, tp, device) -> nn.Modul
     """`klass(text_config, dtype, tp)` on `device`; `model_config` is a ModelConfig.
     Sets this process's kernel plans to the config's deterministic mode first."""
     set_batch_invariant(model_config.deterministic)
+    if model_config.deterministic:
+        from kvloom.kernels.batch_invariant_triton import load_env_matmul_table
+
+        load_env_matmul_table()
     qconfig = parse_quantization_config(model_config.quantization)
     with torch.device(device), deferred_weights(qconfig is not None):
         model = klass(model_config.text_config, dtype, tp)
