@@ -86,14 +86,28 @@ def plan_key(plan: dict) -> str:
     return json.dumps(plan, sort_keys=True)
 
 
-def best_table(rows: list[dict], failed: set[str] | None = None) -> list:
-    """Per range of SM90_MATMUL_PLANS: the tile, same bits at every (layer, M) measured,
-    whose times summed over the range's measured (layer, M) are least. `failed`: tiles
-    to leave out (default: those whose bits differed in `rows`)."""
+def current_plan(most: int | None) -> dict:
+    """The tile SM90_MATMUL_PLANS gives at `most` rows (None: its last range)."""
+    if most is None:
+        return SM90_MATMUL_PLANS[-1][1]
+    return next(p for bound, p in SM90_MATMUL_PLANS if bound is None or most <= bound)
+
+
+def best_table(
+    rows: list[dict], failed: set[str] | None = None, bounds: list[int] | None = None
+) -> list:
+    """Per range of rows (`bounds`, ascending, a last open range added; default those of
+    SM90_MATMUL_PLANS): the tile, same bits at every (layer, M) measured, whose times
+    summed over the range's measured (layer, M) are least; a range with nothing measured
+    keeps the current table's tile. `failed`: tiles to leave out (default: those whose
+    bits differed in `rows`)."""
     if failed is None:
         failed = {plan_key(r["plan"]) for r in rows if not r["same_bits_as_plan"]}
+    if bounds is None:
+        bounds = [most for most, _ in SM90_MATMUL_PLANS if most is not None]
     table, low = [], 0
-    for most, current in SM90_MATMUL_PLANS:
+    for most in [*bounds, None]:
+        current = current_plan(most)
         inside = [r for r in rows if r["m"] > low and (most is None or r["m"] <= most)]
         cases = {(r["layer"], r["m"]) for r in inside}
         sums: dict[str, float] = {}
@@ -109,15 +123,15 @@ def best_table(rows: list[dict], failed: set[str] | None = None) -> list:
     return table
 
 
-def tables(rows: list[dict]) -> dict:
+def tables(rows: list[dict], bounds: list[int] | None = None) -> dict:
     """The table file: one table over every layer measured, and one per weight shape
     ("N,K"), each without any tile whose bits differed anywhere in the sweep."""
     failed = {plan_key(r["plan"]) for r in rows if not r["same_bits_as_plan"]}
     shapes = sorted({(r["n"], r["k"]) for r in rows})
     return {
-        "plans": best_table(rows, failed),
+        "plans": best_table(rows, failed, bounds),
         "by_shape": {
-            f"{n},{k}": best_table([r for r in rows if (r["n"], r["k"]) == (n, k)], failed)
+            f"{n},{k}": best_table([r for r in rows if (r["n"], r["k"]) == (n, k)], failed, bounds)
             for n, k in shapes
         },
     }
@@ -142,6 +156,13 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--tables", type=Path, help="folder for the table file")
+    parser.add_argument(
+        "--bounds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="the table's row ranges' upper bounds (default: the built-in table's)",
+    )
     parser.add_argument(
         "--loads",
         nargs="+",
@@ -199,7 +220,7 @@ def main() -> None:
         args.out.write_text(json.dumps({"one_plan": MATMUL_PLAN, "rows": rows}, indent=2))
     if args.tables:
         args.tables.mkdir(parents=True, exist_ok=True)
-        table = tables(rows)
+        table = tables(rows, args.bounds)
         (args.tables / "table.json").write_text(json.dumps(table, indent=2))
         print("TABLE", json.dumps(table), flush=True)
 

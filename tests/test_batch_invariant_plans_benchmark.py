@@ -41,6 +41,15 @@ def test_each_range_takes_the_least_summed_tile_that_kept_the_bits_everywhere():
     assert table[2][1] == steady  # 3.5 ms summed against 4.0
 
 
+def test_other_row_bounds_take_their_own_picks_and_keep_the_current_tile_where_unmeasured():
+    a, b = tile(64, 128), tile(128)
+    rows = [row("qkv", 256, a, 0.01), row("qkv", 256, b, 0.02)]
+    rows += [row("qkv", 512, a, 0.05), row("qkv", 512, b, 0.03)]
+    table = batch_invariant_plans.best_table(rows, bounds=[128, 256, 512])
+    current = dict(bit.SM90_MATMUL_PLANS)
+    assert table == [[128, current[128]], [256, a], [512, b], [None, current[None]]]
+
+
 def test_every_candidate_pipeline_fits_the_shared_memory_budget():
     tried = list(batch_invariant_plans.candidates())
     assert {p["BLOCK_M"] for p in tried} == {64, 128, 256}
