@@ -59,6 +59,12 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "with pdl: 128-byte lines of each weight row a GEMV program asks L2 for before it "
         "waits on the launch before it; 0 turns the prefetch off (an A/B of its cost)",
     ),
+    "KVLOOM_PDL_RELEASE": (
+        "start",
+        "with pdl: where a decode kernel lets the next launch stage: start (first thing), "
+        "loop (a GEMV after its main loop, the other kernels at exit) or exit (every kernel "
+        "at exit); the same bits at each (A/B timing)",
+    ),
     "KVLOOM_MOE_DECODE_STAGES": (
         "",
         "software-pipelining depth of the fused MoE's decode (pairs) plan: one integer for "
@@ -135,6 +141,13 @@ def pdl_prefetch_lines() -> int:
     if lines < 0:
         raise ValueError(f"KVLOOM_PDL_PREFETCH_LINES: expected an integer >= 0, got {raw!r}")
     return lines
+
+
+def pdl_release() -> str:
+    raw = get("KVLOOM_PDL_RELEASE").strip().lower()
+    if raw not in ("start", "loop", "exit"):
+        raise ValueError(f"KVLOOM_PDL_RELEASE: expected start, loop or exit, got {raw!r}")
+    return raw
 
 
 def moe_decode_stages() -> tuple[int, int] | None:

@@ -581,7 +581,7 @@ def _gemv_kernel(
     CONV_WIDTH: tl.constexpr,
     CONV_WIDTH_PAD: tl.constexpr,
     CONV_SILU: tl.constexpr,
-    GDC: tl.constexpr = False,
+    GDC: tl.constexpr = 0,
     PREFETCH_LINES: tl.constexpr = 1,
     LINE: tl.constexpr = 64,
     HALF_DEQUANT: tl.constexpr = False,
@@ -602,7 +602,8 @@ def _gemv_kernel(
     CONV (ROWS <= 2, split_k = 1, not GATED): features < conv_c are also the channels of a
     depthwise causal conv's decode step (_conv_epilogue), run on each row's stored y.
     GDC (programmatic dependent launch, kernels/pdl_triton.py): the program may start
-    before the launch it follows has finished. It lets the next launch stage, asks for
+    before the launch it follows has finished. It lets the next launch stage (at its
+    start with GDC 1, after its main loop with GDC 2, at exit with 3), asks for
     the first PREFETCH_LINES lines (LINE elements each) of its K range of each plain
     weight row to be brought into L2, and only then waits for the launch before it: x,
     the residual, the conv state and the outputs may be that launch's."""
@@ -637,7 +638,8 @@ def _gemv_kernel(
     k_end = tl.minimum(k_start + split_len, K)
     out0 = out_ptr + pid_s * stride_os  # row 0's output
     if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
+        if GDC == 1:  # RELEASE_AT["start"]
+            tl.extra.cuda.gdc_launch_dependents()
         if WFMT == FMT_PLAIN and PREFETCH_LINES > 0:  # no launch writes the weight
             lines = tl.minimum(k_start + tl.arange(0, PREFETCH_LINES) * LINE, k_end - 1)
             prefetch_l2(w_ptr + n_rows[:, None] * stride_wn + lines[None, :])
@@ -725,6 +727,8 @@ def _gemv_kernel(
                         acc7, w, x_ptr + 7 * stride_xm, kk, lanes, k_end, BLOCK_N, EVEN_K
                     )
 
+    if GDC == 2:  # RELEASE_AT["loop"]: the weight is streamed; only the stores are left
+        tl.extra.cuda.gdc_launch_dependents()
     bias = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + n_rows).to(tl.float32)

@@ -349,7 +349,7 @@ def _paged_attention_kernel(
     KV_FP8: tl.constexpr,
     KV_WIDEN: tl.constexpr,
     STRIDED: tl.constexpr,
-    GDC: tl.constexpr = False,
+    GDC: tl.constexpr = 0,
 ):
     pdl_release_then_wait(GDC)  # kernels/pdl_triton.py
     pid = tl.program_id(0)
@@ -538,7 +538,7 @@ def _merge_decode_splits_kernel(
     STRIDED: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
-    GDC: tl.constexpr = False,
+    GDC: tl.constexpr = 0,
 ):
     """Merges one (token, head)'s fixed-size splits, in split order. Token t is row t's
     one query token (decode layout); a token that is not (padding past the real rows)

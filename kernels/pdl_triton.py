@@ -38,18 +38,31 @@ def uses_pdl(x: torch.Tensor) -> bool:
     return _supports_pdl(index)
 
 
+# Where a program lets the next launch stage (KVLOOM_PDL_RELEASE), the value of a kernel's
+# GDC constexpr (0: PDL off). "start": first thing, in every kernel. "loop": a GEMV
+# program once its main loop is done (a GEMV has several waves of programs; released at
+# the start, the next launch's programs take SM slots and wait there while the GEMV's
+# later waves still need them); the other kernels only at exit. "exit": every kernel only
+# at exit (the launch itself still overlaps the one before's drain).
+RELEASE_AT = {"start": 1, "loop": 2, "exit": 3}
+
+
 def pdl_launch(gdc: bool) -> dict:
-    """A PDL-aware kernel's launch keywords: its GDC constexpr, and Triton's `launch_pdl`
-    where it is on (never passed otherwise, so the CPU interpreter never sees it)."""
-    return dict(GDC=True, launch_pdl=True) if gdc else dict(GDC=False)
+    """A PDL-aware kernel's launch keywords: its GDC constexpr (RELEASE_AT's value of
+    KVLOOM_PDL_RELEASE, or 0), and Triton's `launch_pdl` where it is on (never passed
+    otherwise, so the CPU interpreter never sees it)."""
+    if not gdc:
+        return dict(GDC=0)
+    return dict(GDC=RELEASE_AT[envs.pdl_release()], launch_pdl=True)
 
 
 @triton.jit
 def pdl_release_then_wait(GDC: tl.constexpr):
-    """At a program's start: let the next launch stage, then wait for the one before. For
-    kernels with nothing to do before their inputs are ready."""
-    if GDC:
+    """At a program's start: let the next launch stage (GDC 1, "start"), then wait for the
+    one before (any GDC). For kernels with nothing to do before their inputs are ready."""
+    if GDC == 1:
         tl.extra.cuda.gdc_launch_dependents()
+    if GDC:
         tl.extra.cuda.gdc_wait()
 
 

@@ -106,7 +106,7 @@ def _qk_norm_rope_kernel(
     WRITE_CACHE: tl.constexpr,
     QUANT: tl.constexpr,
     DIM_PAD: tl.constexpr,
-    GDC: tl.constexpr = False,
+    GDC: tl.constexpr = 0,
 ):
     pdl_release_then_wait(GDC)  # kernels/pdl_triton.py
     token = tl.program_id(0).to(tl.int64)

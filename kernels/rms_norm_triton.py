@@ -147,7 +147,7 @@ def _rms_norm_kernel(
     SQ_LANES: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
-    GDC: tl.constexpr = False,
+    GDC: tl.constexpr = 0,
 ):
     # GDC (kernels/pdl_triton.py): the next launch (a GEMV) stages and prefetches its
     # weight while this one runs; this one waits for the launch before it first.

@@ -70,7 +70,7 @@ def test_launch_passes_gdc_to_the_gemv_only(monkeypatch, pdl, split_k):
     x, w = torch.ones(1, 256), torch.ones(64, 256)
     launch_gemv(x, w, None, torch.empty(1, 64), GemvPlan(16, 128, 4, 1, split_k), pdl=pdl)
     [kwargs] = gemv.launches
-    assert kwargs["GDC"] is pdl
+    assert kwargs["GDC"] == (1 if pdl else 0)  # KVLOOM_PDL_RELEASE's default, "start"
     assert kwargs.get("launch_pdl", False) is pdl
     # 128-byte lines of fp32 weight (32 elements) over the program's K range
     span = 256 // split_k
@@ -95,6 +95,28 @@ def test_prefetch_is_the_first_lines_of_each_row_only(monkeypatch, setting, line
     )
     [kwargs] = gemv.launches
     assert (kwargs["PREFETCH_LINES"], kwargs["LINE"]) == (lines, 64)
+
+
+@pytest.mark.parametrize("setting,gdc", [(None, 1), ("start", 1), ("loop", 2), ("EXIT", 3)])
+def test_the_release_point_is_the_gdc_constexpr(monkeypatch, setting, gdc):
+    if setting is None:
+        monkeypatch.delenv("KVLOOM_PDL_RELEASE", raising=False)
+    else:
+        monkeypatch.setenv("KVLOOM_PDL_RELEASE", setting)
+    gemv = RecordingKernel()
+    monkeypatch.setattr(gt, "_gemv_kernel", gemv)
+    x, w = torch.ones(1, 256), torch.ones(64, 256)
+    launch_gemv(x, w, None, torch.empty(1, 64), GemvPlan(16, 128, 4, 1), pdl=True)
+    launch_gemv(x, w, None, torch.empty(1, 64), GemvPlan(16, 128, 4, 1), pdl=False)
+    assert [k["GDC"] for k in gemv.launches] == [gdc, 0]
+
+
+def test_a_bad_release_setting_names_the_variable(monkeypatch):
+    monkeypatch.setenv("KVLOOM_PDL_RELEASE", "middle")
+    monkeypatch.setattr(gt, "_gemv_kernel", RecordingKernel())
+    x, w = torch.ones(1, 256), torch.ones(64, 256)
+    with pytest.raises(ValueError, match="KVLOOM_PDL_RELEASE"):
+        launch_gemv(x, w, None, torch.empty(1, 64), GemvPlan(16, 128, 4, 1), pdl=True)
 
 
 @pytest.mark.parametrize("bad", ["-1", "two"])
@@ -139,8 +161,11 @@ def compile(src, *args, **kwargs):
 
 def show():
     for name, text in ptx:
-        found = [op in text for op in ("griddepcontrol.launch_dependents",
-                 "griddepcontrol.wait", "prefetch.global.L2")]
+        ops = ("griddepcontrol.launch_dependents", "griddepcontrol.wait", "prefetch.global.L2")
+        found = [op in text for op in ops]
+        # where it releases: before the wait (at the start), or after it
+        if all(found[:2]):
+            found.append(text.index(ops[0]) < text.index(ops[1]))
         print("PTX", name, *found)
     ptx.clear()
 
@@ -157,6 +182,13 @@ os.environ["KVLOOM_PDL_PREFETCH_LINES"] = "0"  # PDL without the prefetch
 launch_gemv(x, w, None, out, GemvPlan(16, 128, 4, 2, 1), pdl=True)
 del os.environ["KVLOOM_PDL_PREFETCH_LINES"]
 show()
+for release in ("loop", "exit"):  # after the GEMV's main loop, then at exit only
+    os.environ["KVLOOM_PDL_RELEASE"] = release
+    launch_gemv(x, w, None, out, GemvPlan(16, 128, 4, 2, 1), pdl=True)
+    rt.uses_pdl = lambda t: True
+    rt.rms_norm_triton(x, torch.ones(512, dtype=torch.bfloat16), 1e-6, residual=x.clone())
+    show()
+del os.environ["KVLOOM_PDL_RELEASE"]
 for pdl in (True, False):
     rt.uses_pdl = lambda t, pdl=pdl: pdl
     rt.rms_norm_triton(x, torch.ones(512, dtype=torch.bfloat16), 1e-6, residual=x.clone())
@@ -196,23 +228,29 @@ def test_the_gdc_variants_build_for_sm90_with_their_release_wait_and_prefetch(tm
     lines = [line for line in done.stdout.splitlines() if line.startswith("PTX")]
     gemv, norm = "PTX _gemv_kernel", "PTX _rms_norm_kernel"
     assert lines == [
-        *[f"{gemv} True True True"] * 2,
+        *[f"{gemv} True True True True"] * 2,
         *[f"{gemv} False False False"] * 2,
-        f"{gemv} True True False",  # KVLOOM_PDL_PREFETCH_LINES=0
-        f"{norm} True True False",
+        f"{gemv} True True False True",  # KVLOOM_PDL_PREFETCH_LINES=0
+        f"{gemv} True True True False",  # KVLOOM_PDL_RELEASE=loop: released after the wait
+        f"{norm} False True False",  # ... and the norm only at exit
+        f"{gemv} False True True",  # KVLOOM_PDL_RELEASE=exit
+        f"{norm} False True False",
+        f"{norm} True True False True",
         f"{norm} False False False",
-        *[f"PTX {name} True True False" for name in ATTENTION],
+        *[f"PTX {name} True True False True" for name in ATTENTION],
         *[f"PTX {name} False False False" for name in ATTENTION],
     ], done.stdout
 
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("release", ["start", "loop", "exit"])
 @pytest.mark.parametrize("plan", [None, GemvPlan(16, 256, 4, 3, split_k=4)])
-def test_gpu_chained_gemvs_give_the_same_bits_with_pdl(monkeypatch, plan):
+def test_gpu_chained_gemvs_give_the_same_bits_with_pdl(monkeypatch, plan, release):
     """An RMSNorm then three GEMVs, each reading the output of the launch before (the
-    hazard PDL must wait on), with and without PDL, eager and from a CUDA graph: the same
-    bits."""
+    hazard PDL must wait on), with and without PDL (each KVLOOM_PDL_RELEASE point), eager
+    and from a CUDA graph: the same bits."""
+    monkeypatch.setenv("KVLOOM_PDL_RELEASE", release)
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0+")
     gen = torch.Generator().manual_seed(7)
