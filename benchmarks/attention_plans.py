@@ -35,6 +35,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 import graph_timing  # noqa: E402
 
+from kvloom.kernels import paged_attention_triton as pa  # noqa: E402
 from kvloom.kernels.paged_attention_triton import (  # noqa: E402
     DECODE_KEYS_PER_SPLIT,
     decode_split_slots,
@@ -98,6 +99,25 @@ def graph_time_us(fn, repeats: int) -> float:
     return graph_timing.graph_time_us(fn, repeats)
 
 
+def with_short_plan(plan: str, fn):
+    """fn run under another short-row (decode) plan: "tTILE_wWARPS_sSTAGES", e.g. t128_w4_s2."""
+    tile, warps, stages = (int(part[1:]) for part in plan.split("_"))
+    real = pa._plans
+
+    def plans(*args):
+        short, long = real(*args)
+        return {**short, "TILE": tile, "num_warps": warps, "num_stages": stages}, long
+
+    def run():
+        pa._plans = plans
+        try:
+            return fn()
+        finally:
+            pa._plans = real
+
+    return run
+
+
 def split_decode_cases(args, device, dtype, shape, results) -> None:
     """The fixed-keys split decode beside the one-pass kernel, µs per launch in graphs."""
     hq, hkv, dim, block = shape
@@ -136,6 +156,20 @@ def split_decode_cases(args, device, dtype, shape, results) -> None:
                         lse=lse,
                         keys_per_split=split_keys,
                     )
+                for plan in args.short_plans:  # the decode plan's key tile and pipelining
+                    variants[f"split{split_keys}_graph_{plan}"] = with_short_plan(
+                        plan,
+                        partial(
+                            paged_attention_decode_split_triton,
+                            *args_,
+                            max_seq_len=args.graph_bound,
+                            parts=parts,
+                            part_lses=part_lses,
+                            out=out,
+                            lse=lse,
+                            keys_per_split=split_keys,
+                        ),
+                    )
             row = {"batch": batch, "context": keys}
             for name, fn in variants.items():
                 fn()
@@ -165,6 +199,12 @@ def main() -> None:
         "--split-keys", type=int, nargs="+", default=sorted({128, DECODE_KEYS_PER_SPLIT, 512})
     )
     parser.add_argument("--graph-bound", type=int, default=4096, help="max_model_len")
+    parser.add_argument(
+        "--short-plans",
+        nargs="*",
+        default=[],
+        help="other decode plans for the split decode, tTILE_wWARPS_sSTAGES (e.g. t128_w4_s2)",
+    )
     parser.add_argument("--repeats", type=int, default=50, help="launches per timed graph")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
