@@ -109,11 +109,11 @@ def with_short_plan(plan: str, fn):
         return {**short, "TILE": tile, "num_warps": warps, "num_stages": stages}, long
 
     def run():
-        pa._plans = plans
+        pa._plans, split_plan, pa.DECODE_SPLIT_PLAN = plans, pa.DECODE_SPLIT_PLAN, None
         try:
             return fn()
         finally:
-            pa._plans = real
+            pa._plans, pa.DECODE_SPLIT_PLAN = real, split_plan
 
     return run
 

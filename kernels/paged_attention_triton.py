@@ -956,6 +956,27 @@ def decode_split_slots(
     return max(1, -(-block_tables.shape[1] * kv_cache.shape[2] // keys_per_split))
 
 
+# The split decode's key tile and pipelining where a split holds whole 128-key tiles and
+# the short plan's tile is the narrow one for heads of at most 128 dims in a half type.
+# Timed in CUDA graphs on an H100 (Qwen3-8B heads, 256 keys a split; attention_plans.py
+# --short-plans, docs/benchmarks/data/split_decode_plans_h100_2026-12-06s19.json): 7.5
+# against 9.1 us at one row of 128 keys, 13.3 against 15.5 at 4,096, 12.9 against 16.1 at
+# 8 rows of 640, 65.5 against 64.5 at 8 rows of 4,096. A split's sums then run over other
+# tiles (other bits than the 64-key tile's), still the row's own keys alone.
+DECODE_SPLIT_PLAN = {"TILE": 128, "num_warps": 4, "num_stages": 2}
+
+
+def decode_split_plan(short: dict, keys_per_split: int) -> dict:
+    """The plan the split decode's attention launch runs: the short-row plan, with
+    DECODE_SPLIT_PLAN's tile where that plan's tile is 64 keys and keys_per_split holds
+    whole 128-key tiles (never the float32, wide-head or MLA plans)."""
+    if DECODE_SPLIT_PLAN is None or short["TILE"] != 64:
+        return short
+    if keys_per_split % DECODE_SPLIT_PLAN["TILE"]:
+        return short
+    return {**short, **DECODE_SPLIT_PLAN}
+
+
 def decode_split_grid(num_rows: int, num_kv_heads: int, max_splits: int, num_sms: int) -> int:
     """The grid's split dimension: DECODE_PROGRAMS_PER_SM programs per SM, no more than
     the splits a row may have. It sets how the work is spread, never a result."""
@@ -1060,6 +1081,7 @@ def paged_attention_decode_split_triton(
         )
     short, _ = _plans(num_q_heads // num_kv_heads, head_dim, q.dtype)
     _positive_int("keys_per_split", keys_per_split)
+    short = decode_split_plan(short, keys_per_split)
     if keys_per_split % short["TILE"]:
         raise ValueError(
             f"keys_per_split: must be a multiple of the key tile {short['TILE']}, got "

@@ -32,6 +32,9 @@ from kvloom.kernels.merge_attention_states_triton import merge_attention_states_
 from kvloom.kernels.paged_attention import paged_attention_ref
 from kvloom.kernels.paged_attention_triton import (
     DECODE_KEYS_PER_SPLIT,
+    DECODE_SPLIT_PLAN,
+    _plans,
+    decode_split_plan,
     decode_split_slots,
     paged_attention_decode_split_triton,
     paged_attention_triton,
@@ -196,6 +199,34 @@ def test_half_precision(dtype, window):
     out, _ = run_split(case, keys)
     one_pass, _ = paged_attention_triton(**case, max_query_len=1)
     check_close(f"split {dtype} w{window} vs one pass", out, one_pass, *ATTN_TOL[dtype])
+
+
+def test_the_split_plan_takes_128_key_tiles_where_a_split_holds_them():
+    """DECODE_SPLIT_PLAN replaces the half-precision short plan's 64-key tile when a
+    split is whole 128-key tiles; float32 (32-key tile), MLA's 16 and 64-key splits keep
+    the short plan."""
+    half, _ = _plans(4, 128, torch.bfloat16)
+    assert decode_split_plan(half, 256) == {**half, **DECODE_SPLIT_PLAN}
+    assert decode_split_plan(half, 256)["TILE"] == 128
+    assert decode_split_plan(half, 64) == half
+    assert decode_split_plan(half, 192) == half  # not whole 128-key tiles
+    wide, _ = _plans(4, 128, torch.float32)
+    assert decode_split_plan(wide, 256) == wide
+    mla, _ = _plans(16, 576, torch.bfloat16)
+    assert decode_split_plan(mla, 256) == mla
+
+
+def test_half_precision_with_the_128_key_split_tile():
+    """The production split size's plan (128-key tiles) against the reference, the one-
+    pass kernel and a split count that makes the grid loop over splits."""
+    keys = 128
+    rows = Rows([1, 100, keys, keys + 1, 3 * keys + 5], seed=5)
+    case = rows.case(range(5), q_dtype=torch.bfloat16, pad_rows=1)
+    out, _ = check_reference("split bf16 k128", case, keys, grid_splits=2)
+    one_pass, _ = paged_attention_triton(**case, max_query_len=1)
+    check_close("split bf16 k128 vs one pass", out, one_pass, *ATTN_TOL[torch.bfloat16])
+    again, _ = run_split(case, keys, grid_splits=1)
+    assert torch.equal(out, again)  # the grid never changes a split's sums
 
 
 @pytest.mark.parametrize(("dcp", "window"), [(2, None), (4, None), (2, 9), (4, 50)])
