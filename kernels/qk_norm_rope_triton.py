@@ -8,7 +8,9 @@ the finished row.
 
 Grid: one program per (token, head) over the Hq query heads followed by the Hk key heads,
 so q and k share the launch; the program branches once on which tensor its head is in.
-Per-head programs keep decode (T = 1) spread over ~Hq + Hk SMs instead of a few.
+Per-head programs keep decode (T = 1) spread over ~Hq + Hk SMs instead of a few. From
+MANY_TOKENS tokens a program takes TOKENS_PER_PROGRAM tokens of its head, each by the same
+per-row code: the same bits, far fewer programs at prefill sizes.
 
 Rounding follows the two references step by step: the norm runs in float32 and is rounded
 to the activation dtype before the weight multiplies (weight_offset = 0), or multiplies by
@@ -46,6 +48,17 @@ from kvloom.kernels.kv_cache_write_triton import check_kv_write_args, to_cache
 from kvloom.kernels.pdl_triton import pdl_launch, pdl_release_then_wait, uses_pdl
 
 MAX_HEAD_DIM = 8192  # one program holds a whole head row in registers
+# Tokens per program (the kernel's TOKENS) from this many tokens up; one below. Same bits.
+MANY_TOKENS = 1024
+TOKENS_PER_PROGRAM = 8
+
+
+def tokens_per_program(num_tokens: int) -> int:
+    """One token a program at decode sizes (spread over the SMs), TOKENS_PER_PROGRAM at
+    prefill sizes: the plan by size, never a different result (invariant 7)."""
+    return TOKENS_PER_PROGRAM if num_tokens >= MANY_TOKENS else 1
+
+
 MAX_HEADS = 65535  # the grid's second dimension
 POSITION_DTYPES = (torch.int32, torch.int64)
 
@@ -62,7 +75,7 @@ def _normalize(x, w_ptrs, mask, rstd, weight_offset, DTYPE: tl.constexpr, HAS_OF
     return out.to(DTYPE).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # T changes every step: no recompiles
 def _qk_norm_rope_kernel(
     q_ptr,
     k_ptr,
@@ -95,6 +108,7 @@ def _qk_norm_rope_kernel(
     block_size,
     k_inv_scale,
     v_inv_scale,
+    num_tokens,
     NUM_Q_HEADS: tl.constexpr,
     NUM_K_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -106,83 +120,94 @@ def _qk_norm_rope_kernel(
     WRITE_CACHE: tl.constexpr,
     QUANT: tl.constexpr,
     DIM_PAD: tl.constexpr,
+    TOKENS: tl.constexpr = 1,
     GDC: tl.constexpr = 0,
 ):
     pdl_release_then_wait(GDC)  # kernels/pdl_triton.py
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    if head < NUM_Q_HEADS:
-        src = q_ptr + token * stride_qt + head * stride_qh
-        dst = q_out_ptr + (token * NUM_Q_HEADS + head) * HEAD_DIM
-        w_ptr = q_weight_ptr
-    else:
-        k_head = head - NUM_Q_HEADS
-        src = k_ptr + token * stride_kt + k_head * stride_kh
-        dst = k_out_ptr + (token * NUM_K_HEADS + k_head) * HEAD_DIM
-        w_ptr = k_weight_ptr
-    dtype = q_out_ptr.dtype.element_ty
+    # Program (b, h): head h of tokens b * TOKENS ... b * TOKENS + TOKENS - 1, each by the
+    # same per-row code (so the same bits at any TOKENS): many tokens a program at
+    # prefill sizes, where one-token programs are too short to keep loads in flight; one
+    # at decode sizes, spread over the SMs.
+    first = tl.program_id(0).to(tl.int64) * TOKENS
+    for i in tl.static_range(TOKENS):
+        # Past the last token a program redoes the last one: the same values to the same
+        # places, so no store needs a mask and the unrolled tokens' loads can overlap.
+        token = tl.minimum(first + i, num_tokens - 1)
+        head = tl.program_id(1)
+        if head < NUM_Q_HEADS:
+            src = q_ptr + token * stride_qt + head * stride_qh
+            dst = q_out_ptr + (token * NUM_Q_HEADS + head) * HEAD_DIM
+            w_ptr = q_weight_ptr
+        else:
+            k_head = head - NUM_Q_HEADS
+            src = k_ptr + token * stride_kt + k_head * stride_kh
+            dst = k_out_ptr + (token * NUM_K_HEADS + k_head) * HEAD_DIM
+            w_ptr = k_weight_ptr
+        dtype = q_out_ptr.dtype.element_ty
 
-    # The row in three pieces: the two rotary halves and the pass-through tail.
-    dims = tl.arange(0, HALF_PAD)
-    half_mask = dims < HALF
-    x1 = tl.load(src + dims, mask=half_mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF + dims, mask=half_mask, other=0.0).to(tl.float32)
-    if PASS_PAD > 0:
-        rest = tl.arange(0, PASS_PAD)
-        rest_mask = rest < HEAD_DIM - 2 * HALF
-        xr = tl.load(src + 2 * HALF + rest, mask=rest_mask, other=0.0).to(tl.float32)
-
-    if HAS_WEIGHT:
-        sum_sq = tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)
+        # The row in three pieces: the two rotary halves and the pass-through tail.
+        dims = tl.arange(0, HALF_PAD)
+        half_mask = dims < HALF
+        x1 = tl.load(src + dims, mask=half_mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + dims, mask=half_mask, other=0.0).to(tl.float32)
         if PASS_PAD > 0:
-            sum_sq += tl.sum(xr * xr, axis=0)
-        rstd = tl.rsqrt(sum_sq / HEAD_DIM + eps)
-        x1 = _normalize(x1, w_ptr + dims, half_mask, rstd, weight_offset, dtype, HAS_OFFSET)
-        x2 = _normalize(x2, w_ptr + HALF + dims, half_mask, rstd, weight_offset, dtype, HAS_OFFSET)
-        if PASS_PAD > 0:
-            w_rest = w_ptr + 2 * HALF + rest
-            xr = _normalize(xr, w_rest, rest_mask, rstd, weight_offset, dtype, HAS_OFFSET)
+            rest = tl.arange(0, PASS_PAD)
+            rest_mask = rest < HEAD_DIM - 2 * HALF
+            xr = tl.load(src + 2 * HALF + rest, mask=rest_mask, other=0.0).to(tl.float32)
 
-    # Gather this token's cos/sin and round them to the activation dtype, as the reference.
-    pos = tl.load(pos_ptr + token * stride_pos).to(tl.int64)
-    cos = tl.load(cos_ptr + pos * stride_cos + dims, mask=half_mask, other=0.0)
-    sin = tl.load(sin_ptr + pos * stride_sin + dims, mask=half_mask, other=0.0)
-    cos = cos.to(dtype).to(tl.float32)
-    sin = sin.to(dtype).to(tl.float32)
-    x1c = (x1 * cos).to(dtype).to(tl.float32)
-    x2s = (x2 * sin).to(dtype).to(tl.float32)
-    x2c = (x2 * cos).to(dtype).to(tl.float32)
-    x1s = (x1 * sin).to(dtype).to(tl.float32)
-    out1 = (x1c - x2s).to(dtype)
-    out2 = (x2c + x1s).to(dtype)
-    tl.store(dst + dims, out1, mask=half_mask)
-    tl.store(dst + HALF + dims, out2, mask=half_mask)
-    if PASS_PAD > 0:
-        tl.store(dst + 2 * HALF + rest, xr.to(dtype), mask=rest_mask)
-
-    if WRITE_CACHE:  # a constexpr branch: nothing of it is compiled without a cache write
-        k_head = head - NUM_Q_HEADS
-        if k_head >= 0:
-            _store_key_value(
-                out1,
-                out2,
-                xr if PASS_PAD > 0 else out1,  # out1 stands in when there is no tail
-                v_ptr + token * stride_vt + k_head * stride_vh,
-                cache_ptr + k_head * stride_ch,
-                tl.load(slot_ptr + token * stride_slot).to(tl.int64),
-                stride_ckv,
-                stride_cb,
-                stride_co,
-                block_size,
-                k_inv_scale,
-                v_inv_scale,
-                QUANT,
-                HEAD_DIM,
-                HALF,
-                HALF_PAD,
-                PASS_PAD,
-                DIM_PAD,
+        if HAS_WEIGHT:
+            sum_sq = tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)
+            if PASS_PAD > 0:
+                sum_sq += tl.sum(xr * xr, axis=0)
+            rstd = tl.rsqrt(sum_sq / HEAD_DIM + eps)
+            x1 = _normalize(x1, w_ptr + dims, half_mask, rstd, weight_offset, dtype, HAS_OFFSET)
+            x2 = _normalize(
+                x2, w_ptr + HALF + dims, half_mask, rstd, weight_offset, dtype, HAS_OFFSET
             )
+            if PASS_PAD > 0:
+                w_rest = w_ptr + 2 * HALF + rest
+                xr = _normalize(xr, w_rest, rest_mask, rstd, weight_offset, dtype, HAS_OFFSET)
+
+        # Gather this token's cos/sin and round them to the activation dtype, as the reference.
+        pos = tl.load(pos_ptr + token * stride_pos).to(tl.int64)
+        cos = tl.load(cos_ptr + pos * stride_cos + dims, mask=half_mask, other=0.0)
+        sin = tl.load(sin_ptr + pos * stride_sin + dims, mask=half_mask, other=0.0)
+        cos = cos.to(dtype).to(tl.float32)
+        sin = sin.to(dtype).to(tl.float32)
+        x1c = (x1 * cos).to(dtype).to(tl.float32)
+        x2s = (x2 * sin).to(dtype).to(tl.float32)
+        x2c = (x2 * cos).to(dtype).to(tl.float32)
+        x1s = (x1 * sin).to(dtype).to(tl.float32)
+        out1 = (x1c - x2s).to(dtype)
+        out2 = (x2c + x1s).to(dtype)
+        tl.store(dst + dims, out1, mask=half_mask)
+        tl.store(dst + HALF + dims, out2, mask=half_mask)
+        if PASS_PAD > 0:
+            tl.store(dst + 2 * HALF + rest, xr.to(dtype), mask=rest_mask)
+
+        if WRITE_CACHE:  # a constexpr branch: nothing of it is compiled without a cache write
+            k_head = head - NUM_Q_HEADS
+            if k_head >= 0:
+                _store_key_value(
+                    out1,
+                    out2,
+                    xr if PASS_PAD > 0 else out1,  # out1 stands in when there is no tail
+                    v_ptr + token * stride_vt + k_head * stride_vh,
+                    cache_ptr + k_head * stride_ch,
+                    tl.load(slot_ptr + token * stride_slot).to(tl.int64),
+                    stride_ckv,
+                    stride_cb,
+                    stride_co,
+                    block_size,
+                    k_inv_scale,
+                    v_inv_scale,
+                    QUANT,
+                    HEAD_DIM,
+                    HALF,
+                    HALF_PAD,
+                    PASS_PAD,
+                    DIM_PAD,
+                )
 
 
 @triton.jit
@@ -317,7 +342,8 @@ def _launch(
     k_out = torch.empty((num_tokens, num_k_heads, head_dim), dtype=k.dtype, device=k.device)
     if num_tokens == 0 or num_q_heads + num_k_heads == 0 or head_dim == 0:
         return q_out, k_out
-    _qk_norm_rope_kernel[(num_tokens, num_q_heads + num_k_heads)](
+    tokens = tokens_per_program(num_tokens)
+    _qk_norm_rope_kernel[(triton.cdiv(num_tokens, tokens), num_q_heads + num_k_heads)](
         q,
         k,
         positions,
@@ -337,6 +363,7 @@ def _launch(
         float(eps),
         float(weight_offset),
         *_cache_args(cache, k),
+        num_tokens,
         NUM_Q_HEADS=num_q_heads,
         NUM_K_HEADS=num_k_heads,
         HEAD_DIM=head_dim,
@@ -348,6 +375,7 @@ def _launch(
         WRITE_CACHE=cache is not None,
         QUANT=cache is not None and cache[-1],
         DIM_PAD=next_power_of_2(head_dim),
+        TOKENS=tokens,
         num_warps=min(8, max(1, next_power_of_2(head_dim) // 256)),
         enable_fp_fusion=False,  # round after every op, as torch does
         **pdl_launch(uses_pdl(q)),

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from kvloom.kernels import ops
+from kvloom.kernels import qk_norm_rope_triton as qr
 from kvloom.kernels.kv_cache_write import FP8_DTYPE, quantize_kv
 from kvloom.kernels.kv_cache_write_triton import write_kv_cache_triton
 from kvloom.kernels.qk_norm_rope import qk_norm_rope_kv_write_ref, qk_norm_rope_ref
@@ -342,3 +343,71 @@ def test_gpu_real_shapes_and_cuda_graph(model, tokens, cache_dtype):
     assert torch.equal(graph_q, want_q) and torch.equal(graph_k, want_k)
     assert torch.equal(cache_bytes(cache), cache_bytes(want_cache))
     check_cache_contents(f"{name} replay", cache, graph_k, v, slots, *scales)
+
+
+def run_with_tokens_per_program(monkeypatch, per_program, args, v, cache_dtype, slots):
+    """The fused launch (and the plain one) with `per_program` tokens a program from the
+    first token on (1: one token a program at any size)."""
+    monkeypatch.setattr(qr, "MANY_TOKENS", 1)
+    monkeypatch.setattr(qr, "TOKENS_PER_PROGRAM", per_program)
+    cache = nan_cache(args[1].shape[1], args[1].shape[2], cache_dtype, num_blocks=16)
+    q_out, k_out = fused(args, v, cache, slots, 1.0, 1.0)
+    plain = qk_norm_rope_triton(*args)
+    return q_out, k_out, cache_bytes(cache), plain
+
+
+@pytest.mark.parametrize("per_program", [3, 8])
+@pytest.mark.parametrize("tokens", [5, 17])
+def test_many_tokens_a_program_give_the_same_bits(monkeypatch, per_program, tokens):
+    """Prefill sizes run several tokens of a head per program (the last program redoes
+    the last token where the count does not divide): q, k and the cache bytes are those
+    of one token a program, bit for bit, and every slot is written once as before."""
+    case = (tokens, 4, 2, 64, 64, 0.0, torch.bfloat16)
+    qkv, args = make_case(*case, seed=seed_of("per program", tokens))
+    v = split_v(qkv, 4, 2, 64)
+    gen = torch.Generator().manual_seed(tokens)
+    slots = torch.randperm(16 * BLOCK_SIZE, generator=gen)[:tokens].to(DEVICE)
+    slots[-1] = -1  # a padding token last: the redone token writes nothing either
+    want = run_with_tokens_per_program(monkeypatch, 1, args, v, torch.bfloat16, slots)
+    got = run_with_tokens_per_program(monkeypatch, per_program, args, v, torch.bfloat16, slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[2], want[2])
+    assert all(torch.equal(g, w) for g, w in zip(got[3], want[3], strict=True))
+    ref_q, ref_k = qk_norm_rope_ref(*args)
+    assert_matches("per program q", got[0], ref_q)
+
+
+def test_tokens_per_program_by_size():
+    assert qr.tokens_per_program(1) == 1
+    assert qr.tokens_per_program(qr.MANY_TOKENS - 1) == 1
+    assert qr.tokens_per_program(qr.MANY_TOKENS) == qr.TOKENS_PER_PROGRAM > 1
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "q_heads,k_heads,dim,rot,offset", [(32, 8, 128, 128, 0.0), (16, 2, 256, 64, 1.0)]
+)
+def test_gpu_many_tokens_a_program_give_the_same_bits(
+    monkeypatch, q_heads, k_heads, dim, rot, offset
+):
+    """Compiled, at Qwen3-8B's and Qwen3-Next's head shapes: 2,053 tokens (not a multiple
+    of TOKENS_PER_PROGRAM) with the prefill plan equal one token a program bit for bit."""
+    tokens = 2053
+    case = (tokens, q_heads, k_heads, dim, rot, offset, torch.bfloat16)
+    qkv, args = make_case(*case, seed=seed_of("gpu per program", dim), max_pos=40960)
+    v = split_v(qkv, q_heads, k_heads, dim)
+    slots = torch.randperm(16 * BLOCK_SIZE * 40)[:tokens].to(DEVICE)
+    cache_blocks = 16 * 40
+
+    def run(per_program):
+        monkeypatch.setattr(qr, "MANY_TOKENS", 1)
+        monkeypatch.setattr(qr, "TOKENS_PER_PROGRAM", per_program)
+        cache = nan_cache(k_heads, dim, torch.bfloat16, num_blocks=cache_blocks)
+        q_out, k_out = fused(args, v, cache, slots, 1.0, 1.0)
+        return q_out, k_out, cache_bytes(cache)
+
+    want = run(1)
+    for per_program in (4, qr.TOKENS_PER_PROGRAM, 16):
+        got = run(per_program)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), per_program
