@@ -60,7 +60,7 @@ def main() -> int:
         moved = tokens * (2 * Q_HEADS + 5 * K_HEADS) * DIM * 2
         want = None
         for per_program in args.per_program:
-            qr.MANY_TOKENS, qr.TOKENS_PER_PROGRAM = 1, per_program
+            qr.tokens_per_program = lambda num_tokens, n=per_program: n
 
             def run(launch_args=launch_args, cache=cache, slots=slots):
                 return qr.qk_norm_rope_kv_write_triton(*launch_args, cache, slots)

@@ -8,9 +8,9 @@ the finished row.
 
 Grid: one program per (token, head) over the Hq query heads followed by the Hk key heads,
 so q and k share the launch; the program branches once on which tensor its head is in.
-Per-head programs keep decode (T = 1) spread over ~Hq + Hk SMs instead of a few. From
-MANY_TOKENS tokens a program takes TOKENS_PER_PROGRAM tokens of its head, each by the same
-per-row code: the same bits, far fewer programs at prefill sizes.
+Per-head programs keep decode (T = 1) spread over ~Hq + Hk SMs instead of a few. At
+prefill sizes a program takes several tokens of its head (`tokens_per_program`), each by
+the same per-row code: the same bits, far fewer programs.
 
 Rounding follows the two references step by step: the norm runs in float32 and is rounded
 to the activation dtype before the weight multiplies (weight_offset = 0), or multiplies by
@@ -48,15 +48,21 @@ from kvloom.kernels.kv_cache_write_triton import check_kv_write_args, to_cache
 from kvloom.kernels.pdl_triton import pdl_launch, pdl_release_then_wait, uses_pdl
 
 MAX_HEAD_DIM = 8192  # one program holds a whole head row in registers
-# Tokens per program (the kernel's TOKENS) from this many tokens up; one below. Same bits.
-MANY_TOKENS = 1024
-TOKENS_PER_PROGRAM = 8
+# Tokens per program (the kernel's TOKENS): TOKENS_PER_PROGRAM from MANY_TOKENS tokens
+# up, 2 from 128, else 1. Same bits at each. Timed in graphs on an H100, Qwen3-8B heads
+# (benchmarks/qk_norm_rope_plans.py; data/qk_norm_rope_plans_h100_2026-12-06s19.json),
+# us at 1 / 2 / 4 tokens a program: 64 tokens 3.35 / 3.49 / 4.73; 128: 4.89 / 3.73 / 4.89;
+# 512: 14.2 / 8.5 / 7.3; 16,384: 396.5 / 227.8 / 186.4 (8: 186.1).
+MANY_TOKENS = 512
+TOKENS_PER_PROGRAM = 4
 
 
 def tokens_per_program(num_tokens: int) -> int:
-    """One token a program at decode sizes (spread over the SMs), TOKENS_PER_PROGRAM at
-    prefill sizes: the plan by size, never a different result (invariant 7)."""
-    return TOKENS_PER_PROGRAM if num_tokens >= MANY_TOKENS else 1
+    """One token a program at decode sizes (spread over the SMs), more at prefill sizes:
+    the plan by size, never a different result (invariant 7)."""
+    if num_tokens >= MANY_TOKENS:
+        return TOKENS_PER_PROGRAM
+    return 2 if num_tokens >= 128 else 1
 
 
 MAX_HEADS = 65535  # the grid's second dimension

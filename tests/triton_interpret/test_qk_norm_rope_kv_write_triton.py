@@ -348,8 +348,7 @@ def test_gpu_real_shapes_and_cuda_graph(model, tokens, cache_dtype):
 def run_with_tokens_per_program(monkeypatch, per_program, args, v, cache_dtype, slots):
     """The fused launch (and the plain one) with `per_program` tokens a program from the
     first token on (1: one token a program at any size)."""
-    monkeypatch.setattr(qr, "MANY_TOKENS", 1)
-    monkeypatch.setattr(qr, "TOKENS_PER_PROGRAM", per_program)
+    monkeypatch.setattr(qr, "tokens_per_program", lambda num_tokens: per_program)
     cache = nan_cache(args[1].shape[1], args[1].shape[2], cache_dtype, num_blocks=16)
     q_out, k_out = fused(args, v, cache, slots, 1.0, 1.0)
     plain = qk_norm_rope_triton(*args)
@@ -378,9 +377,9 @@ def test_many_tokens_a_program_give_the_same_bits(monkeypatch, per_program, toke
 
 
 def test_tokens_per_program_by_size():
-    assert qr.tokens_per_program(1) == 1
-    assert qr.tokens_per_program(qr.MANY_TOKENS - 1) == 1
-    assert qr.tokens_per_program(qr.MANY_TOKENS) == qr.TOKENS_PER_PROGRAM > 1
+    assert qr.tokens_per_program(1) == qr.tokens_per_program(127) == 1
+    assert qr.tokens_per_program(128) == qr.tokens_per_program(qr.MANY_TOKENS - 1) == 2
+    assert qr.tokens_per_program(qr.MANY_TOKENS) == qr.TOKENS_PER_PROGRAM > 2
 
 
 @gpu
@@ -401,13 +400,12 @@ def test_gpu_many_tokens_a_program_give_the_same_bits(
     cache_blocks = 16 * 40
 
     def run(per_program):
-        monkeypatch.setattr(qr, "MANY_TOKENS", 1)
-        monkeypatch.setattr(qr, "TOKENS_PER_PROGRAM", per_program)
+        monkeypatch.setattr(qr, "tokens_per_program", lambda num_tokens: per_program)
         cache = nan_cache(k_heads, dim, torch.bfloat16, num_blocks=cache_blocks)
         q_out, k_out = fused(args, v, cache, slots, 1.0, 1.0)
         return q_out, k_out, cache_bytes(cache)
 
     want = run(1)
-    for per_program in (4, qr.TOKENS_PER_PROGRAM, 16):
+    for per_program in (2, 4, 8, 16):
         got = run(per_program)
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), per_program
