@@ -9,8 +9,10 @@ earlier launch reads. What it may do before the wait is work on data no launch w
 GEMV prefetches its weight rows into L2, so a decode step's weight stream need not stop
 between launches. CUDA graphs keep the dependency as a programmatic edge.
 
-Opt-in (`pdl` of contracts/envs.py: KVLOOM_FUSED=pdl) until a GPU lease has timed it. It
-changes when work starts, never what is computed: same bits either way.
+Opt-in (`pdl` of contracts/envs.py: KVLOOM_FUSED=pdl): an H100 measured it slower at every
+release point (Qwen3-8B batch 1, 6.240 ms/token without it; with it 7.785 releasing at the
+start, 6.348 after the GEMV's loop, 6.373 at exit). It changes when work starts, never
+what is computed: same bits either way.
 """
 
 from __future__ import annotations

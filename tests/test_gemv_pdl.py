@@ -70,7 +70,7 @@ def test_launch_passes_gdc_to_the_gemv_only(monkeypatch, pdl, split_k):
     x, w = torch.ones(1, 256), torch.ones(64, 256)
     launch_gemv(x, w, None, torch.empty(1, 64), GemvPlan(16, 128, 4, 1, split_k), pdl=pdl)
     [kwargs] = gemv.launches
-    assert kwargs["GDC"] == (1 if pdl else 0)  # KVLOOM_PDL_RELEASE's default, "start"
+    assert kwargs["GDC"] == (2 if pdl else 0)  # KVLOOM_PDL_RELEASE's default, "loop"
     assert kwargs.get("launch_pdl", False) is pdl
     # 128-byte lines of fp32 weight (32 elements) over the program's K range
     span = 256 // split_k
@@ -97,7 +97,7 @@ def test_prefetch_is_the_first_lines_of_each_row_only(monkeypatch, setting, line
     assert (kwargs["PREFETCH_LINES"], kwargs["LINE"]) == (lines, 64)
 
 
-@pytest.mark.parametrize("setting,gdc", [(None, 1), ("start", 1), ("loop", 2), ("EXIT", 3)])
+@pytest.mark.parametrize("setting,gdc", [(None, 2), ("start", 1), ("loop", 2), ("EXIT", 3)])
 def test_the_release_point_is_the_gdc_constexpr(monkeypatch, setting, gdc):
     if setting is None:
         monkeypatch.delenv("KVLOOM_PDL_RELEASE", raising=False)
@@ -171,6 +171,7 @@ def show():
 
 
 compiler.compile = compile
+os.environ["KVLOOM_PDL_RELEASE"] = "start"  # the variants below release first thing
 x = torch.ones(1, 512, dtype=torch.bfloat16)
 w = torch.ones(256, 512, dtype=torch.bfloat16)
 for pdl in (True, False):
@@ -188,7 +189,7 @@ for release in ("loop", "exit"):  # after the GEMV's main loop, then at exit onl
     rt.uses_pdl = lambda t: True
     rt.rms_norm_triton(x, torch.ones(512, dtype=torch.bfloat16), 1e-6, residual=x.clone())
     show()
-del os.environ["KVLOOM_PDL_RELEASE"]
+os.environ["KVLOOM_PDL_RELEASE"] = "start"
 for pdl in (True, False):
     rt.uses_pdl = lambda t, pdl=pdl: pdl
     rt.rms_norm_triton(x, torch.ones(512, dtype=torch.bfloat16), 1e-6, residual=x.clone())
