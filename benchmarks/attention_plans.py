@@ -8,7 +8,8 @@ plan change is chosen by measurement (issue 7's next step), in one device call:
   (`paged_attention_decode_split_triton`, fixed-size key splits) beside the one-pass
   kernel, at batch 1/8/64/256 x context 128/640/4096, for split sizes of 128, 256 (the
   plan constant) and 512 keys, its grid sized from the real lengths and from a CUDA
-  graph's bound (`--graph-bound`, max_model_len). Each is timed inside a CUDA graph of
+  graph's bound (`--graph-bound`, max_model_len), and with its merge done in the attention
+  launch (`split_merge`, "_merged"). Each is timed inside a CUDA graph of
   `--repeats` launches (no host overhead; CUDA events), as the decode graphs run it.
 
     python benchmarks/attention_plans.py --out $OUT/attention_plans.json
@@ -156,6 +157,19 @@ def split_decode_cases(args, device, dtype, shape, results) -> None:
                         lse=lse,
                         keys_per_split=split_keys,
                     )
+                counters = torch.zeros(tokens, hkv, dtype=torch.int32, device=device)
+                variants[f"split{split_keys}_graph_merged"] = partial(  # no merge launch
+                    paged_attention_decode_split_triton,
+                    *args_,
+                    max_seq_len=args.graph_bound,
+                    parts=parts,
+                    part_lses=part_lses,
+                    out=out,
+                    lse=lse,
+                    keys_per_split=split_keys,
+                    merge_in_launch=True,
+                    counters=counters,
+                )
                 for plan in args.short_plans:  # the decode plan's key tile and pipelining
                     variants[f"split{split_keys}_graph_{plan}"] = with_short_plan(
                         plan,

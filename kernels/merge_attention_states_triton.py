@@ -8,7 +8,9 @@ One program merges one (token, head): it reads every part's row before it writes
 output may alias an input (`out=outputs[0]`, `out_lse=lses[0]`, as a DCP merge into the
 local result does). The output may have another dtype than the parts (float32 partials
 merged straight into a bfloat16 output). `merge_parts` is the merge itself, shared with the
-split-KV decode's merge (paged_attention_triton), so both sum in the same order.
+split-KV decode's merge (paged_attention_triton), so both sum in the same order;
+`merge_part_rows` is the same merge for a tile of rows (the split decode merging in its
+attention launch).
 """
 
 from __future__ import annotations
@@ -59,6 +61,44 @@ def merge_parts(
     total = tl.where(finite, total, 1.0)  # no keys anywhere: acc is 0
     merged_lse = tl.where(finite, shift + tl.log(total), float("-inf"))
     return acc / total, merged_lse
+
+
+@triton.jit
+def merge_part_rows(
+    lse_ptrs,
+    part_ptrs,
+    stride_lp,
+    stride_pp,
+    first,
+    last,
+    row_mask,
+    dim_mask,
+    BLOCK_M: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+):
+    """`merge_parts` for BLOCK_M (token, head) rows at once: lse_ptrs [BLOCK_M] and
+    part_ptrs [BLOCK_M, DIM_PAD] point at part `first` of each row. Every element takes
+    merge_parts' operations in its order (a part whose weight is 0 leaves the sum as it
+    was, unread), so each row's result is merge_parts' bit for bit. Rows outside row_mask
+    are not read."""
+    top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for p in range(first, last):
+        lse = tl.load(lse_ptrs + p * stride_lp, mask=row_mask, other=float("-inf"))
+        top = tl.maximum(top, lse.to(tl.float32))
+    finite = top > float("-inf")
+    shift = tl.where(finite, top, 0.0)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
+    for p in range(first, last):
+        lse = tl.load(lse_ptrs + p * stride_lp, mask=row_mask, other=float("-inf"))
+        weight = tl.exp(lse.to(tl.float32) - shift)
+        total += weight
+        read = (weight > 0.0)[:, None] & dim_mask[None, :]
+        part = tl.load(part_ptrs + p * stride_pp, mask=read, other=0.0)
+        acc = tl.where(read, acc + weight[:, None] * part.to(tl.float32), acc)
+    total = tl.where(finite, total, 1.0)
+    merged_lse = tl.where(finite, shift + tl.log(total), float("-inf"))
+    return acc / total[:, None], merged_lse
 
 
 @triton.jit

@@ -68,6 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvloom.contracts import envs
 from kvloom.kernels.arg_checks_triton import (
     check_dtype,
     check_last_dim_contiguous,
@@ -78,6 +79,7 @@ from kvloom.kernels.arg_checks_triton import (
 from kvloom.kernels.kv_cache_write import check_scale, is_fp8
 from kvloom.kernels.merge_attention_states_triton import (
     merge_attention_states_triton,
+    merge_part_rows,
     merge_parts,
 )
 from kvloom.kernels.pdl_triton import pdl_launch, pdl_release_then_wait, uses_pdl
@@ -298,6 +300,117 @@ def _store_result(
     tl.store(lse_ptrs, lse, mask=row_ok)
 
 
+@triton.jit
+def _store_final(
+    acc,
+    m_i,
+    l_i,
+    v_scale,
+    fin_ptr,
+    fin_lse_ptr,
+    token,
+    head,
+    dims,
+    dim_ok,
+    row_ok,
+    stride_ft,
+    stride_fh,
+    stride_flt,
+    stride_flh,
+    KV_FP8: tl.constexpr,
+):
+    """A row's only split stored as its result: the float32 partial `_store_result` would
+    write, then the merge of one part (weight exp(0) = 1 added to a zero sum, divided by
+    1), so the bits are those of the partial merged by the merge launch."""
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    part = acc / l_safe[:, None]
+    if KV_FP8:
+        part = part * v_scale
+    lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    out = (tl.zeros_like(part) + part) / 1.0
+    merged_lse = tl.where(has_keys, lse + tl.log(tl.full(lse.shape, 1.0, tl.float32)), lse)
+    out_ptrs = fin_ptr + token[:, None] * stride_ft + head[:, None] * stride_fh + dims[None, :]
+    tl.store(out_ptrs, out.to(fin_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(fin_lse_ptr + token * stride_flt + head * stride_flh, merged_lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_in_launch(
+    s_lo,
+    s_hi,
+    split,
+    grid_splits,
+    count_ptr,
+    parts_ptr,
+    lses_ptr,
+    fin_ptr,
+    fin_lse_ptr,
+    token,
+    head,
+    dims,
+    dim_ok,
+    row_ok,
+    stride_os,
+    stride_ot,
+    stride_oh,
+    stride_ls,
+    stride_lt,
+    stride_lh,
+    stride_ft,
+    stride_fh,
+    stride_flt,
+    stride_flh,
+    BLOCK_M: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+):
+    """The merge launch's work, done by the split decode's own programs (MERGE): a row of
+    several splits is merged by whichever of its programs stores its last partial (a
+    counter per (row, KV head) counts the stored splits; the merging program sets it back
+    to 0 for the next launch); a row without keys (padding) gets output 0, lse -inf from
+    its split-0 program. The merge reads the partials in split order by `merge_part_rows`,
+    so the result is the merge launch's bit for bit."""
+    n_splits = s_hi - s_lo
+    if n_splits > 1:
+        done = (n_splits - split + grid_splits - 1) // grid_splits  # splits this program stored
+        if done > 0:
+            # Every thread's partial stores before the release; the acquire before any read
+            # of the others' partials (the atomic's result reaches every thread through a
+            # barrier).
+            tl.debug_barrier()
+            stored = tl.atomic_add(count_ptr, done, sem="acq_rel", scope="gpu")
+            if stored + done == n_splits:
+                out, lse = merge_part_rows(
+                    lses_ptr + token * stride_lt + head * stride_lh,
+                    parts_ptr
+                    + token[:, None] * stride_ot
+                    + head[:, None] * stride_oh
+                    + dims[None, :],
+                    stride_ls,
+                    stride_os,
+                    s_lo,
+                    s_hi,
+                    row_ok,
+                    dim_ok,
+                    BLOCK_M,
+                    DIM_PAD,
+                )
+                fin = (
+                    fin_ptr + token[:, None] * stride_ft + head[:, None] * stride_fh + dims[None, :]
+                )
+                tl.store(
+                    fin, out.to(fin_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :]
+                )
+                tl.store(fin_lse_ptr + token * stride_flt + head * stride_flh, lse, mask=row_ok)
+                tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+    if (n_splits == 0) & (split == 0):
+        fin = fin_ptr + token[:, None] * stride_ft + head[:, None] * stride_fh + dims[None, :]
+        zeros = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
+        tl.store(fin, zeros.to(fin_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        no_keys = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        tl.store(fin_lse_ptr + token * stride_flt + head * stride_flh, no_keys, mask=row_ok)
+
+
 # Lengths change every step: no recompiles for their values (e.g. 1 or multiples of 16);
 # nor for the DCP rank (offset 0 would otherwise compile apart, as a multiple of 16).
 @triton.jit(
@@ -332,6 +445,14 @@ def _paged_attention_kernel(
     stride_ls,
     stride_lt,
     stride_lh,
+    fin_ptr,
+    fin_lse_ptr,
+    count_ptr,
+    stride_ft,
+    stride_fh,
+    stride_flt,
+    stride_flh,
+    stride_count,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
@@ -349,6 +470,7 @@ def _paged_attention_kernel(
     KV_FP8: tl.constexpr,
     KV_WIDEN: tl.constexpr,
     STRIDED: tl.constexpr,
+    MERGE: tl.constexpr = False,
     GDC: tl.constexpr = 0,
 ):
     pdl_release_then_wait(GDC)  # kernels/pdl_triton.py
@@ -366,7 +488,10 @@ def _paged_attention_kernel(
     # ROWS picks the rows this launch serves: all, short ones (q_len <= SHORT_ROW) or long.
     mine = first_tok < q_len
     if ROWS == 1:
-        mine = mine & (q_len <= SHORT_ROW)
+        if MERGE:  # the padding tokens' outputs (0, lse -inf) are this launch's to write
+            mine = mine & ((q_len <= SHORT_ROW) | (row == num_rows))
+        else:
+            mine = mine & (q_len <= SHORT_ROW)
     if ROWS == 2:
         mine = mine & (q_len > SHORT_ROW)
 
@@ -488,27 +613,43 @@ def _paged_attention_kernel(
                     KV_WIDEN,
                     STRIDED,
                 )
-                _store_result(
-                    acc,
-                    m_i,
-                    l_i,
-                    v_scale,
-                    out_ptr,
-                    lse_ptr,
-                    s,
-                    token,
-                    head,
-                    dims,
-                    dim_ok,
-                    row_ok,
-                    stride_os,
-                    stride_ot,
-                    stride_oh,
-                    stride_ls,
-                    stride_lt,
-                    stride_lh,
-                    KV_FP8,
-                )
+                direct = False  # MERGE: a row's only split is its result (no partial, no merge)
+                if MERGE:
+                    direct = s_hi - s_lo == 1
+                if direct:
+                    _store_final(
+                        acc, m_i, l_i, v_scale, fin_ptr, fin_lse_ptr, token, head, dims, dim_ok,
+                        row_ok, stride_ft, stride_fh, stride_flt, stride_flh, KV_FP8,
+                    )  # fmt: skip
+                else:
+                    _store_result(
+                        acc,
+                        m_i,
+                        l_i,
+                        v_scale,
+                        out_ptr,
+                        lse_ptr,
+                        s,
+                        token,
+                        head,
+                        dims,
+                        dim_ok,
+                        row_ok,
+                        stride_os,
+                        stride_ot,
+                        stride_oh,
+                        stride_ls,
+                        stride_lt,
+                        stride_lh,
+                        KV_FP8,
+                    )
+            if MERGE:
+                _merge_in_launch(
+                    s_lo, s_hi, split, tl.num_programs(2), count_ptr + row * stride_count + kv_head,
+                    out_ptr, lse_ptr, fin_ptr, fin_lse_ptr, token, head, dims, dim_ok, row_ok,
+                    stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, stride_ft,
+                    stride_fh, stride_flt, stride_flh, BLOCK_M, DIM_PAD,
+                )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["window", "kv_stride", "kv_offset", "num_slots"])
@@ -713,11 +854,14 @@ def _launch(
     kv_offset=0,
     keys_per_split=0,
     num_slots=1,
+    merge=None,
 ):
     """One launch. `num_splits`: the grid's split dimension. With `keys_per_split` > 0
     (the fixed-size splits of the decode path) out / lse are the [num_slots, T, ...]
     partials and each program loops over its row's splits; else num_splits > 1 cuts
-    every program's keys into that many pieces, one per grid index."""
+    every program's keys into that many pieces, one per grid index. `merge`: (result,
+    result lse, counters [T, Hkv] int32 zeros) where the split decode merges its splits
+    in this launch (MERGE)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, page = kv_cache.shape[3], kv_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -727,6 +871,8 @@ def _launch(
     split_stride_out = out.stride(0) if partials else 0
     split_stride_lse = lse.stride(0) if partials else 0
     out_t, lse_t = (out[0], lse[0]) if partials else (out, lse)
+    # Without `merge`, placeholders of fixed types (never read: MERGE is off).
+    fin, fin_lse, counters = merge if merge is not None else (out_t, lse_t, seq_lens[:, None])
     grid = (num_tokens // plan["BLOCK_Q"] + num_rows + 1, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         q,
@@ -757,6 +903,14 @@ def _launch(
         split_stride_lse,
         lse_t.stride(0),
         lse_t.stride(1),
+        fin,
+        fin_lse,
+        counters,
+        fin.stride(0),
+        fin.stride(1),
+        fin_lse.stride(0),
+        fin_lse.stride(1),
+        counters.stride(0),
         GROUP=group,
         HEAD_DIM=head_dim,
         DIM_PAD=plan["DIM_PAD"],
@@ -774,6 +928,7 @@ def _launch(
         KV_FP8=fp8,
         KV_WIDEN=kv_cache.dtype != q.dtype,
         STRIDED=kv_stride > 1,
+        MERGE=merge is not None,
         num_warps=plan["num_warps"],
         num_stages=plan["num_stages"],
         **pdl_launch(uses_pdl(q)),
@@ -990,6 +1145,31 @@ def _num_sms(device: torch.device) -> int:
     return 8  # the interpreter: small grids, several splits per program still tested
 
 
+def uses_split_merge(q: torch.Tensor) -> bool:
+    """Whether the split decode merges in its attention launch: the opt-in `split_merge`
+    (KVLOOM_FUSED) on a GPU. Never interpreted: the counter's cross-program order is
+    what the GPU test checks (tests call the kernel with merge_in_launch=True)."""
+    return q.is_cuda and not envs.unfused("split_merge")
+
+
+def _split_counters(counters, num_tokens: int, num_kv_heads: int, device) -> torch.Tensor:
+    """The in-launch merge's counters: the given int32 zeros [>= T, Hkv] or new ones."""
+    if counters is None:
+        return torch.zeros((num_tokens, num_kv_heads), dtype=torch.int32, device=device)
+    if (
+        counters.dtype != torch.int32
+        or counters.dim() != 2
+        or counters.shape[0] < num_tokens
+        or counters.shape[1] != num_kv_heads
+        or counters.stride(1) != 1
+    ):
+        raise ValueError(
+            f"counters: expected int32 [>= {num_tokens}, {num_kv_heads}] with contiguous "
+            f"rows, got {counters.dtype} {tuple(counters.shape)}"
+        )
+    return counters
+
+
 def _split_buffers(parts, part_lses, slots, q):
     """Float32 partials [slots, T, Hq, D] and their lse [slots, T, Hq]: views of the given
     buffers (at least that large, e.g. a CUDA graph's scratch) or new ones."""
@@ -1048,6 +1228,8 @@ def paged_attention_decode_split_triton(
     kv_offset: int = 0,
     keys_per_split: int = DECODE_KEYS_PER_SPLIT,
     grid_splits: int | None = None,
+    merge_in_launch: bool | None = None,
+    counters: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV paged attention of a decode batch, batch invariant. Arguments and results
     as `paged_attention_triton`'s; the batch must have the decode layout: token i is row
@@ -1067,6 +1249,12 @@ def paged_attention_decode_split_triton(
     capacity). `parts` / `part_lses`: float32 buffers of at least [slots, T, Hq, D] /
     [slots, T, Hq] to reuse (a CUDA graph's scratch; slots = `decode_split_slots`), else
     allocated per call. `grid_splits` overrides the grid's split dimension (tests).
+
+    `merge_in_launch` (None: the opt-in `split_merge` of contracts/envs.py): no merge
+    launch; a row's only split is stored as its result, and a row of several is merged,
+    in the same order, by its program that stores the last partial (the same bits as the
+    two launches). It counts stored splits in `counters`, int32 zeros of at least [T, Hkv]
+    (a CUDA graph's scratch; left zero after each call), else allocated per call.
     """
     _check_args(q, kv_cache, block_tables, query_start_loc, seq_lens, sliding_window)
     _check_shard(kv_stride, kv_offset)
@@ -1096,6 +1284,10 @@ def paged_attention_decode_split_triton(
         return out, lse
     slots = decode_split_slots(block_tables, kv_cache, keys_per_split)
     parts, part_lses = _split_buffers(parts, part_lses, slots, q)
+    if merge_in_launch is None:
+        merge_in_launch = uses_split_merge(q)
+    if merge_in_launch:
+        counters = _split_counters(counters, num_tokens, num_kv_heads, q.device)
     if grid_splits is None:
         most = slots
         if max_seq_len is not None:
@@ -1122,7 +1314,10 @@ def paged_attention_decode_split_triton(
         kv_offset,
         keys_per_split,
         slots,
+        merge=(out, lse, counters) if merge_in_launch else None,
     )
+    if merge_in_launch:
+        return out, lse
     _merge_decode_splits_kernel[(num_tokens, num_q_heads)](
         parts,
         part_lses,

@@ -279,6 +279,26 @@ def test_gpu_pdl_gives_the_same_tokens(tiny_model, hybrid_model, arch, monkeypat
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("arch", GPU_ARCHS)
+def test_gpu_split_merge_gives_the_same_tokens(tiny_model, hybrid_model, arch, monkeypatch):
+    """The split-KV decode merging in its attention launch (KVLOOM_FUSED=split_merge) gives
+    the merge launch's bits, so the same greedy tokens from CUDA graphs in bfloat16."""
+    path = _model_path(tiny_model, hybrid_model, arch)
+
+    def tokens():
+        engine = Engine(model=str(path), dtype="bfloat16", device="cuda", max_num_seqs=16)
+        outputs = run_to_completion(engine, PROMPTS, greedy(24))
+        assert engine.executor.worker.runner.graphs.replays > 0
+        return [o.outputs[0].token_ids for o in outputs]
+
+    monkeypatch.delenv("KVLOOM_FUSED", raising=False)
+    monkeypatch.delenv("KVLOOM_UNFUSED", raising=False)
+    want = tokens()
+    monkeypatch.setenv("KVLOOM_FUSED", "split_merge")
+    assert tokens() == want
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
 def test_gpu_fresh_one_token_chunk_is_not_replayed(tiny_model, hybrid_model, arch):
     path = _model_path(tiny_model, hybrid_model, arch)

@@ -207,15 +207,21 @@ def test_engine_picks_the_split_path_for_true_decodes_only(tiny_model, monkeypat
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="runs the kernel interpreted on the CPU"
 )
-@pytest.mark.parametrize(("arch", "window"), [("llama", None), ("mistral", 24)])
+@pytest.mark.parametrize(
+    ("arch", "window", "merge"),
+    [("llama", None, False), ("mistral", 24, False), ("llama", None, True)],
+)
 def test_split_kernel_in_replayed_graphs_gives_the_reference_tokens(
-    tiny_model, monkeypatch, arch, window
+    tiny_model, monkeypatch, arch, window, merge
 ):
     """Float32 on the CPU: decode steps replay stand-in graphs and run the split-KV kernel
     (32-key splits, so rows cross several) over the graph's scratch, made once; padding
-    rows included. Tokens equal the torch reference engine's."""
+    rows included. Tokens equal the torch reference engine's. `merge`: the splits merged
+    in the attention launch (`split_merge`, forced on here), over the scratch's counters."""
     from kvloom.kernels import paged_attention_triton
 
+    if merge:
+        monkeypatch.setattr(paged_attention_triton, "uses_split_merge", lambda q: True)
     overrides = {} if window is None else dict(sliding_window=window)
     path = str(tiny_model(arch, **overrides))
     prompts = [PROMPTS[3], PROMPTS[6], PROMPTS[7]]
@@ -237,4 +243,6 @@ def test_split_kernel_in_replayed_graphs_gives_the_reference_tokens(
     # One scratch, made at the first (largest) capture and never remade.
     assert captured and all(len(c) == 2 for c in captured)  # (parts, lses), one shape
     assert len({tuple(c) for c in captured + [c["scratch"] for c in replayed]}) == 1
+    counters = list(replayed[0]["split"].scratch._counters.values())
+    assert len(counters) == int(merge) and not any(c.any() for c in counters)
     assert_pool_full(engine)

@@ -36,6 +36,7 @@ class DecodeSplitScratch:
     def __init__(self, max_rows: int):
         self.max_rows = max_rows
         self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._counters: dict[tuple, torch.Tensor] = {}
 
     def buffers(self, slots: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Partials [slots, T, Hq, D] and their lse [slots, T, Hq] for q [T, Hq, D]."""
@@ -51,6 +52,16 @@ class DecodeSplitScratch:
             )
         parts, lses = self._buffers[key]
         return parts[:, :num_tokens], lses[:, :num_tokens]
+
+    def counters(self, num_kv_heads: int, q: torch.Tensor) -> torch.Tensor:
+        """The in-launch merge's split counters (`split_merge`): int32 zeros [max_rows,
+        Hkv], which every call leaves zero again."""
+        key = ("counters", num_kv_heads, str(q.device))
+        if key not in self._counters:
+            self._counters[key] = torch.zeros(
+                (self.max_rows, num_kv_heads), dtype=torch.int32, device=q.device
+            )
+        return self._counters[key]
 
 
 @dataclass(frozen=True)

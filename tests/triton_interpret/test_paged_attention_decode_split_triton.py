@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 import os
+import types
+import zlib
 
 import pytest
 import torch
@@ -164,6 +166,10 @@ def check_reference(name, case, keys, **kwargs):
     check_close(f"{name} out", out, ref_out, *ATTN_TOL[dtype])
     check_close(f"{name} lse", lse, ref_lse, *LSE_TOL[dtype])
     return out, lse
+
+
+def zlib_seed(name: str) -> int:
+    return zlib.crc32(name.encode()) % 1000
 
 
 def edge_contexts(keys: int) -> list[int]:
@@ -334,6 +340,83 @@ def test_merge_ignores_parts_without_keys():
     assert torch.equal(none, torch.zeros_like(none)) and torch.isneginf(none_lse).all()
 
 
+def run_merged(case, keys, **kwargs):
+    """The split decode merging in its attention launch (`split_merge`), into NaN-filled
+    outputs and NaN-filled partials, with a counter buffer it must leave zero."""
+    q = case["q"]
+    counters = torch.zeros(q.shape[0] + 2, case["kv_cache"].shape[3], dtype=torch.int32)
+    counters = counters.to(q.device)
+    out, lse = run_split(case, keys, merge_in_launch=True, counters=counters, **kwargs)
+    assert not counters.any(), "the merge left a split counter set"
+    return out, lse
+
+
+MERGE_CASES = {
+    "float32, edge lengths, 2 padding rows": (torch.float32, None, dict(pad_rows=2), {}),
+    # more padding tokens than a short row has: the pseudo-row is still this launch's
+    "float32, 20 padding rows": (torch.float32, None, dict(pad_rows=20), {}),
+    "float32 window 40, grid 1": (torch.float32, 40, {}, dict(grid_splits=1)),
+    "float32 window 5, grid 3": (torch.float32, 5, {}, dict(grid_splits=3)),
+    "float32, grid 64": (torch.float32, None, {}, dict(grid_splits=64)),
+    "bfloat16, 3 padding rows": (torch.bfloat16, None, dict(pad_rows=3), {}),
+    "float16 window 70, grid 2": (torch.float16, 70, {}, dict(grid_splits=2)),
+    "dcp rank 1 of 2": (torch.float32, None, dict(kv_stride=2, kv_offset=1), {}),
+    "fp8 cache": (
+        torch.bfloat16,
+        None,
+        dict(cache_dtype=FP8_DTYPE, k_scale=0.03, v_scale=0.02),
+        {},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MERGE_CASES))
+def test_merging_in_the_attention_launch_gives_the_merge_launchs_bits(name):
+    """`split_merge`: a row of one split stored as its result, a row of several merged by
+    the program that stores its last partial, padding and keyless rows 0 / -inf: the
+    output and lse of the two launches, bit for bit, at every grid, window, DCP shard and
+    cache dtype here; the counters are zero afterwards; a second call (a graph replay's
+    reuse of the counters) gives the same bits."""
+    dtype, window, layout, kwargs = MERGE_CASES[name]
+    keys = SMALL_KEYS[dtype]
+    rows = Rows([0, *edge_contexts(keys)], seed=zlib_seed(name))
+    case = rows.case(range(len(rows.contexts)), window=window, q_dtype=dtype, **layout)
+    want = run_split(case, keys, merge_in_launch=False, **kwargs)
+    got = run_merged(case, keys, **kwargs)
+    assert torch.equal(got[0], want[0]), f"{name}: output"
+    assert torch.equal(got[1], want[1]), f"{name}: lse"
+    again = run_merged(case, keys, **kwargs)
+    assert torch.equal(again[0], want[0]) and torch.equal(again[1], want[1])
+
+
+def test_split_merge_is_opt_in_and_never_interpreted(monkeypatch):
+    from kvloom.kernels.paged_attention_triton import uses_split_merge
+
+    cuda = types.SimpleNamespace(is_cuda=True)
+    monkeypatch.delenv("KVLOOM_FUSED", raising=False)
+    monkeypatch.delenv("KVLOOM_UNFUSED", raising=False)
+    assert not uses_split_merge(cuda)
+    monkeypatch.setenv("KVLOOM_FUSED", "split_merge")
+    assert uses_split_merge(cuda)
+    assert not uses_split_merge(torch.ones(1))  # the CPU: never
+    monkeypatch.setenv("KVLOOM_UNFUSED", "split_merge")
+    assert not uses_split_merge(cuda)
+
+
+def test_rejects_bad_counters():
+    keys = SMALL_KEYS[torch.float32]
+    case = Rows([5, 40], seed=62).case([0, 1])
+    for bad in (
+        torch.zeros(2, case["kv_cache"].shape[3]),  # float32
+        torch.zeros(1, case["kv_cache"].shape[3], dtype=torch.int32),  # fewer rows than T
+        torch.zeros(2, case["kv_cache"].shape[3] + 1, dtype=torch.int32),
+    ):
+        with pytest.raises(ValueError, match="counters"):
+            paged_attention_decode_split_triton(
+                **case, keys_per_split=keys, merge_in_launch=True, counters=bad.to(DEVICE)
+            )
+
+
 def test_rejects_bad_arguments():
     keys = SMALL_KEYS[torch.float32]
     case = Rows([5, 40], seed=61).case([0, 1])
@@ -430,3 +513,47 @@ def test_gpu_split_decode_in_a_cuda_graph():
     torch.cuda.synchronize()
     want, want_lse = run_split(step, keys)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("window", [None, 1000])
+def test_gpu_merging_in_the_launch_gives_the_two_launches_bits(window):
+    """`split_merge` compiled, where programs of a row race to store their partials:
+    Qwen3-8B's shape in bfloat16, contexts 1 to 8192 (one split to 32) and 5 padding rows,
+    grids from the real lengths, a graph's bound and one program per row: the two
+    launches' output and lse bit for bit in 30 repeats each, then replayed 30 times from a
+    CUDA graph; the counters zero after every call."""
+    contexts = [1, 17, 255, 256, 257, 640, 1000, 2048, 4095, 4096, 5000, 8192]
+    rows = Rows(contexts, seed=91, **REAL)
+    keys = DECODE_KEYS_PER_SPLIT
+    case = rows.case(
+        range(len(contexts)), page=16, window=window, q_dtype=torch.bfloat16, pad_rows=5
+    )
+    for kwargs in ({}, dict(max_seq_len=40960), dict(grid_splits=1)):
+        want = run_split(case, keys, merge_in_launch=False, **kwargs)
+        for _ in range(30):
+            got = run_merged(case, keys, **kwargs)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), kwargs
+    out = torch.empty_like(case["q"])
+    lse = torch.empty(case["q"].shape[:2], device=DEVICE)
+    counters = torch.zeros(case["q"].shape[0], case["kv_cache"].shape[3], dtype=torch.int32)
+    counters = counters.to(DEVICE)
+
+    def launch():
+        paged_attention_decode_split_triton(
+            **case, max_seq_len=8192, out=out, lse=lse, merge_in_launch=True, counters=counters
+        )
+
+    launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    want = run_split(case, keys, merge_in_launch=False, max_seq_len=8192)
+    for _ in range(30):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+        assert not counters.any()
