@@ -144,46 +144,24 @@ def split_decode_cases(args, device, dtype, shape, results) -> None:
             variants = {"one_pass": one_pass}
             for split_keys in key_sizes:
                 slots = decode_split_slots(wide, kv, split_keys)
-                parts = torch.empty(slots, tokens, hq, dim, device=device)
-                part_lses = torch.empty(slots, tokens, hq, device=device)
-                for bound_name, bound in (("real", keys), ("graph", args.graph_bound)):
-                    variants[f"split{split_keys}_{bound_name}"] = partial(
-                        paged_attention_decode_split_triton,
-                        *args_,
-                        max_seq_len=bound,
-                        parts=parts,
-                        part_lses=part_lses,
-                        out=out,
-                        lse=lse,
-                        keys_per_split=split_keys,
-                    )
-                counters = torch.zeros(tokens, hkv, dtype=torch.int32, device=device)
-                variants[f"split{split_keys}_graph_merged"] = partial(  # no merge launch
+                split = partial(
                     paged_attention_decode_split_triton,
                     *args_,
-                    max_seq_len=args.graph_bound,
-                    parts=parts,
-                    part_lses=part_lses,
+                    parts=torch.empty(slots, tokens, hq, dim, device=device),
+                    part_lses=torch.empty(slots, tokens, hq, device=device),
                     out=out,
                     lse=lse,
                     keys_per_split=split_keys,
-                    merge_in_launch=True,
-                    counters=counters,
+                )
+                for bound_name, bound in (("real", keys), ("graph", args.graph_bound)):
+                    variants[f"split{split_keys}_{bound_name}"] = partial(split, max_seq_len=bound)
+                graph = partial(split, max_seq_len=args.graph_bound)
+                counters = torch.zeros(tokens, hkv, dtype=torch.int32, device=device)
+                variants[f"split{split_keys}_graph_merged"] = partial(  # no merge launch
+                    graph, merge_in_launch=True, counters=counters
                 )
                 for plan in args.short_plans:  # the decode plan's key tile and pipelining
-                    variants[f"split{split_keys}_graph_{plan}"] = with_short_plan(
-                        plan,
-                        partial(
-                            paged_attention_decode_split_triton,
-                            *args_,
-                            max_seq_len=args.graph_bound,
-                            parts=parts,
-                            part_lses=part_lses,
-                            out=out,
-                            lse=lse,
-                            keys_per_split=split_keys,
-                        ),
-                    )
+                    variants[f"split{split_keys}_graph_{plan}"] = with_short_plan(plan, graph)
             row = {"batch": batch, "context": keys}
             for name, fn in variants.items():
                 fn()

@@ -262,20 +262,21 @@ def test_gpu_pdl_gives_the_same_tokens(tiny_model, hybrid_model, arch, monkeypat
     the decode kernels start, never what they compute: in bfloat16, where the Triton
     decode kernels run, the same greedy tokens with and without it, from CUDA graphs."""
     path = _model_path(tiny_model, hybrid_model, arch)
-
-    def tokens():
-        engine = Engine(model=str(path), dtype="bfloat16", device="cuda", max_num_seqs=16)
-        outputs = run_to_completion(engine, PROMPTS, greedy(24))
-        assert engine.executor.worker.runner.graphs.replays > 0
-        return [o.outputs[0].token_ids for o in outputs]
-
     monkeypatch.delenv("KVLOOM_FUSED", raising=False)
     monkeypatch.delenv("KVLOOM_UNFUSED", raising=False)
-    want = tokens()
+    want = _graph_tokens(path)
     monkeypatch.setenv("KVLOOM_FUSED", "pdl")
     for release in ("start", "loop", "exit"):  # where each kernel lets the next one stage
         monkeypatch.setenv("KVLOOM_PDL_RELEASE", release)
-        assert tokens() == want, release
+        assert _graph_tokens(path) == want, release
+
+
+def _graph_tokens(path) -> list[list[int]]:
+    """Greedy tokens of PROMPTS in bfloat16 from CUDA graphs (the decode kernels' path)."""
+    engine = Engine(model=str(path), dtype="bfloat16", device="cuda", max_num_seqs=16)
+    outputs = run_to_completion(engine, PROMPTS, greedy(24))
+    assert engine.executor.worker.runner.graphs.replays > 0
+    return [o.outputs[0].token_ids for o in outputs]
 
 
 @pytest.mark.gpu
@@ -284,18 +285,11 @@ def test_gpu_split_merge_gives_the_same_tokens(tiny_model, hybrid_model, arch, m
     """The split-KV decode merging in its attention launch (KVLOOM_FUSED=split_merge) gives
     the merge launch's bits, so the same greedy tokens from CUDA graphs in bfloat16."""
     path = _model_path(tiny_model, hybrid_model, arch)
-
-    def tokens():
-        engine = Engine(model=str(path), dtype="bfloat16", device="cuda", max_num_seqs=16)
-        outputs = run_to_completion(engine, PROMPTS, greedy(24))
-        assert engine.executor.worker.runner.graphs.replays > 0
-        return [o.outputs[0].token_ids for o in outputs]
-
     monkeypatch.delenv("KVLOOM_FUSED", raising=False)
     monkeypatch.delenv("KVLOOM_UNFUSED", raising=False)
-    want = tokens()
+    want = _graph_tokens(path)
     monkeypatch.setenv("KVLOOM_FUSED", "split_merge")
-    assert tokens() == want
+    assert _graph_tokens(path) == want
 
 
 @pytest.mark.gpu
