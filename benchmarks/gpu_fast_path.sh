@@ -10,7 +10,7 @@
 #     [trace-dense] [bench-kimi] [fp8-plans] [mla] [host-256] [gpu-gaps]
 #     [act-quant] [scaled-mm-accuracy] [attention-fusion] [norm-gemv] [gdn-decode]
 #     [moe-pairs] [fusion-ab] [bench-int4] [bench-fp8] [int4-gemv] [det-plans]
-#     [det-cost-tables] [moe-stages]
+#     [det-cost-tables] [moe-stages] [decode-timeline] [split-merge] [qk-rope-plans]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -300,6 +300,28 @@ print(min(ok, key=lambda r: r['us_per_layer'])['pairs_stages'])")
       timeout 560 python3 benchmarks/deterministic_cost.py --shapes ${DET_SHAPES:-qwen3-8b} \
         --plan-tables /tmp/det_tables/*.json --out "$OUT/deterministic_cost_tables.json" \
         2>&1 | grep -v "it/s" | tail -6 || status=1
+      ;;
+    decode-timeline)  # a batch-1 step kernel by kernel, with the idle gaps before them
+      for shape in ${TIMELINE_SHAPES:-qwen3-8b}; do
+        timeout 300 python3 benchmarks/decode_timeline.py --shape "$shape" \
+          --out "$OUT/decode_timeline_$shape.json" 2>&1 | grep -v "it/s" | tail -12 || status=1
+      done
+      ;;
+    split-merge)  # the opt-in in-launch split merge: its gpu tests, kernel µs, batch-1 A/B
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -k merg \
+        tests/triton_interpret/test_paged_attention_decode_split_triton.py \
+        tests/test_cuda_graphs.py 2>&1 | tail -3 || status=1
+      timeout 200 python3 benchmarks/attention_plans.py --split-decode-only --batch 1 8 \
+        --context 128 640 4096 --out "$OUT/split_merge_plans.json" 2>&1 | grep RESULT || status=1
+      for fused in "" split_merge; do
+        KVLOOM_FUSED=$fused python3 -m kvloom.cluster.cli bench latency --shape qwen3-8b \
+          --out "$OUT/split_merge_ab_${fused:-off}.json" 2>&1 | grep "^RESULT ms_per" \
+          | sed "s/^/${fused:-off} /" || status=1
+      done
+      ;;
+    qk-rope-plans)  # q/k norm + rotary + KV write: tokens a program, bitwise and timed
+      timeout 200 python3 benchmarks/qk_norm_rope_plans.py --tokens 64 128 512 2048 16384 \
+        --out "$OUT/qk_norm_rope_plans.json" 2>&1 | grep RESULT || status=1
       ;;
     *) echo "unknown section $section"; status=2 ;;
   esac
