@@ -48,6 +48,9 @@ from kvloom.kernels.kv_cache_write_triton import check_kv_write_args, to_cache
 from kvloom.kernels.pdl_triton import pdl_launch, pdl_release_then_wait, uses_pdl
 
 MAX_HEAD_DIM = 8192  # one program holds a whole head row in registers
+MAX_HEADS = 65535  # the grid's second dimension
+POSITION_DTYPES = (torch.int32, torch.int64)
+
 # Tokens per program (the kernel's TOKENS): TOKENS_PER_PROGRAM from MANY_TOKENS tokens
 # up, 2 from 128, else 1. Same bits at each. Timed in graphs on an H100, Qwen3-8B heads
 # (benchmarks/qk_norm_rope_plans.py; data/qk_norm_rope_plans_h100_2026-12-06s19.json),
@@ -63,10 +66,6 @@ def tokens_per_program(num_tokens: int) -> int:
     if num_tokens >= MANY_TOKENS:
         return TOKENS_PER_PROGRAM
     return 2 if num_tokens >= 128 else 1
-
-
-MAX_HEADS = 65535  # the grid's second dimension
-POSITION_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
