@@ -176,11 +176,12 @@ def _paged_attention_decode_split(
     from kvloom.kernels import paged_attention_triton as kernel
 
     keys = kernel.DECODE_KEYS_PER_SPLIT  # read per call: tests shrink it
+    merge = kernel.uses_split_merge(q)  # read once here, passed on
     parts = part_lses = counters = None
     if split_decode.scratch is not None:
         slots = kernel.decode_split_slots(block_tables, kv_cache, keys)
         parts, part_lses = split_decode.scratch.buffers(slots, q)
-        if kernel.uses_split_merge(q):
+        if merge:
             counters = split_decode.scratch.counters(kv_cache.shape[3], q)
     return kernel.paged_attention_decode_split_triton(
         q,
@@ -198,6 +199,7 @@ def _paged_attention_decode_split(
         kv_stride=kv_stride,
         kv_offset=kv_offset,
         keys_per_split=keys,
+        merge_in_launch=merge,
         counters=counters,
     )
 
