@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from kvloom.cluster.engine import Engine
+from kvloom.cluster.offline_floor import floor_model, offline_floor
 from kvloom.contracts.gc_freeze import freeze_startup_objects
 from kvloom.contracts.sampling_params import SamplingParams
 
@@ -284,6 +285,23 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * n / sorted(times[1:])[2]
 
 
+def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """Dense matmul rate in FLOP/s at a large square size (8192 on a GPU), median of 5."""
+    n = 8192 if device.type == "cuda" else 256
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    times = []
+    for _ in range(6):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / sorted(times[1:])[2]
+
+
 def on_rank0(engine: Engine, fn):
     """`fn(worker)` on rank 0's worker: in this process, or inside its Ray actor (a control
     call, once per run, never per step)."""
@@ -301,6 +319,32 @@ def rank_weight_bytes(worker) -> int:
 
 def rank_copy_bandwidth(worker) -> float:
     return copy_bandwidth(worker.device)
+
+
+def rank_floor_inputs(worker, kv_cache_dtype: str) -> tuple:
+    """(FloorModel or the reason there is none, matmul FLOP/s, copy bytes/s) of rank 0."""
+    model = worker.runner.model
+    found = floor_model(model, kv_cache_dtype)
+    if isinstance(found, str):
+        return found, None, None
+    dtype = next(model.parameters()).dtype
+    return found, matmul_rate(worker.device, dtype), copy_bandwidth(worker.device)
+
+
+def throughput_floor(engine: Engine, args, requests) -> dict:
+    """The workload's floor (cluster/offline_floor.py), or the reason it has none."""
+    if getattr(args, "quantization", None):
+        return {"floor_reason": "quantized weights"}
+    if grid(args)[1] > 1:
+        return {"floor_reason": "DCP shards the KV cache"}
+    kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto")
+    found, flops, bandwidth = on_rank0(
+        engine, lambda worker: rank_floor_inputs(worker, kv_cache_dtype)
+    )
+    if isinstance(found, str):
+        return {"floor_reason": found}
+    lengths = [(len(prompt), out_len) for prompt, out_len in requests]
+    return offline_floor(found, lengths, flops, bandwidth)
 
 
 def decode_weight_bytes(model) -> int:
@@ -453,6 +497,7 @@ def throughput(model: str, args) -> dict:
     try:
         for _ in range(getattr(args, "repeat", 1)):
             runs.append(run_offline(engine, requests))
+        floor = throughput_floor(engine, args, requests)
     finally:
         engine.shutdown()  # a Ray executor's actors and placement group
     elapsed, out_tokens = runs[0]
@@ -466,7 +511,9 @@ def throughput(model: str, args) -> dict:
     }
     if len(runs) > 1:
         result["seconds_per_run"] = [round(seconds, 2) for seconds, _ in runs]
-    return result
+    if "floor_seconds" in floor:
+        floor["fraction_of_floor"] = round(floor["floor_seconds"] / elapsed, 3)
+    return {**result, **floor}
 
 
 def percentiles(values: list[float], name: str) -> dict:

@@ -68,6 +68,14 @@ def test_bench_throughput(tmp_path, executor):
     result = json.loads(out.read_text())
     assert result["requests"] == 4 and result["output_tokens_per_s"] > 0
     assert result["executor"] == executor
+    # The floor (cluster/offline_floor.py) from rank 0's weights and rates: a lower bound.
+    assert result["matmul_flops"] > 2 * 4 * 4 * 256 * 256 * (8 + 4 - 1)
+    assert result["decode_kv_bytes"] > 0 and result["prefill_attention_flops"] > 0
+    assert 0 < result["floor_seconds"] < result["seconds"]
+    # (against the exact seconds; the JSON's are rounded to 10 ms)
+    assert result["fraction_of_floor"] == pytest.approx(
+        result["floor_seconds"] / result["seconds"], rel=0.1
+    )
     if executor == "ray":
         from kvloom.cluster.ray_local import shutdown_ray
 
