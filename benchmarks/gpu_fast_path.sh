@@ -14,9 +14,12 @@
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
-# state dtype vLLM uses).
+# state dtype vLLM uses). HYBRID_SHAPE picks their shape: qwen3-next-24l (default; needs an
+# H200's memory) or qwen3-next-16l (fits an H100, beside vLLM through
+# `benchmarks/peer_vllm_shape.py write-kit`).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
+HYBRID_SHAPE=${HYBRID_SHAPE:-qwen3-next-24l}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/kvsite .whl/*.whl || exit 1
@@ -46,8 +49,8 @@ for section in "$@"; do
       ;;
     bench-hybrid)
       for kind in latency throughput; do
-        python3 -m kvloom.cluster.cli bench $kind --shape qwen3-next-24l ${HYBRID_ARGS:-} \
-          --out "$OUT/kvloom_qwen3-next-24l_$kind.json" 2>&1 | tail -15 || status=1
+        python3 -m kvloom.cluster.cli bench $kind --shape $HYBRID_SHAPE ${HYBRID_ARGS:-} \
+          --out "$OUT/kvloom_${HYBRID_SHAPE}_$kind.json" 2>&1 | tail -15 || status=1
       done
       ;;
     attention-fusion)  # norm+rope+cache write and the output gate: fused vs unfused µs
@@ -91,7 +94,7 @@ for section in "$@"; do
       ;;
     profile-dense|profile-hybrid)  # throughput run: host phases, GPU busy, top kernels
       shape=qwen3-8b
-      [ "$section" = profile-hybrid ] && shape=qwen3-next-24l
+      [ "$section" = profile-hybrid ] && shape=$HYBRID_SHAPE
       python3 benchmarks/throughput_profile.py --shape $shape --profile-at 20 300 \
         --out "$OUT/throughput_profile_$shape.json" 2>&1 | grep -v "it/s" | tail -45 \
         || status=1
@@ -111,8 +114,8 @@ for section in "$@"; do
       done
       ;;
     latency-hybrid)
-      python3 -m kvloom.cluster.cli bench latency --shape qwen3-next-24l \
-        --out "$OUT/kvloom_qwen3-next-24l_latency.json" 2>&1 | tail -15 || status=1
+      python3 -m kvloom.cluster.cli bench latency --shape $HYBRID_SHAPE \
+        --out "$OUT/kvloom_${HYBRID_SHAPE}_latency.json" 2>&1 | tail -15 || status=1
       ;;
     all-gpu-tests)  # every gpu test, in parallel groups (compiles are CPU-bound; gpu_tests.md)
       run_group() { name=$1; shift

@@ -3,19 +3,20 @@ Kimi-Linear beside vLLM).
 
 The kit's bench_hybrid.py (../shared/tools/peer-vllm; batch-1 decode and the 1000-request
 offline run, random "dummy" weights, bf16) is written for the Qwen3-Next-24l config. This
-runs it unchanged on a config kvloom's `kvloom bench` uses (cluster/bench.py SHAPES), in
-two steps because kvloom and the kit's vLLM live on different PYTHONPATHs on the GPU
-machine:
+runs it unchanged on a config kvloom's `kvloom bench` uses (cluster/bench.py SHAPES).
+`write-kit` copies the kit's hybrid folder with a bench_hybrid.py that swaps the config
+in, so the kit's own script runs it (its staging, smoke test and retries unchanged):
 
-    # kvloom's environment: the shape's config.json as kvloom benches it
-    python3 benchmarks/peer_vllm_shape.py write-config kimi-linear-16l /tmp/kimi.json
-    # the kit's environment (after its call-1 staging, as run_hybrid.sh sets up):
-    BENCH="benchmarks/peer_vllm_shape.py run .peer-vllm/c3 /tmp/kimi.json" \\
-        bash .peer-vllm/c3/run_hybrid.sh
+    # here or on the GPU machine, where kvloom imports (about 14 MB):
+    python3 benchmarks/peer_vllm_shape.py write-kit qwen3-next-16l .peer-vllm/c3 \\
+        .peer-vllm/c3-qwen3-next-16l
+    # the kit's hybrid call (after its call-1 staging), carrying .peer-vllm/c2 and the copy:
+    bash .peer-vllm/c3-qwen3-next-16l/run_hybrid.sh
 
 Prints the kit's `RESULT` lines prefixed with the shape's name. vLLM reads Kimi-Linear's
 config in the checkpoint's own field names, which kvloom's shape uses too. kvloom's side:
-`kvloom bench latency|throughput --shape kimi-linear-16l`.
+`kvloom bench latency|throughput --shape SHAPE`. (`write-config` and `run` are the two
+halves of the same, for a shell where both environments are at hand.)
 """
 
 from __future__ import annotations
@@ -23,8 +24,26 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
+
+# The launcher write-kit puts in the copied kit as its bench_hybrid.py. It imports only
+# this file (copied beside it), never kvloom: the kit's Python has vLLM, not kvloom.
+LAUNCHER = """\"\"\"Written by kvloom's benchmarks/peer_vllm_shape.py write-kit: the peer kit's
+bench_hybrid.py (kit_bench_hybrid.py here) on shape_config.json.\"\"\"
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import peer_vllm_shape  # noqa: E402
+
+bench = peer_vllm_shape.load_kit_bench(HERE, "kit_bench_hybrid.py")
+peer_vllm_shape.use_config(bench, json.loads((HERE / "shape_config.json").read_text()))
+bench.main()
+"""
 
 
 def write_config(shape: str, out: Path) -> dict:
@@ -35,9 +54,9 @@ def write_config(shape: str, out: Path) -> dict:
     return config
 
 
-def load_kit_bench(kit_dir: Path):
+def load_kit_bench(kit_dir: Path, name: str = "bench_hybrid.py"):
     """The peer kit's bench_hybrid.py as a module (it is a script, not a package)."""
-    path = Path(kit_dir) / "bench_hybrid.py"
+    path = Path(kit_dir) / name
     if not path.is_file():
         raise SystemExit(
             f"{path}: not found (build the kit with ../shared/tools/peer-vllm/build.sh and "
@@ -60,6 +79,23 @@ def use_config(bench, config: dict) -> str:
     return shape
 
 
+def write_kit(shape: str, kit_dir: Path, out: Path) -> None:
+    """A copy of the kit's hybrid folder whose bench_hybrid.py runs `shape`."""
+    kit_dir = Path(kit_dir)
+    if not (kit_dir / "bench_hybrid.py").is_file() or not (kit_dir / "run_hybrid.sh").is_file():
+        raise SystemExit(
+            f"{kit_dir}: not the kit's hybrid folder (no bench_hybrid.py / run_hybrid.sh)"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    for path in kit_dir.iterdir():
+        if path.is_file() and path.name != "bench_hybrid.py":
+            shutil.copy2(path, out / path.name)
+    shutil.copy2(kit_dir / "bench_hybrid.py", out / "kit_bench_hybrid.py")
+    shutil.copy2(Path(__file__), out / "peer_vllm_shape.py")
+    write_config(shape, out / "shape_config.json")
+    (out / "bench_hybrid.py").write_text(LAUNCHER)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,9 +105,16 @@ def main(argv=None) -> None:
     run = sub.add_parser("run", help="the kit's hybrid workloads on a written config")
     run.add_argument("kit_dir", type=Path, help="the peer kit's folder with bench_hybrid.py")
     run.add_argument("config", type=Path)
+    kit = sub.add_parser("write-kit", help="a copy of the kit's hybrid folder for a shape")
+    kit.add_argument("shape")
+    kit.add_argument("kit_dir", type=Path, help="the peer kit's folder with bench_hybrid.py")
+    kit.add_argument("out", type=Path)
     args = parser.parse_args(argv)
     if args.command == "write-config":
         write_config(args.shape, args.out)
+        return
+    if args.command == "write-kit":
+        write_kit(args.shape, args.kit_dir, args.out)
         return
     bench = load_kit_bench(args.kit_dir)
     use_config(bench, json.loads(args.config.read_text()))

@@ -153,6 +153,16 @@ SHAPES = {
     },
 }
 
+# Qwen3-Next at 16 layers (4 x (3 Gated DeltaNet : 1 attention)): about 50 GiB of bf16
+# weights, so it fits an 80 GB H100 with a KV cache beside vLLM (the 24-layer shape's
+# 74.8 GiB does not: both engines ran out of memory on an H100, 2026-12-06). Per-layer
+# costs as the 24-layer shape's, for same-lease comparisons when no H200 is lent.
+SHAPES["qwen3-next-16l"] = {
+    **SHAPES["qwen3-next-24l"],
+    "num_hidden_layers": 16,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 4,
+}
+
 
 # The `quantization_config` a shape gets with `--quantization`, as the published
 # checkpoints write it: Qwen3-8B-FP8's block-scaled FP8 (its lm_head stays bf16),

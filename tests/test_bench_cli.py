@@ -155,6 +155,11 @@ def test_decode_bytes_count_active_experts_only():
     hybrid = build("qwen3-next-24l")
     assert abs(sum(p.numel() for p in hybrid.parameters()) / 1e9 - 40.1) < 0.1
     assert abs(decode_weight_bytes(hybrid) / 1e9 - 3.87) < 0.01
+    # The 16-layer cut fits an 80 GB card: two thirds of the layers, the same vocabulary.
+    small = build("qwen3-next-16l")
+    assert sum(p.numel() for p in small.parameters()) * 2 / 2**30 < 52
+    kinds = [layer.kind for layer in small.model.layers]
+    assert kinds == (["linear_attention"] * 3 + ["full_attention"]) * 4
 
 
 def test_serve_flags_reach_the_engine_config(tiny_model):

@@ -59,3 +59,55 @@ def test_missing_kit_is_a_clear_error(tmp_path):
     config_path.write_text("{}")
     with pytest.raises(SystemExit, match="build.sh"):
         peer_vllm_shape.main(["run", str(tmp_path / "nowhere"), str(config_path)])
+
+
+PRINTING_KIT = """
+import sys
+
+CONFIG = {"num_hidden_layers": 24}
+MODEL_DIR = "/tmp/qwen3next-24l-dummy"
+
+
+def res(key, val):
+    print(f"RESULT {key} {val}", flush=True)
+
+
+def main():
+    res("layers", CONFIG["num_hidden_layers"])
+    res("model_dir", MODEL_DIR)
+    res("kvloom_imported", any(name.startswith("kvloom") for name in sys.modules))
+"""
+
+
+def test_written_kit_runs_the_kit_s_script_on_the_shape(tmp_path):
+    import subprocess
+
+    kit = tmp_path / "c3"
+    kit.mkdir()
+    (kit / "bench_hybrid.py").write_text(PRINTING_KIT)
+    (kit / "run_hybrid.sh").write_text("python3 $(dirname $0)/bench_hybrid.py\n")
+    (kit / "moe_sm90.tar.xz").write_bytes(b"\x00kernels")
+    out = tmp_path / "c3-qwen3-next-16l"
+    peer_vllm_shape.main(["write-kit", "qwen3-next-16l", str(kit), str(out)])
+    # The kit's other files travel unchanged; its bench is kept beside the launcher.
+    assert (out / "moe_sm90.tar.xz").read_bytes() == b"\x00kernels"
+    assert (out / "run_hybrid.sh").read_text() == (kit / "run_hybrid.sh").read_text()
+    assert (out / "kit_bench_hybrid.py").read_text() == PRINTING_KIT
+    # Run as the kit runs it, from elsewhere, in a Python that is never given kvloom.
+    ran = subprocess.run(
+        [sys.executable, "-I", str(out / "bench_hybrid.py")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert ran.stdout.splitlines() == [
+        "RESULT qwen3-next-16l_layers 16",
+        "RESULT qwen3-next-16l_model_dir /tmp/qwen3-next-16l-dummy",
+        "RESULT qwen3-next-16l_kvloom_imported False",
+    ]
+
+
+def test_write_kit_needs_the_kit_s_hybrid_folder(tmp_path):
+    with pytest.raises(SystemExit, match="run_hybrid.sh"):
+        peer_vllm_shape.main(["write-kit", "qwen3-next-16l", str(tmp_path), str(tmp_path / "o")])

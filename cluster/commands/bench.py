@@ -17,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument(
         "--shape",
         default="tiny",
-        help="tiny, qwen3-8b, qwen3-32b, qwen3-next-24l or kimi-linear-16l",
+        help="tiny, qwen3-8b, qwen3-32b, qwen3-next-24l, qwen3-next-16l or kimi-linear-16l",
     )
     parser.add_argument("--load-format", default=None, choices=("safetensors", "dummy"))
     parser.add_argument(
