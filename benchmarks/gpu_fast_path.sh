@@ -11,6 +11,7 @@
 #     [act-quant] [scaled-mm-accuracy] [attention-fusion] [norm-gemv] [gdn-decode]
 #     [moe-pairs] [fusion-ab] [bench-int4] [bench-fp8] [int4-gemv] [det-plans]
 #     [det-cost-tables] [moe-stages] [decode-timeline] [split-merge] [qk-rope-plans]
+#     [moe-slot-sum]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -320,6 +321,19 @@ print(min(ok, key=lambda r: r['us_per_layer'])['pairs_stages'])")
         KVLOOM_FUSED=$fused python3 -m kvloom.cluster.cli bench latency --shape qwen3-8b \
           --out "$OUT/split_merge_ab_${fused:-off}.json" 2>&1 | grep "^RESULT ms_per" \
           | sed "s/^/${fused:-off} /" || status=1
+      done
+      ;;
+    moe-slot-sum)  # the opt-in in-launch MoE slot sum: its gpu tests, µs per layer, batch-1 A/B
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -k slot_sum \
+        tests/test_fused_moe_pairs_plan.py tests/test_cuda_graphs.py 2>&1 | tail -3 || status=1
+      timeout 300 python3 benchmarks/moe_layer_launches.py --plans pairs pairs_sum --tokens 1 2 4 \
+        --out "$OUT/moe_slot_sum_layers.json" 2>&1 | cut -c1-110 | tail -12 || status=1
+      for shape in ${SLOT_SUM_SHAPES:-kimi-linear-16l qwen3-next-16l}; do
+        for fused in "" moe_slot_sum "" moe_slot_sum; do
+          KVLOOM_FUSED=$fused timeout 200 python3 -m kvloom.cluster.cli bench latency \
+            --shape $shape --out "$OUT/moe_slot_sum_ab_${shape}_${fused:-off}_$RANDOM.json" \
+            2>&1 | grep "^RESULT ms_per" | sed "s/^/$shape ${fused:-off} /" || status=1
+        done
       done
       ;;
     qk-rope-plans)  # q/k norm + rotary + KV write: tokens a program, bitwise and timed

@@ -4,12 +4,13 @@ Qwen3-Next's widths (hidden 2048, 512 experts, top-10, intermediate 512 for both
 Kimi-Linear's (hidden 2304, 256 experts, top-8, intermediate 1024, one shared expert),
 bfloat16, random weights. The all-reduce of TP > 1 is not in it (TP = 1).
 
-Each layer runs with both fused-MoE plans (`--plans`): "sorted" (route sort: count and
-place launches, then gate_up, down, slot sum) and "pairs" (the decode plan: each route its
-own block, no sort; kernels/fused_moe_triton.py), forced whatever `uses_pairs_plan` would
-pick, at each of `--tokens` (default 1 2 4 8: the pairs plan serves T <= 4 by default, so
-T = 8 shows what it would cost past its constant). The two plans' outputs must be equal
-bit for bit; each row records it.
+Each layer runs with the fused-MoE plans (`--plans`): "sorted" (route sort: count and
+place launches, then gate_up, down, slot sum), "pairs" (the decode plan: each route its
+own block, no sort; kernels/fused_moe_triton.py) and "pairs_sum" (the pairs plan summing
+each token's slots in its down launch, the opt-in `moe_slot_sum`), forced whatever
+`uses_pairs_plan` / `uses_slot_sum` would pick, at each of `--tokens` (default 1 2 4 8: the pairs plan serves T <= 4 by default, so
+T = 8 shows what it would cost past its constant). The plans' outputs must be equal bit
+for bit; each row records it.
 
 How launches are counted:
   * CUDA: torch.profiler's CUDA activity over one eager forward after a warm-up; every
@@ -21,7 +22,7 @@ How launches are counted:
     kernel (aten ops other than views and allocations, seen by a TorchDispatchMode outside
     the Triton launches).
 
-    python benchmarks/moe_layer_launches.py [--tokens 1 2 4 8] [--plans sorted pairs]
+    python benchmarks/moe_layer_launches.py [--tokens 1 2 4 8] [--plans sorted pairs pairs_sum]
         [--repeats 200] [--pairs-stages 3 4,3 6 8,4] [--shapes qwen3-next] [--out FILE.json]
 
 `--pairs-stages` times the pairs plan once per pipelining depth (KVLOOM_MOE_DECODE_STAGES
@@ -60,7 +61,9 @@ SHAPES = {
     "kimi-linear": dict(kind="kimi", hidden=2304, experts=256, top_k=8, inter=1024),
 }
 TINY = dict(hidden=64, experts=8, top_k=2, inter=32)
-PLANS = ("sorted", "pairs")
+# "pairs_sum": the pairs plan with each token's slots summed in its down launch
+# (KVLOOM_FUSED=moe_slot_sum), one launch fewer.
+PLANS = ("sorted", "pairs", "pairs_sum")
 # aten ops that launch nothing on a GPU (views, metadata, allocations).
 NO_KERNEL = {
     "empty",
@@ -164,15 +167,17 @@ def env_set(name: str, value: str | None):
 
 @contextmanager
 def moe_plan(plan: str, stages: str | None = None):
-    """Forces the fused MoE's plan: "pairs" (no route sort) or "sorted"; `stages`, the
-    pairs plan's pipelining depths (a KVLOOM_MOE_DECODE_STAGES value)."""
-    original = fused_moe_triton.uses_pairs_plan
-    fused_moe_triton.uses_pairs_plan = lambda hidden, sorted_block_m: plan == "pairs"
+    """Forces the fused MoE's plan: "pairs" (no route sort), "pairs_sum" (and the slot sum
+    in the down launch) or "sorted"; `stages`, the pairs plans' pipelining depths (a
+    KVLOOM_MOE_DECODE_STAGES value)."""
+    original = fused_moe_triton.uses_pairs_plan, fused_moe_triton.uses_slot_sum
+    fused_moe_triton.uses_pairs_plan = lambda hidden, sorted_block_m: plan != "sorted"
+    fused_moe_triton.uses_slot_sum = lambda hidden, pairs: pairs and plan == "pairs_sum"
     try:
         with env_set("KVLOOM_MOE_DECODE_STAGES", stages):
             yield
     finally:
-        fused_moe_triton.uses_pairs_plan = original
+        fused_moe_triton.uses_pairs_plan, fused_moe_triton.uses_slot_sum = original
 
 
 def interpreted_launches(layer, x) -> list[str]:
@@ -260,7 +265,7 @@ def main() -> None:
     runs = [
         (plan, stages)
         for plan in args.plans
-        for stages in (args.pairs_stages if plan == "pairs" else [None])
+        for stages in (args.pairs_stages if plan != "sorted" else [None])
     ]
     for name in args.shapes:
         full = SHAPES[name]
@@ -286,7 +291,7 @@ def main() -> None:
                     timing = f", {row['us_per_layer']:.2f} us/layer (graph)" if cuda else ""
                     print(
                         f"{name:12s} {'folded' if fold else 'two-branch':10s} T={tokens:<3d} "
-                        f"{plan:6s} {stages or '':5s} {row['launches']:2d} launches{timing}, "
+                        f"{plan:9s} {stages or '':5s} {row['launches']:2d} launches{timing}, "
                         f"bitwise={row['bitwise_as_first_plan']}: {', '.join(row['kernels'])}"
                     )
     if args.out:

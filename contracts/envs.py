@@ -45,15 +45,16 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "",
         "decode fusions to turn off, comma-separated (A/B timing, or an escape hatch): "
         "norm_gemv, kv_write, mul_sigmoid, gdn_decode, moe_pairs, gdn_conv, kda_norm, "
-        "kda_decode, pdl, split_merge, or all",
+        "kda_decode, pdl, split_merge, moe_slot_sum, or all",
     ),
     "KVLOOM_FUSED": (
         "",
         "decode fusions that are off by default to turn on, comma-separated: norm_gemv "
         "(same bits, but slower on an H200), pdl (decode kernel launches overlap the "
         "launch before them on Hopper; 1.7% slower on Qwen3-8B on an H100), split_merge (the "
-        "split-KV decode merges its splits in its attention launch; not yet run on a GPU), "
-        "or all; "
+        "split-KV decode merges its splits in its attention launch; level with two launches "
+        "on an H100), moe_slot_sum (the fused MoE's decode plan sums each token's slots in "
+        "its down launch; not yet run on a GPU), or all; "
         "KVLOOM_UNFUSED wins over it",
     ),
     "KVLOOM_PDL_PREFETCH_LINES": (
@@ -193,7 +194,9 @@ def set_here() -> dict[str, str]:
 # path's Triton kernels launched with programmatic dependent launch on Hopper, so that each
 # starts (and a GEMV streams its weight) while the launch before drains (kernels/pdl_triton.py).
 # `split_merge`: the split-KV decode merges its splits in its attention launch, no merge
-# launch (kernels/paged_attention_triton.py).
+# launch (kernels/paged_attention_triton.py). `moe_slot_sum`: the fused MoE's pairs plan
+# sums each token's k slots in its down launch, no slot-sum launch
+# (kernels/fused_moe_triton.py).
 FUSIONS = (
     "norm_gemv",
     "kv_write",
@@ -205,6 +208,7 @@ FUSIONS = (
     "kda_decode",
     "pdl",
     "split_merge",
+    "moe_slot_sum",
 )
 
 
@@ -212,9 +216,11 @@ FUSIONS = (
 # than the launches they replace (docs/benchmarks/gpu_fast_path.md, eleventh session: the
 # norm + GEMV launch took 2-5x the two launches' time at every decode shape, Qwen3-8B's
 # batch-1 decode 7.02 ms/token with it, 4.74 without).
-# `pdl` lost on an H100 at every release point (nineteenth session). `split_merge` is
-# opt-in until a GPU lease has run its tests (the counter's cross-program order) and timed it.
-OPT_IN_FUSIONS = ("norm_gemv", "pdl", "split_merge")
+# `pdl` lost on an H100 at every release point (nineteenth session). `split_merge` passed
+# its gpu tests and gained nothing end to end on an H100 (twentieth session: 5.97-5.98
+# ms/token on and off). `moe_slot_sum` is opt-in until a GPU lease has run its tests (the
+# counter's cross-program order) and timed it.
+OPT_IN_FUSIONS = ("norm_gemv", "pdl", "split_merge", "moe_slot_sum")
 
 
 @functools.lru_cache(maxsize=16)

@@ -140,6 +140,32 @@ def uses_pairs_plan(hidden: torch.Tensor, sorted_block_m: int) -> bool:
     )
 
 
+def uses_slot_sum(hidden: torch.Tensor, pairs: bool) -> bool:
+    """Whether a pairs-plan launch sums each token's k slots in its down launch (the last
+    of a token's route programs to store does), with no slot-sum launch: the opt-in
+    `moe_slot_sum` (KVLOOM_FUSED) on a GPU. Never chosen interpreted: the counter's
+    cross-program order is what the gpu tests check (CPU tests pass slot_sum=True)."""
+    return pairs and hidden.is_cuda and not envs.unfused("moe_slot_sum")
+
+
+# Per (device, column tiles): the in-launch slot sum's arrival counters, int32 zeros
+# [tokens, tiles]. Every launch leaves them 0 (the summing program resets its counter), so
+# one buffer serves every layer, step and CUDA-graph replay in stream order. It holds
+# PAIRS_PLAN_MAX_TOKENS rows, the most the automatic plan launches, and is replaced only
+# by a forced launch of more tokens (tests), so a captured graph's pointer stays valid.
+_SLOT_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def slot_counters(device: torch.device, tokens: int, tiles: int) -> torch.Tensor:
+    key = (device, tiles)
+    counters = _SLOT_COUNTERS.get(key)
+    if counters is None or counters.shape[0] < tokens:
+        rows = max(tokens, PAIRS_PLAN_MAX_TOKENS)
+        counters = torch.zeros((rows, tiles), dtype=torch.int32, device=device)
+        _SLOT_COUNTERS[key] = counters
+    return counters
+
+
 def plan_route_blocks(
     hidden: torch.Tensor, block_m: int | None, pairs: bool | None, sorted_block_m: int
 ) -> tuple[int, bool]:
@@ -384,12 +410,17 @@ def _down_kernel(
     stride_routed,
     stride_it,
     stride_ij,
+    counters_ptr,
+    out_ptr,
+    stride_ct,
+    stride_out,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
     PAIRS: tl.constexpr,
+    SUM_SLOTS: tl.constexpr,
 ):
     expert, routes = _route_block(
         tl.program_id(0),
@@ -403,10 +434,10 @@ def _down_kernel(
         BLOCK_M,
         PAIRS,
     )
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if (expert >= 0) & (expert < num_experts):
         valid = routes < num_routes
         routes64 = routes.to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < hidden_size
         ks = tl.arange(0, BLOCK_K)
         w_ptrs = w2_ptr + expert.to(tl.int64) * stride_we
@@ -424,6 +455,60 @@ def _down_kernel(
         weight = tl.load(weights_ptr + weight_offs, mask=valid, other=0.0).to(tl.float32)
         out_ptrs = routed_ptr + routes64[None, :] * stride_routed + cols[:, None]
         tl.store(out_ptrs, acc * weight[None, :], mask=col_ok[:, None] & valid[None, :])
+    if SUM_SLOTS:
+        # The pairs plan's slot sum in this launch (`uses_slot_sum`): route program r is
+        # token r // k's slot r % k. Each of the token's k programs of this column tile
+        # arrives at its counter once (an unplaced expert's too, which stored nothing);
+        # the last to arrive sums the k slots exactly as _sum_slots_kernel does and sets
+        # the counter back to 0 for the next launch. Every thread's stores before the
+        # release; the acquire before the sum reads the other programs' rows.
+        token = (tl.program_id(0) // top_k).to(tl.int64)
+        count_ptr = counters_ptr + token * stride_ct + tl.program_id(1)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == top_k - 1:
+            total = _token_slot_sum(
+                routed_ptr,
+                ids_ptr,
+                token,
+                cols,
+                top_k,
+                num_experts,
+                hidden_size,
+                stride_it,
+                stride_ij,
+                BLOCK_N,
+            )
+            out = total.to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + token * stride_out + cols, out, mask=cols < hidden_size)
+            tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _token_slot_sum(
+    routed_ptr,
+    ids_ptr,
+    token,
+    cols,
+    top_k,
+    num_experts,
+    hidden_size,
+    stride_it,
+    stride_ij,
+    BLOCK: tl.constexpr,
+):
+    """sum over slots j = 0..k-1, in order, of token's routed rows at `cols` (float32);
+    a slot whose expert is out of range adds zeros (it was never computed)."""
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for slot in range(0, top_k):
+        expert = tl.load(ids_ptr + token * stride_it + slot * stride_ij)
+        # (A mask from a comparison with a scalar bound: the interpreter rejects scalar &
+        # vector.)
+        placed = (expert >= 0) & (expert < num_experts)
+        limit = tl.where(placed, hidden_size, 0)
+        row = routed_ptr + (token * top_k + slot) * hidden_size
+        total += tl.load(row + cols, mask=cols < limit, other=0.0)
+    return total
 
 
 @triton.jit
@@ -441,15 +526,18 @@ def _sum_slots_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    total = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for slot in range(0, top_k):
-        expert = tl.load(ids_ptr + token * stride_it + slot * stride_ij)
-        # Routes with an id out of range were never computed: they add nothing. (A mask
-        # from a comparison with a scalar bound: the interpreter rejects scalar & vector.)
-        placed = (expert >= 0) & (expert < num_experts)
-        limit = tl.where(placed, hidden_size, 0)
-        row = routed_ptr + (token * top_k + slot) * hidden_size
-        total += tl.load(row + cols, mask=cols < limit, other=0.0)
+    total = _token_slot_sum(
+        routed_ptr,
+        ids_ptr,
+        token,
+        cols,
+        top_k,
+        num_experts,
+        hidden_size,
+        stride_it,
+        stride_ij,
+        BLOCK_H,
+    )
     out = total.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + token * stride_out + cols, out, mask=cols < hidden_size)
 
@@ -526,6 +614,7 @@ def fused_moe_triton(
     *,
     block_m: int | None = None,
     pairs: bool | None = None,
+    slot_sum: bool | None = None,
     _fill: float | None = None,
 ) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] (float32, or a
@@ -534,14 +623,20 @@ def fused_moe_triton(
     `block_m` (16, 32 or 64) overrides the route block size `choose_block_m` picks; the
     answer is bitwise the same for each. `pairs` forces (True) or forbids (False) the
     decode plan without the route sort (`uses_pairs_plan` decides when None; it takes
-    block_m 16 or None). No host sync (CUDA-graph capturable). Ids out of [0, E) are not
-    checked: such routes contribute nothing. `_fill` pre-fills the workspaces (tests: NaN
-    shows any read of an unwritten element)."""
+    block_m 16 or None). `slot_sum` forces or forbids the pairs plan's slot sum inside its
+    down launch (`uses_slot_sum` decides when None; the same bits). No host sync
+    (CUDA-graph capturable). Ids out of [0, E) are not checked: such routes contribute
+    nothing. `_fill` pre-fills the workspaces (tests: NaN shows any read of an unwritten
+    element)."""
     num_tokens, hidden_size, num_experts, inter, top_k = _check_triton_args(
         hidden, w13, w2, topk_weights, topk_ids
     )
     sorted_block_m = choose_block_m(num_tokens, top_k, num_experts)
     block_m, pairs = plan_route_blocks(hidden, block_m, pairs, sorted_block_m)
+    if slot_sum is None:
+        slot_sum = uses_slot_sum(hidden, pairs)
+    elif slot_sum and not pairs:
+        raise ValueError("slot_sum: the in-launch slot sum needs the pairs plan (pairs=True)")
     out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
     if num_tokens == 0 or hidden_size == 0:
         return out
@@ -565,6 +660,9 @@ def fused_moe_triton(
     )
     gate_up_stages, down_stages = pairs_stages() if pairs else (NUM_STAGES, NUM_STAGES)
     id_strides = (topk_ids.stride(0), topk_ids.stride(1))
+    tiles = triton.cdiv(hidden_size, BLOCK_N)
+    # Without the in-launch sum the kernel never reads its counters: topk_ids stands in.
+    counters = slot_counters(hidden.device, num_tokens, tiles) if slot_sum else topk_ids
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, BLOCK_N))](
         hidden,
         w13,
@@ -605,9 +703,16 @@ def fused_moe_triton(
         topk_weights.stride(1),
         routed.stride(0),
         *id_strides,
+        counters,
+        out,
+        counters.stride(0),
+        out.stride(0),
         **dot_args,
+        SUM_SLOTS=bool(slot_sum),
         num_stages=down_stages,
     )
+    if slot_sum:
+        return out
     block_h = min(MAX_SUM_BLOCK, next_power_of_2(hidden_size))
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
         routed,

@@ -28,7 +28,9 @@ from kvloom.kernels.fused_moe_triton import (
     choose_block_m,
     fused_moe_triton,
     pairs_stages,
+    slot_counters,
     uses_pairs_plan,
+    uses_slot_sum,
 )
 
 CUDA = torch.cuda.is_available()
@@ -129,6 +131,83 @@ def test_pairs_plan_takes_only_the_narrow_block():
         fused_moe_triton(x, w13, w2, weights, ids, block_m=32, pairs=True)
     out = fused_moe_triton(x, w13, w2, weights, ids, block_m=PAIRS_BLOCK_M, pairs=True)
     assert torch.equal(out, fused_moe_triton(x, w13, w2, weights, ids, pairs=False))
+
+
+# ---------------------------------------------------------------- the in-launch slot sum
+
+
+def slot_sum_and_launches(x, w13, w2, weights, ids):
+    """(pairs plan with its slots summed in the down launch, the same with the slot-sum
+    launch), workspaces NaN-filled."""
+    fused = fused_moe_triton(x, w13, w2, weights, ids, pairs=True, slot_sum=True, _fill=NAN)
+    apart = fused_moe_triton(x, w13, w2, weights, ids, pairs=True, slot_sum=False, _fill=NAN)
+    return fused, apart
+
+
+def assert_counters_reset(hidden_size, device=DEVICE):
+    counters = slot_counters(torch.device(device), 1, math.ceil(hidden_size / 64))
+    assert not counters.any(), "the slot sum left an arrival counter set"
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("top_k", [1, 3])
+@pytest.mark.parametrize("shared", [False, True])
+def test_slot_sum_in_the_down_launch_is_bitwise_the_sum_launch(dtype, top_k, shared):
+    """Each token's k slots summed by the last of its down programs to store: the bits
+    of the slot-sum launch (and so of the sorted plans), twice in a row on the same
+    counters (the summing program resets them)."""
+    num_routed, hidden, inter = 5, 80, 72  # two 64-wide column tiles, the second partial
+    w13, w2 = make_weights(num_routed + shared, hidden, inter, dtype, seed=1)
+    for num_tokens in range(1, PAIRS_PLAN_MAX_TOKENS + 3):
+        weights, ids = make_routing(num_tokens, num_routed, top_k, seed=num_tokens, shared=shared)
+        x = torch.randn(num_tokens, hidden, generator=gen(100 + num_tokens)).to(DEVICE, dtype)
+        for attempt in range(2):
+            fused, apart = slot_sum_and_launches(x, w13, w2, weights, ids)
+            label = f"T={num_tokens} k={top_k} shared={shared} call {attempt}"
+            assert not torch.isnan(fused).any(), label
+            assert torch.equal(fused, apart), label
+            assert_counters_reset(hidden)
+
+
+def test_slot_sum_drops_out_of_range_ids_as_the_sum_launch_does():
+    """A slot whose expert is out of range stores nothing but still arrives, so its
+    token's sum is still made (without it)."""
+    num_tokens, num_experts, top_k, hidden, inter = 3, 4, 3, 40, 24
+    w13, w2 = make_weights(num_experts, hidden, inter, torch.bfloat16, seed=5)
+    weights, ids = make_routing(num_tokens, num_experts, top_k, seed=6)
+    ids[0, 1], ids[1, 0], ids[2, 2] = -1, num_experts, 1000
+    ids[1, 1] = ids[1, 2] = -3  # a token with one placed slot
+    x = torch.randn(num_tokens, hidden, generator=gen(7)).to(DEVICE, torch.bfloat16)
+    fused, apart = slot_sum_and_launches(x, w13, w2, weights, ids)
+    assert not torch.isnan(fused).any() and torch.equal(fused, apart)
+    assert_counters_reset(hidden)
+
+
+def test_slot_sum_launches_two_kernels_and_needs_the_pairs_plan():
+    if CUDA:
+        pytest.skip("counts interpreted launches")
+    w13, w2 = make_weights(5, 40, 24, torch.bfloat16, seed=10)
+    weights, ids = make_routing(2, 4, 2, seed=11, shared=True)
+    x = torch.randn(2, 40).to(torch.bfloat16)
+    fused_moe_triton(x, w13, w2, weights, ids, pairs=True, slot_sum=True)  # its counters
+    with recorded_launches() as ops:
+        out = fused_moe_triton(x, w13, w2, weights, ids, pairs=True, slot_sum=True)
+    assert ops == ["_gate_up_kernel", "_down_kernel"]
+    assert torch.equal(out, fused_moe_triton(x, w13, w2, weights, ids, pairs=False))
+    with pytest.raises(ValueError, match="slot_sum"):
+        fused_moe_triton(x, w13, w2, weights, ids, pairs=False, slot_sum=True)
+
+
+def test_slot_sum_is_opt_in_on_a_gpu(monkeypatch):
+    monkeypatch.delenv("KVLOOM_FUSED", raising=False)
+    monkeypatch.delenv("KVLOOM_UNFUSED", raising=False)
+    assert not uses_slot_sum(fake_hidden(1), pairs=True)
+    monkeypatch.setenv("KVLOOM_FUSED", "moe_slot_sum")
+    assert uses_slot_sum(fake_hidden(1), pairs=True)
+    assert not uses_slot_sum(fake_hidden(1), pairs=False)
+    assert not uses_slot_sum(fake_hidden(1, is_cuda=False), pairs=True)
+    monkeypatch.setenv("KVLOOM_UNFUSED", "moe_slot_sum")
+    assert not uses_slot_sum(fake_hidden(1), pairs=True)
 
 
 # ---------------------------------------------------------------- the plan choice
@@ -349,6 +428,45 @@ def test_gpu_pairs_plan_repeated_experts_and_top1():
             x = torch.randn(num_tokens, 320, generator=gen(num_tokens)).to("cuda", torch.bfloat16)
             pairs, sorted_plans = both_plans(x, w13, w2, weights, ids)
             assert_bitwise(f"gpu k={top_k} T={num_tokens}", pairs, sorted_plans)
+
+
+@pytest.mark.gpu
+def test_gpu_slot_sum_is_bitwise_the_sum_launch_racing_and_replayed():
+    """Compiled, the k down programs of a token race to its counter: 30 calls at each
+    token count (Qwen3-Next's widths), then 30 replays of a captured graph on new routing,
+    each the slot-sum launch's bits, the counters back at 0 after each."""
+    if not CUDA:
+        pytest.skip("needs a CUDA GPU")
+    w13, w2 = qwen3_next_experts(torch.bfloat16)
+    for num_tokens in range(1, PAIRS_PLAN_MAX_TOKENS + 1):
+        weights, ids = qwen3_next_routing(num_tokens, seed=50 + num_tokens)
+        x = torch.randn(num_tokens, 2048, generator=gen(num_tokens)).to("cuda", torch.bfloat16)
+        want = fused_moe_triton(x, w13, w2, weights, ids, pairs=True, slot_sum=False)
+        for attempt in range(30):
+            got = fused_moe_triton(x, w13, w2, weights, ids, pairs=True, slot_sum=True)
+            assert torch.equal(got, want), f"T={num_tokens} call {attempt}"
+        assert_counters_reset(2048, "cuda")
+
+        static = [t.clone() for t in (x, weights, ids)]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fused_moe_triton(*static[:1], w13, w2, *static[1:], pairs=True, slot_sum=True)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graph_out = fused_moe_triton(
+                static[0], w13, w2, static[1], static[2], pairs=True, slot_sum=True
+            )
+        for replay in range(30):
+            new_w, new_ids = qwen3_next_routing(num_tokens, seed=2000 + replay)
+            new_x = torch.randn(num_tokens, 2048, generator=gen(3000 + replay))
+            for dst, src in zip(static, (new_x.to("cuda", torch.bfloat16), new_w, new_ids)):
+                dst.copy_(src)
+            graph.replay()
+            want = fused_moe_triton(*static[:1], w13, w2, *static[1:], pairs=True, slot_sum=False)
+            assert torch.equal(graph_out, want), f"T={num_tokens} replay {replay}"
+        assert_counters_reset(2048, "cuda")
 
 
 @pytest.mark.gpu
