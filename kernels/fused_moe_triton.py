@@ -459,7 +459,7 @@ def _down_kernel(
         # The pairs plan's slot sum in this launch (`uses_slot_sum`): route program r is
         # token r // k's slot r % k. Each of the token's k programs of this column tile
         # arrives at its counter once (an unplaced expert's too, which stored nothing);
-        # the last to arrive sums the k slots exactly as _sum_slots_kernel does and sets
+        # the last to arrive sums the k slots by _sum_slots_kernel's code and sets
         # the counter back to 0 for the next launch. Every thread's stores before the
         # release; the acquire before the sum reads the other programs' rows.
         token = (tl.program_id(0) // top_k).to(tl.int64)
@@ -467,9 +467,10 @@ def _down_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
         if arrived == top_k - 1:
-            total = _token_slot_sum(
+            _store_slot_sum(
                 routed_ptr,
                 ids_ptr,
+                out_ptr,
                 token,
                 cols,
                 top_k,
@@ -477,17 +478,17 @@ def _down_kernel(
                 hidden_size,
                 stride_it,
                 stride_ij,
+                stride_out,
                 BLOCK_N,
             )
-            out = total.to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + token * stride_out + cols, out, mask=cols < hidden_size)
             tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _token_slot_sum(
+def _store_slot_sum(
     routed_ptr,
     ids_ptr,
+    out_ptr,
     token,
     cols,
     top_k,
@@ -495,10 +496,12 @@ def _token_slot_sum(
     hidden_size,
     stride_it,
     stride_ij,
+    stride_out,
     BLOCK: tl.constexpr,
 ):
-    """sum over slots j = 0..k-1, in order, of token's routed rows at `cols` (float32);
-    a slot whose expert is out of range adds zeros (it was never computed)."""
+    """out[token, cols] = the sum over slots j = 0..k-1, in order, of token's routed rows
+    (float32), rounded to out's dtype once; a slot whose expert is out of range adds zeros
+    (it was never computed)."""
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for slot in range(0, top_k):
         expert = tl.load(ids_ptr + token * stride_it + slot * stride_ij)
@@ -508,7 +511,8 @@ def _token_slot_sum(
         limit = tl.where(placed, hidden_size, 0)
         row = routed_ptr + (token * top_k + slot) * hidden_size
         total += tl.load(row + cols, mask=cols < limit, other=0.0)
-    return total
+    out = total.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * stride_out + cols, out, mask=cols < hidden_size)
 
 
 @triton.jit
@@ -526,9 +530,10 @@ def _sum_slots_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    total = _token_slot_sum(
+    _store_slot_sum(
         routed_ptr,
         ids_ptr,
+        out_ptr,
         token,
         cols,
         top_k,
@@ -536,10 +541,9 @@ def _sum_slots_kernel(
         hidden_size,
         stride_it,
         stride_ij,
+        stride_out,
         BLOCK_H,
     )
-    out = total.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + token * stride_out + cols, out, mask=cols < hidden_size)
 
 
 def _check_block_m(block_m) -> None:
