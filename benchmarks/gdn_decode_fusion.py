@@ -4,7 +4,8 @@ float32 state): the conv update, then
 
   three   gdn_gates, recurrence, gated RMSNorm: three launches (block_v 32, or 128 as `one`)
   two     gates computed in the recurrence (block_v 32), the norm separate: the production
-          plan since an H100 timed it fastest at every row count (gpu_fast_path.md)
+          plan since an H100 timed it fastest at every row count (gpu_fast_path.md);
+          two_bv16 / two_bv8 the same with narrower tiles
   one     gates, recurrence and norm in one launch (block_v 128: a program per value head)
 
     python3 benchmarks/gdn_decode_fusion.py --out $OUT/gdn_decode_fusion.json
@@ -60,6 +61,10 @@ VARIANTS = {
     "three_bv32": (32, False, False),
     "three_bv128": (128, False, False),
     "two_bv32": (32, True, False),
+    # Narrower tiles than production's 32: more programs at one row (256 / 512 at 32
+    # value heads), less state per program. Not yet timed.
+    "two_bv16": (16, True, False),
+    "two_bv8": (8, True, False),
     "one_bv128": (128, True, True),
 }
 TINY_VARIANTS = {"three": (8, False, False), "two": (8, True, False), "one": (None, True, True)}

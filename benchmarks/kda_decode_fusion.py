@@ -60,6 +60,10 @@ VARIANTS = {
     "three_bv32": (32, False, False),
     "three_bv128": (128, False, False),
     "two_bv32": (32, True, False),
+    # Narrower tiles than production's 32: more programs at one row (256 / 512 at 32
+    # value heads), less state per program. Not yet timed.
+    "two_bv16": (16, True, False),
+    "two_bv8": (8, True, False),
     "one_bv128": (128, True, True),
 }
 # The same four at 16 x 16 heads: block_v 8 is the narrow tile, 16 a whole head.
