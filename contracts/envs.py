@@ -45,7 +45,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "",
         "decode fusions to turn off, comma-separated (A/B timing, or an escape hatch): "
         "norm_gemv, kv_write, mul_sigmoid, gdn_decode, moe_pairs, gdn_conv, kda_norm, "
-        "kda_decode, pdl, split_merge, moe_slot_sum, or all",
+        "kda_decode, pdl, split_merge, moe_slot_sum, router_rows, or all",
     ),
     "KVLOOM_FUSED": (
         "",
@@ -196,7 +196,8 @@ def set_here() -> dict[str, str]:
 # `split_merge`: the split-KV decode merges its splits in its attention launch, no merge
 # launch (kernels/paged_attention_triton.py). `moe_slot_sum`: the fused MoE's pairs plan
 # sums each token's k slots in its down launch, no slot-sum launch
-# (kernels/fused_moe_triton.py).
+# (kernels/fused_moe_triton.py). `router_rows`: Kimi-Linear's post-attention RMSNorm also
+# stores its rows widened to float32 for the float32 router (no cast launch before it).
 FUSIONS = (
     "norm_gemv",
     "kv_write",
@@ -209,6 +210,7 @@ FUSIONS = (
     "pdl",
     "split_merge",
     "moe_slot_sum",
+    "router_rows",
 )
 
 

@@ -40,6 +40,22 @@ def rms_norm(x, weight, eps, residual=None, weight_offset: float = 0.0):
     return rms_norm_ref(x, weight, eps, residual, weight_offset)
 
 
+def rms_norm_widened(x, weight, eps, residual=None, weight_offset: float = 0.0):
+    """(out, residual out, out widened to float32) of `rms_norm`: on CUDA one launch stores
+    both (no separate cast launch for a float32 reader; KVLOOM_UNFUSED=router_rows casts
+    apart, the same values)."""
+    if use_triton(x) and not envs.unfused("router_rows"):
+        from kvloom.kernels.rms_norm_triton import rms_norm_triton
+
+        widened = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        out, new_residual = rms_norm_triton(
+            x, weight, eps, residual, weight_offset, out_float32=widened
+        )
+        return out, new_residual, widened
+    out, new_residual = rms_norm(x, weight, eps, residual, weight_offset)
+    return out, new_residual, out.to(torch.float32)
+
+
 def apply_rotary(x, cos, sin, rotary_dim=None):
     if use_triton(x):
         from kvloom.kernels.rotary_triton import apply_rotary_triton

@@ -136,10 +136,12 @@ def _rms_norm_kernel(
     w_ptr,
     out_ptr,
     res_out_ptr,
+    out32_ptr,
     stride_x,
     stride_res,
     stride_out,
     stride_res_out,
+    stride_out32,
     eps,
     weight_offset,
     N: tl.constexpr,
@@ -147,6 +149,7 @@ def _rms_norm_kernel(
     SQ_LANES: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
+    HAS_OUT32: tl.constexpr = False,
     GDC: tl.constexpr = 0,
 ):
     # GDC (kernels/pdl_triton.py): the next launch (a GEMV) stages and prefetches its
@@ -168,7 +171,10 @@ def _rms_norm_kernel(
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     out = rms_scale(x, w, rstd, weight_offset, HAS_OFFSET, dtype)
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = out.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, out, mask=mask)
+    if HAS_OUT32:  # the stored values again, widened exactly (a float32 reader's copy)
+        tl.store(out32_ptr + row * stride_out32 + cols, out.to(tl.float32), mask=mask)
 
 
 def rms_norm_triton(
@@ -180,11 +186,14 @@ def rms_norm_triton(
     *,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    out_float32: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (norm(x + residual) * (weight_offset + weight), x + residual or None).
 
     `out` / `residual_out` may be given (for example `x` and `residual` for in-place use);
-    they must have the shapes and dtypes the reference would return.
+    they must have the shapes and dtypes the reference would return. `out_float32`, a
+    float32 tensor of x's shape, also receives out's values widened (`out.float()`, in
+    the same launch: for a float32 reader such as Kimi-Linear's router).
     """
     hidden = x.shape[-1] if x.dim() else 0
     if x.dim() == 0 or weight.shape != (hidden,):
@@ -201,7 +210,14 @@ def rms_norm_triton(
                 f"residual: expected shape {tuple(x.shape)}, got {tuple(residual.shape)}"
             )
         check_dtype("residual", residual)
-    check_same_device(x=x, weight=weight, residual=residual, out=out, residual_out=residual_out)
+    check_same_device(
+        x=x,
+        weight=weight,
+        residual=residual,
+        out=out,
+        residual_out=residual_out,
+        out_float32=out_float32,
+    )
     sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     out_dtype = sum_dtype if weight_offset else torch.promote_types(weight.dtype, sum_dtype)
 
@@ -220,6 +236,10 @@ def rms_norm_triton(
         raise ValueError("residual_out: given without residual")
     else:
         res_out2 = out2  # unused by the kernel
+    out32 = out2  # unused by the kernel without out_float32
+    if out_float32 is not None:
+        _check_output("out_float32", out_float32, x.shape, torch.float32)
+        out32 = _rows(out_float32, "out_float32")
 
     if x2.shape[0] and hidden:
         # The kernel normalises in the sum's dtype: a mixed-dtype residual is summed
@@ -232,10 +252,12 @@ def rms_norm_triton(
             weight,
             out2,
             res_out2,
+            out32,
             x2.stride(0),
             res2.stride(0) if res2 is not None else 0,
             out2.stride(0),
             res_out2.stride(0),
+            out32.stride(0),
             float(eps),
             float(weight_offset),
             N=hidden,
@@ -243,6 +265,7 @@ def rms_norm_triton(
             SQ_LANES=sq_lanes(hidden),
             HAS_RESIDUAL=residual is not None,
             HAS_OFFSET=bool(weight_offset),
+            HAS_OUT32=out_float32 is not None,
             num_warps=_num_warps(hidden),
             enable_fp_fusion=False,  # round as torch does: no fused multiply-adds
             **pdl_launch(uses_pdl(x2)),

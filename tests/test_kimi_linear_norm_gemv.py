@@ -154,3 +154,52 @@ def test_decode_is_bitwise_the_same_with_kda_decode_fused(monkeypatch, hybrid_mo
     for step, (want, have) in enumerate(zip(plain_states, got_states)):
         assert all(torch.equal(a, b) for a, b in zip(want, have, strict=True)), step
     assert got.token_ids == plain.token_ids and got.logprobs == plain.logprobs
+
+
+def _router_rows_decode(path, patch, unfused: str):
+    """(output, norm launches that stored widened rows, (dtype, rows) the router was
+    handed each call) of a
+    greedy bf16 decode with KVLOOM_UNFUSED=`unfused`, decode rows (2-D, at most 2) on the
+    interpreted Triton kernels as on a GPU."""
+    from kvloom import LLM
+    from kvloom.contracts.sampling_params import SamplingParams
+    from kvloom.kernels import ops
+    from kvloom.workers.models.kimi_linear import KimiRouter
+
+    patch.setenv("KVLOOM_UNFUSED", unfused)
+    patch.setattr(
+        ops, "use_triton", lambda t: t.dtype == torch.bfloat16 and t.dim() == 2 and t.shape[0] <= 2
+    )
+    widened, handed = [], []
+    norm, route = rt.rms_norm_triton, KimiRouter.forward
+
+    def counted_norm(*args, **kwargs):
+        widened.append(kwargs.get("out_float32") is not None)
+        return norm(*args, **kwargs)
+
+    patch.setattr(rt, "rms_norm_triton", counted_norm)
+    patch.setattr(
+        KimiRouter, "forward", lambda self, h: handed.append((h.dtype, len(h))) or route(self, h)
+    )
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=5)
+    llm = LLM(str(path), dtype="bfloat16", progress=False, enforce_eager=True)
+    out = llm.generate([5, 17, 33, 9, 61, 7], params, use_tqdm=False)[0].outputs[0]
+    return out, sum(widened), handed
+
+
+def test_router_rows_come_from_the_norm_launch(monkeypatch, hybrid_model):
+    """Kimi-Linear with its shared expert folded: the post-attention norm's launch also
+    stores its rows widened for the float32 router (ops.rms_norm_widened), so no cast
+    launch runs between them; the decode is bitwise the same as with
+    KVLOOM_UNFUSED=router_rows (the norm, then a cast)."""
+    path = hybrid_model("kimi_linear")  # the demo model: a folded shared expert
+    with monkeypatch.context() as patch:
+        plain, plain_widened, plain_handed = _router_rows_decode(path, patch, "router_rows")
+    with monkeypatch.context() as patch:
+        fused, fused_widened, fused_handed = _router_rows_decode(path, patch, "")
+    # The router gets float32 rows either way (its own .to() is then a no-op); with the
+    # fusion the decode steps' rows were stored by the norm's launch, without it none.
+    assert {dtype for dtype, _ in plain_handed + fused_handed} == {torch.float32}
+    decode_calls = sum(1 for _, rows in fused_handed if rows <= 2)
+    assert plain_widened == 0 and fused_widened == decode_calls >= 3
+    assert fused.token_ids == plain.token_ids and fused.logprobs == plain.logprobs

@@ -494,6 +494,23 @@ def test_rms_norm_in_place_and_mixed_dtypes():
         rms_norm_triton(x, w16, 1e-5, residual[:2])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_stores_its_rows_widened_too(dtype, with_residual):
+    """out_float32 (Kimi-Linear's float32 router reads it): exactly out.float(), in the
+    same launch, and out / residual as without it."""
+    x = randn(3, 40, seed=11, dtype=dtype, scale=2.0)
+    weight = randn(40, seed=12, dtype=dtype, scale=0.5) + 1.0
+    residual = randn(3, 40, seed=13, dtype=dtype) if with_residual else None
+    plain, plain_res = rms_norm_triton(x, weight, 1e-6, residual)
+    widened = torch.full((3, 40), float("nan"))
+    out, res = rms_norm_triton(x, weight, 1e-6, residual, out_float32=widened)
+    assert torch.equal(out, plain) and torch.equal(widened, out.float())
+    assert res is None if residual is None else torch.equal(res, plain_res)
+    with pytest.raises(ValueError, match="out_float32"):
+        rms_norm_triton(x, weight, 1e-6, residual, out_float32=widened.to(dtype))
+
+
 # --------------------------------------------------------------------------------- rotary
 
 

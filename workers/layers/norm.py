@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvloom.kernels.ops import rms_norm
+from kvloom.kernels.ops import rms_norm, rms_norm_widened
 from kvloom.workers.layers.linear import check_shape
 
 
@@ -25,3 +25,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         out, new_residual = rms_norm(x, self.weight, self.eps, residual, self.weight_offset)
         return out if residual is None else (out, new_residual)
+
+    def forward_widened(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """(normed, residual out, normed widened to float32), the last for a float32
+        reader: stored by the norm's own launch on CUDA."""
+        return rms_norm_widened(x, self.weight, self.eps, residual, self.weight_offset)

@@ -285,10 +285,16 @@ class KimiMoE(nn.Module):
             else None
         )
 
-    def forward(self, hidden: torch.Tensor, shared_act: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        shared_act: torch.Tensor | None = None,
+        router_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """`shared_act`: silu(gate) * up of the (unfolded) shared experts on `hidden`,
-        computed by the caller (the decoder layer fuses its norm into that GEMV)."""
-        weights, ids = self.gate(hidden)
+        computed by the caller (the decoder layer fuses its norm into that GEMV).
+        `router_rows`: `hidden` already in the router's dtype (the norm stored it)."""
+        weights, ids = self.gate(hidden if router_rows is None else router_rows)
         out = self.experts(hidden, weights, ids)
         if shared_act is not None:
             out = out + self.shared_experts.down_proj(shared_act)
@@ -378,7 +384,11 @@ class KimiDecoderLayer(nn.Module):
             )  # fmt: skip
             return mlp(normed, shared_act=act), residual
         # A folded shared expert: the router's GEMV is float32 (routing precision), which
-        # the norm's bf16 prologue does not feed, so the norm stays its own launch.
+        # the norm's bf16 prologue does not feed, so the norm stays its own launch; it also
+        # stores its rows widened for the router (no cast launch before the router GEMV).
+        if mlp.gate.acc == torch.float32 and hidden.dtype in (torch.float16, torch.bfloat16):
+            hidden, residual, widened = post.forward_widened(hidden, residual)
+            return mlp(hidden, router_rows=widened), residual
         hidden, residual = post(hidden, residual)
         return mlp(hidden), residual
 
