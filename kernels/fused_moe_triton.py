@@ -43,6 +43,11 @@ slot sum follows: three launches. Its BLOCK_M is the sorted plan's at those size
 and each block computes the same dots over the same K tiles, so it is bitwise the sorted
 plan too.
 
+With `moe_slot_sum` (opt-in, `uses_slot_sum`) the pairs plan drops the slot-sum launch
+too: each of a token's k down programs of a column tile arrives at a counter after its
+store, and the last sums the k slots with the slot-sum kernel's code (`_store_slot_sum`):
+two launches, the same bits.
+
 Invariant 7 (plans by size, same answer): the route block size BLOCK_M is chosen from the
 launch shape (`choose_block_m`, tokens per expert on average) and is the only thing the
 plans change. A route's results are written by route index, never by sorted position,
