@@ -13,6 +13,14 @@ in, so the kit's own script runs it (its staging, smoke test and retries unchang
     # the kit's hybrid call (after its call-1 staging), carrying .peer-vllm/c2 and the copy:
     bash .peer-vllm/c3-qwen3-next-16l/run_hybrid.sh
 
+`--engine-arg KEY=VALUE` (repeatable) adds keyword arguments to the kit's `vllm.LLM(...)`;
+kvloom's side takes the same limits as `kvloom bench` options. Kimi-Linear-16l needs one on
+an H100: vLLM's MLA profile run reserves a prefill workspace of max_num_seqs x its (hybrid-
+aligned) block size tokens, 29.5 GiB at the default 1024 sequences, which ran out of memory
+beside 53.5 GiB of weights (twenty-first session); so
+`write-kit kimi-linear-16l .peer-vllm/c3 OUT --engine-arg max_num_seqs=128` and
+`kvloom bench ... --shape kimi-linear-16l --max-num-seqs 128`.
+
 Prints the kit's `RESULT` lines prefixed with the shape's name. vLLM reads Kimi-Linear's
 config in the checkpoint's own field names, which kvloom's shape uses too. kvloom's side:
 `kvloom bench latency|throughput --shape SHAPE`. (`write-config` and `run` are the two
@@ -22,6 +30,7 @@ halves of the same, for a shell where both environments are at hand.)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import shutil
@@ -46,10 +55,30 @@ bench.main()
 """
 
 
-def write_config(shape: str, out: Path) -> dict:
+ENGINE_ARGS_KEY = "kvloom_engine_args"  # extra vllm.LLM keyword arguments, not model config
+
+
+def parse_engine_args(pairs: list[str]) -> dict:
+    """["max_num_seqs=128", ...] -> {"max_num_seqs": 128, ...}; values read as JSON where
+    they parse (numbers, true/false), else kept as strings."""
+    parsed = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise SystemExit(f"--engine-arg {pair!r}: expected KEY=VALUE, KEY a Python name")
+        try:
+            parsed[key] = json.loads(value)
+        except json.JSONDecodeError:
+            parsed[key] = value
+    return parsed
+
+
+def write_config(shape: str, out: Path, engine_args: dict | None = None) -> dict:
     from kvloom.cluster.bench import shape_config
 
     config = {"torch_dtype": "bfloat16", **shape_config(shape), "kvloom_shape": shape}
+    if engine_args:
+        config[ENGINE_ARGS_KEY] = engine_args
     out.write_text(json.dumps(config, indent=1))
     return config
 
@@ -72,14 +101,42 @@ def use_config(bench, config: dict) -> str:
     """Points the kit at `config`, in a model folder of its own; returns the shape's name."""
     config = dict(config)
     shape = config.pop("kvloom_shape", "shape")
+    engine_args = config.pop(ENGINE_ARGS_KEY, {})
     bench.CONFIG = config
     bench.MODEL_DIR = f"/tmp/{shape}-dummy"
     printed = bench.res
     bench.res = lambda key, value: printed(f"{shape}_{key}", value)
+    if engine_args:
+        kit_main = bench.main
+
+        def main_with_engine_args():
+            bench.res("engine_args", json.dumps(engine_args, sort_keys=True))
+            with extra_llm_kwargs(engine_args):
+                return kit_main()
+
+        bench.main = main_with_engine_args
     return shape
 
 
-def write_kit(shape: str, kit_dir: Path, out: Path) -> None:
+@contextlib.contextmanager
+def extra_llm_kwargs(engine_args: dict):
+    """vllm.LLM with `engine_args` added to every construction (the kit imports LLM from
+    vllm inside its main, so replacing the module attribute reaches it)."""
+    import vllm
+
+    kit_llm = vllm.LLM
+
+    def llm(*args, **kwargs):
+        return kit_llm(*args, **{**kwargs, **engine_args})
+
+    vllm.LLM = llm
+    try:
+        yield
+    finally:
+        vllm.LLM = kit_llm
+
+
+def write_kit(shape: str, kit_dir: Path, out: Path, engine_args: dict | None = None) -> None:
     """A copy of the kit's hybrid folder whose bench_hybrid.py runs `shape`."""
     kit_dir = Path(kit_dir)
     if not (kit_dir / "bench_hybrid.py").is_file() or not (kit_dir / "run_hybrid.sh").is_file():
@@ -92,7 +149,7 @@ def write_kit(shape: str, kit_dir: Path, out: Path) -> None:
             shutil.copy2(path, out / path.name)
     shutil.copy2(kit_dir / "bench_hybrid.py", out / "kit_bench_hybrid.py")
     shutil.copy2(Path(__file__), out / "peer_vllm_shape.py")
-    write_config(shape, out / "shape_config.json")
+    write_config(shape, out / "shape_config.json", engine_args)
     (out / "bench_hybrid.py").write_text(LAUNCHER)
 
 
@@ -109,12 +166,20 @@ def main(argv=None) -> None:
     kit.add_argument("shape")
     kit.add_argument("kit_dir", type=Path, help="the peer kit's folder with bench_hybrid.py")
     kit.add_argument("out", type=Path)
+    for command in (write, kit):
+        command.add_argument(
+            "--engine-arg",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="a keyword argument added to the kit's vllm.LLM(...) (repeatable)",
+        )
     args = parser.parse_args(argv)
     if args.command == "write-config":
-        write_config(args.shape, args.out)
+        write_config(args.shape, args.out, parse_engine_args(args.engine_arg))
         return
     if args.command == "write-kit":
-        write_kit(args.shape, args.kit_dir, args.out)
+        write_kit(args.shape, args.kit_dir, args.out, parse_engine_args(args.engine_arg))
         return
     bench = load_kit_bench(args.kit_dir)
     use_config(bench, json.loads(args.config.read_text()))

@@ -111,3 +111,67 @@ def test_written_kit_runs_the_kit_s_script_on_the_shape(tmp_path):
 def test_write_kit_needs_the_kit_s_hybrid_folder(tmp_path):
     with pytest.raises(SystemExit, match="run_hybrid.sh"):
         peer_vllm_shape.main(["write-kit", "qwen3-next-16l", str(tmp_path), str(tmp_path / "o")])
+
+
+LLM_KIT = """
+CONFIG = {}
+MODEL_DIR = "/tmp/qwen3next-24l-dummy"
+printed = []
+
+
+def res(key, val):
+    printed.append((key, val))
+
+
+def main():
+    from vllm import LLM
+
+    LLM(model=MODEL_DIR, max_model_len=4096, gpu_memory_utilization=0.85)
+"""
+
+
+def test_engine_args_reach_the_kit_s_llm_and_are_reported(tmp_path, monkeypatch):
+    import types
+
+    built = []
+    fake_vllm = types.ModuleType("vllm")
+
+    def kit_llm(**kwargs):
+        built.append(kwargs)
+
+    fake_vllm.LLM = kit_llm
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
+    (tmp_path / "bench_hybrid.py").write_text(LLM_KIT)
+    config_path = tmp_path / "kimi.json"
+    peer_vllm_shape.main(
+        ["write-config", "kimi-linear-16l", str(config_path)]
+        + ["--engine-arg", "max_num_seqs=128", "--engine-arg", "gpu_memory_utilization=0.9"]
+    )
+    loaded = {}
+    real_load = peer_vllm_shape.load_kit_bench
+    monkeypatch.setattr(
+        peer_vllm_shape, "load_kit_bench", lambda d: loaded.setdefault("b", real_load(d))
+    )
+    peer_vllm_shape.main(["run", str(tmp_path), str(config_path)])
+    # Added to the kit's own arguments (overriding where both name one), numbers as numbers.
+    assert built == [
+        {
+            "model": "/tmp/kimi-linear-16l-dummy",
+            "max_model_len": 4096,
+            "gpu_memory_utilization": 0.9,
+            "max_num_seqs": 128,
+        }
+    ]
+    bench = loaded["b"]
+    assert bench.printed == [
+        ("kimi-linear-16l_engine_args", '{"gpu_memory_utilization": 0.9, "max_num_seqs": 128}')
+    ]
+    assert "kvloom_engine_args" not in bench.CONFIG  # not in the model's config.json
+    assert fake_vllm.LLM is kit_llm  # put back after the run
+
+
+def test_engine_arg_needs_key_equals_value(tmp_path):
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        peer_vllm_shape.main(
+            ["write-config", "kimi-linear-16l", str(tmp_path / "c.json"), "--engine-arg", "128"]
+        )
