@@ -323,16 +323,17 @@ print(min(ok, key=lambda r: r['us_per_layer'])['pairs_stages'])")
           | sed "s/^/${fused:-off} /" || status=1
       done
       ;;
-    moe-slot-sum)  # the opt-in in-launch MoE slot sum: its gpu tests, µs per layer, batch-1 A/B
+    moe-slot-sum)  # the in-launch MoE slot sum (default): its gpu tests, µs per layer, batch-1 A/B
       timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -k slot_sum \
         tests/test_fused_moe_pairs_plan.py tests/test_cuda_graphs.py 2>&1 | tail -3 || status=1
       timeout 300 python3 benchmarks/moe_layer_launches.py --plans pairs pairs_sum --tokens 1 2 4 \
         --out "$OUT/moe_slot_sum_layers.json" 2>&1 | cut -c1-110 | tail -12 || status=1
       for shape in ${SLOT_SUM_SHAPES:-kimi-linear-16l qwen3-next-16l}; do
-        for fused in "" moe_slot_sum "" moe_slot_sum; do
-          KVLOOM_FUSED=$fused timeout 200 python3 -m kvloom.cluster.cli bench latency \
-            --shape $shape --out "$OUT/moe_slot_sum_ab_${shape}_${fused:-off}_$RANDOM.json" \
-            2>&1 | grep "^RESULT ms_per" | sed "s/^/$shape ${fused:-off} /" || status=1
+        for unfused in moe_slot_sum "" moe_slot_sum ""; do
+          KVLOOM_UNFUSED=$unfused timeout 200 python3 -m kvloom.cluster.cli bench latency \
+            --shape $shape --out "$OUT/moe_slot_sum_ab_${shape}_${unfused:-default}_$RANDOM.json" \
+            2>&1 | grep "^RESULT ms_per" | sed "s/^/$shape unfused=${unfused:-none} /" \
+            || status=1
         done
       done
       ;;

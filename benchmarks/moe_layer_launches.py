@@ -7,7 +7,7 @@ bfloat16, random weights. The all-reduce of TP > 1 is not in it (TP = 1).
 Each layer runs with the fused-MoE plans (`--plans`): "sorted" (route sort: count and
 place launches, then gate_up, down, slot sum), "pairs" (the decode plan: each route its
 own block, no sort; kernels/fused_moe_triton.py) and "pairs_sum" (the pairs plan summing
-each token's slots in its down launch, the opt-in `moe_slot_sum`), forced whatever
+each token's slots in its down launch, the default `moe_slot_sum`), forced whatever
 `uses_pairs_plan` / `uses_slot_sum` would pick, at each of `--tokens` (default 1 2 4 8: the pairs plan serves T <= 4 by default, so
 T = 8 shows what it would cost past its constant). The plans' outputs must be equal bit
 for bit; each row records it.
@@ -62,7 +62,7 @@ SHAPES = {
 }
 TINY = dict(hidden=64, experts=8, top_k=2, inter=32)
 # "pairs_sum": the pairs plan with each token's slots summed in its down launch
-# (KVLOOM_FUSED=moe_slot_sum), one launch fewer.
+# (the default; KVLOOM_UNFUSED=moe_slot_sum turns it off), one launch fewer.
 PLANS = ("sorted", "pairs", "pairs_sum")
 # aten ops that launch nothing on a GPU (views, metadata, allocations).
 NO_KERNEL = {

@@ -53,8 +53,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "(same bits, but slower on an H200), pdl (decode kernel launches overlap the "
         "launch before them on Hopper; 1.7% slower on Qwen3-8B on an H100), split_merge (the "
         "split-KV decode merges its splits in its attention launch; level with two launches "
-        "on an H100), moe_slot_sum (the fused MoE's decode plan sums each token's slots in "
-        "its down launch; not yet run on a GPU), or all; "
+        "on an H100), or all; "
         "KVLOOM_UNFUSED wins over it",
     ),
     "KVLOOM_PDL_PREFETCH_LINES": (
@@ -220,9 +219,9 @@ FUSIONS = (
 # batch-1 decode 7.02 ms/token with it, 4.74 without).
 # `pdl` lost on an H100 at every release point (nineteenth session). `split_merge` passed
 # its gpu tests and gained nothing end to end on an H100 (twentieth session: 5.97-5.98
-# ms/token on and off). `moe_slot_sum` is opt-in until a GPU lease has run its tests (the
-# counter's cross-program order) and timed it.
-OPT_IN_FUSIONS = ("norm_gemv", "pdl", "split_merge", "moe_slot_sum")
+# ms/token on and off). (`moe_slot_sum` left this list after its gpu tests passed and it
+# gained 1.0-1.4% per token on both 16-layer hybrids on an H100, twenty-first session.)
+OPT_IN_FUSIONS = ("norm_gemv", "pdl", "split_merge")
 
 
 @functools.lru_cache(maxsize=16)

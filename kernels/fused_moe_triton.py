@@ -43,7 +43,7 @@ slot sum follows: three launches. Its BLOCK_M is the sorted plan's at those size
 and each block computes the same dots over the same K tiles, so it is bitwise the sorted
 plan too.
 
-With `moe_slot_sum` (opt-in, `uses_slot_sum`) the pairs plan drops the slot-sum launch
+With `moe_slot_sum` (default on a GPU, `uses_slot_sum`) the pairs plan drops the slot-sum launch
 too: each of a token's k down programs of a column tile arrives at a counter after its
 store, and the last sums the k slots with the slot-sum kernel's code (`_store_slot_sum`):
 two launches, the same bits.
@@ -147,8 +147,8 @@ def uses_pairs_plan(hidden: torch.Tensor, sorted_block_m: int) -> bool:
 
 def uses_slot_sum(hidden: torch.Tensor, pairs: bool) -> bool:
     """Whether a pairs-plan launch sums each token's k slots in its down launch (the last
-    of a token's route programs to store does), with no slot-sum launch: the opt-in
-    `moe_slot_sum` (KVLOOM_FUSED) on a GPU. Never chosen interpreted: the counter's
+    of a token's route programs to store does), with no slot-sum launch: on a GPU unless
+    KVLOOM_UNFUSED names `moe_slot_sum`. Never chosen interpreted: the counter's
     cross-program order is what the gpu tests check (CPU tests pass slot_sum=True)."""
     return pairs and hidden.is_cuda and not envs.unfused("moe_slot_sum")
 

@@ -295,14 +295,14 @@ def test_gpu_split_merge_gives_the_same_tokens(tiny_model, hybrid_model, arch, m
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", HYBRIDS)
 def test_gpu_moe_slot_sum_gives_the_same_tokens(tiny_model, hybrid_model, arch, monkeypatch):
-    """The fused MoE's decode plan summing slots in its down launch
-    (KVLOOM_FUSED=moe_slot_sum) gives the slot-sum launch's bits, so the same greedy
-    tokens from CUDA graphs in bfloat16 (both hybrids have mixture-of-experts layers)."""
+    """The fused MoE's decode plan summing slots in its down launch (the default) gives
+    the slot-sum launch's bits (KVLOOM_UNFUSED=moe_slot_sum), so the same greedy tokens
+    from CUDA graphs in bfloat16 (both hybrids have mixture-of-experts layers)."""
     path = _model_path(tiny_model, hybrid_model, arch)
     monkeypatch.delenv("KVLOOM_FUSED", raising=False)
-    monkeypatch.delenv("KVLOOM_UNFUSED", raising=False)
+    monkeypatch.setenv("KVLOOM_UNFUSED", "moe_slot_sum")
     want = _graph_tokens(path)
-    monkeypatch.setenv("KVLOOM_FUSED", "moe_slot_sum")
+    monkeypatch.delenv("KVLOOM_UNFUSED")
     assert _graph_tokens(path) == want
 
 

@@ -198,11 +198,9 @@ def test_slot_sum_launches_two_kernels_and_needs_the_pairs_plan():
         fused_moe_triton(x, w13, w2, weights, ids, pairs=False, slot_sum=True)
 
 
-def test_slot_sum_is_opt_in_on_a_gpu(monkeypatch):
+def test_slot_sum_is_the_default_on_a_gpu(monkeypatch):
     monkeypatch.delenv("KVLOOM_FUSED", raising=False)
     monkeypatch.delenv("KVLOOM_UNFUSED", raising=False)
-    assert not uses_slot_sum(fake_hidden(1), pairs=True)
-    monkeypatch.setenv("KVLOOM_FUSED", "moe_slot_sum")
     assert uses_slot_sum(fake_hidden(1), pairs=True)
     assert not uses_slot_sum(fake_hidden(1), pairs=False)
     assert not uses_slot_sum(fake_hidden(1, is_cuda=False), pairs=True)
