@@ -11,7 +11,7 @@
 #     [act-quant] [scaled-mm-accuracy] [attention-fusion] [norm-gemv] [gdn-decode]
 #     [moe-pairs] [fusion-ab] [bench-int4] [bench-fp8] [int4-gemv] [det-plans]
 #     [det-cost-tables] [moe-stages] [decode-timeline] [split-merge] [qk-rope-plans]
-#     [moe-slot-sum]
+#     [moe-slot-sum] [router-picks]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -336,6 +336,12 @@ print(min(ok, key=lambda r: r['us_per_layer'])['pairs_stages'])")
             || status=1
         done
       done
+      ;;
+    router-picks)  # the MoE routers: one or two picks a reduction, gpu tests and µs a launch
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -k picks \
+        tests/test_moe_router.py 2>&1 | tail -3 || status=1
+      timeout 200 python3 benchmarks/router_picks.py --out "$OUT/router_picks.json" \
+        2>&1 | grep RESULT || status=1
       ;;
     qk-rope-plans)  # q/k norm + rotary + KV write: tokens a program, bitwise and timed
       timeout 200 python3 benchmarks/qk_norm_rope_plans.py --tokens 64 128 512 2048 16384 \

@@ -10,8 +10,18 @@ of logits in registers and writes the k weights and ids.
 Choice: top-k of the softmax is top-k of the logits (exp is monotone), so the experts are
 picked on the logits themselves, exactly, in any dtype. Each logit becomes one int64 key,
 its float32 value mapped to an order-preserving integer in the high half and
-(E_PAD - 1 - expert) in the low half, so one max reduction per pick yields the value and,
-on ties, the lowest expert id; the picked lane's key is then knocked out.
+(E_PAD - 1 - expert) in the low half, so keys are distinct and a max reduction yields the
+value and, on ties, the lowest expert id; picked lanes' keys are then knocked out.
+
+Speed (batch-1 decode, where one program per token is all there is: a chain of dependent
+warp reductions, each five shuffle rounds at 32 lanes): an H100 timed the first version,
+one max reduction per pick with the pick's weight computed inside the loop, at 6.5 us per
+launch for Qwen3-Next's 512 experts / top 10 and 4.0 us for Kimi-Linear's 256 / top 8 (the
+sigmoid router also summed a lane out per pick: a second reduction). Now each reduction
+yields the two largest keys (`_top2`: a pair per lane, merged pairwise), so k picks take
+ceil(k / 2) reductions, and the weights are computed once after the loop from the picked
+keys (softmax) or from the picked logits reloaded (sigmoid): the same picks in the same
+order and the same arithmetic per weight, so the same bits (tests compare both plans).
 
 Weights follow the reference's rounding points: m = max logit, s = sum_e exp(l_e - m),
 p_j = exp(l_j - m) / s for each pick, and when renormalising p_j / sum_j p_j (the
@@ -49,6 +59,9 @@ from kvloom.kernels.moe_router import check_router_args
 
 MAX_EXPERTS = 8192  # one program holds a whole row of logits (and its keys) in registers
 KNOCKED_OUT = tl.constexpr(-(2**63))  # below every real key: picked lanes and padding
+# Keys picked per max reduction (`_pick_keys`): 2, or 1 (the first version's one pick per
+# reduction; tests and benchmarks/router_picks.py compare the two). The same picks either way.
+PICKS_PER_ROUND = 2
 # The kernels' SHARED constexpr for each `shared_expert_weight`.
 SHARED_MODES = {None: 0, "sigmoid_last_logit": 1, "one": 2}
 
@@ -65,6 +78,43 @@ def _key_value(key):
     """The inverse of `_sortable_key`."""
     bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _top2(a1, a2, b1, b2):
+    """Combine of a reduction over (largest, second largest) key pairs: the two largest of
+    {a1, a2, b1, b2}, given a1 > a2 and b1 > b2 (or equal knocked-out keys)."""
+    a_first = a1 > b1
+    first = tl.where(a_first, a1, b1)
+    second = tl.where(a_first, tl.maximum(a2, b1), tl.maximum(a1, b2))
+    return first, second
+
+
+@triton.jit
+def _pick_keys(keys, slots, TOP_K: tl.constexpr, K_PAD: tl.constexpr, PICKS: tl.constexpr):
+    """The TOP_K largest of `keys` (distinct where not knocked out), in descending order,
+    in slots 0..TOP_K-1 of a [K_PAD] vector (KNOCKED_OUT in the others)."""
+    picked = tl.full([K_PAD], KNOCKED_OUT, dtype=tl.int64)
+    for j in tl.static_range(0, TOP_K, PICKS):
+        if PICKS == 1:
+            best = tl.max(keys, axis=0)
+            picked = tl.where(slots == j, best, picked)
+            keys = tl.where(keys == best, KNOCKED_OUT, keys)
+        else:
+            best, second = tl.reduce((keys, tl.full(keys.shape, KNOCKED_OUT, tl.int64)), 0, _top2)
+            picked = tl.where(slots == j, best, picked)
+            if j + 1 < TOP_K:
+                picked = tl.where(slots == j + 1, second, picked)
+            keys = tl.where((keys == best) | (keys == second), KNOCKED_OUT, keys)
+    return picked
+
+
+@triton.jit
+def _key_expert(key, num_experts, E_PAD: tl.constexpr):
+    """The expert id in a key's low half (< E_PAD: truncating to int32 keeps it exactly),
+    clamped to [0, E) so that no id can point outside the experts."""
+    expert = (E_PAD - 1) - key.to(tl.int32)
+    return tl.minimum(tl.maximum(expert, 0), num_experts - 1)
 
 
 @triton.jit
@@ -94,6 +144,12 @@ def _shared_mode(shared_expert_weight) -> int:
     return SHARED_MODES[shared_expert_weight]
 
 
+def _check_picks(picks_per_round) -> int:
+    if picks_per_round not in (1, 2):
+        raise ValueError(f"picks_per_round must be 1 or 2, got {picks_per_round!r}")
+    return picks_per_round
+
+
 def _routes_out(num_tokens, top_k, shared_expert_weight, dtype, device):
     """Output buffers: k columns, k + 1 with a shared route."""
     width = top_k + (shared_expert_weight is not None)
@@ -117,6 +173,7 @@ def _softmax_topk_kernel(
     E_PAD: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     SHARED: tl.constexpr,
+    PICKS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, E_PAD)
@@ -133,17 +190,11 @@ def _softmax_topk_kernel(
     low = (E_PAD - 1 - experts).to(tl.int64)
     keys = tl.where(real, (_sortable_key(value).to(tl.int64) << 32) | low, KNOCKED_OUT)
     slots = tl.arange(0, K_PAD)
-    out_w = tl.zeros([K_PAD], dtype=tl.float32)
-    out_id = tl.zeros([K_PAD], dtype=tl.int64)
-    for j in range(TOP_K):
-        best = tl.max(keys, axis=0)
-        # The low half is < E_PAD: truncating to int32 keeps it exactly.
-        expert = (E_PAD - 1) - best.to(tl.int32)
-        expert = tl.minimum(tl.maximum(expert, 0), num_experts - 1)
-        prob = tl.math.div_rn(exp_f32(_key_value((best >> 32).to(tl.int32)) - row_max), denom)
-        out_w = tl.where(slots == j, prob, out_w)
-        out_id = tl.where(slots == j, expert, out_id)
-        keys = tl.where(experts == expert, KNOCKED_OUT, keys)
+    picked = _pick_keys(keys, slots, TOP_K, K_PAD, PICKS)
+    routed = slots < TOP_K
+    out_id = tl.where(routed, _key_expert(picked, num_experts, E_PAD), 0).to(tl.int64)
+    prob = tl.math.div_rn(exp_f32(_key_value((picked >> 32).to(tl.int32)) - row_max), denom)
+    out_w = tl.where(routed, prob, 0.0)
     if RENORMALIZE:
         out_w = tl.math.div_rn(out_w, tl.sum(out_w, axis=0))  # unused slots hold 0
     out_w = tl.where(has_nan, float("nan"), out_w)
@@ -163,10 +214,12 @@ def softmax_topk_triton(
     top_k: int,
     renormalize: bool,
     shared_expert_weight: str | None = None,
+    picks_per_round: int = PICKS_PER_ROUND,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] (float16/bfloat16/float32, any strides, E <= MAX_EXPERTS; one
     more column with "sigmoid_last_logit") -> (weights [T, k] in the logits' dtype, ids
-    [T, k] int64), both contiguous; k + 1 columns with a shared route."""
+    [T, k] int64), both contiguous; k + 1 columns with a shared route. `picks_per_round`
+    (1 or 2, `PICKS_PER_ROUND`) changes the speed only."""
     num_experts = check_router_args(router_logits, top_k, shared_expert_weight)
     check_dtype("router_logits", router_logits)
     if num_experts > MAX_EXPERTS:
@@ -196,6 +249,7 @@ def softmax_topk_triton(
         E_PAD=e_pad,
         RENORMALIZE=renormalize,
         SHARED=_shared_mode(shared_expert_weight),
+        PICKS=_check_picks(picks_per_round),
         # A warp per 1024 experts: small rows reduce with warp shuffles alone.
         num_warps=max(1, min(8, e_pad // 1024)),
         enable_fp_fusion=False,  # round as torch does: no fused multiply-adds
@@ -221,6 +275,7 @@ def _sigmoid_topk_kernel(
     HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     SHARED: tl.constexpr,
+    PICKS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, E_PAD)
@@ -236,17 +291,13 @@ def _sigmoid_topk_kernel(
     low = (E_PAD - 1 - experts).to(tl.int64)
     keys = tl.where(real, (_sortable_key(value).to(tl.int64) << 32) | low, KNOCKED_OUT)
     slots = tl.arange(0, K_PAD)
-    out_w = tl.zeros([K_PAD], dtype=tl.float32)
-    out_id = tl.zeros([K_PAD], dtype=tl.int64)
-    for j in range(TOP_K):
-        best = tl.max(keys, axis=0)
-        expert = (E_PAD - 1) - best.to(tl.int32)
-        expert = tl.minimum(tl.maximum(expert, 0), num_experts - 1)
-        # The unbiased score of the pick (a sum of one lane and zeros: exact).
-        score = tl.sum(tl.where(experts == expert, scores, 0.0), axis=0)
-        out_w = tl.where(slots == j, score, out_w)
-        out_id = tl.where(slots == j, expert, out_id)
-        keys = tl.where(experts == expert, KNOCKED_OUT, keys)
+    picked = _pick_keys(keys, slots, TOP_K, K_PAD, PICKS)
+    routed = slots < TOP_K
+    out_id = tl.where(routed, _key_expert(picked, num_experts, E_PAD), 0).to(tl.int64)
+    # The picks' unbiased scores: their logits read again (L1/L2-hot) and put through the
+    # same sigmoid, so the same values as the lanes' scores, with no reduction per pick.
+    picked_logits = tl.load(row_ptr + out_id * stride_le, mask=routed, other=0.0)
+    out_w = tl.where(routed, _sigmoid_f32(picked_logits.to(tl.float32)), 0.0)
     if RENORMALIZE:
         out_w = tl.math.div_rn(out_w, tl.sum(out_w, axis=0) + 1e-20)  # unused slots hold 0
     out_w = out_w * scaling
@@ -266,6 +317,7 @@ def sigmoid_topk_triton(
     renormalize: bool,
     routed_scaling_factor: float = 1.0,
     shared_expert_weight: str | None = None,
+    picks_per_round: int = PICKS_PER_ROUND,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 / Kimi-Linear routing with every expert group eligible (one group, or
     topk_groups == num_groups), one launch: scores = sigmoid(logits), the top-k of scores +
@@ -275,7 +327,8 @@ def sigmoid_topk_triton(
     within a few ulps of torch's). router_logits [T, E] (float16/bfloat16/float32, any
     strides), correction_bias [E] or None -> (weights [T, k] float32, ids [T, k] int64);
     k + 1 columns with a shared route (its weight unscaled, `moe_router`).
-    Replaces some fifteen torch launches per MoE layer; CUDA-graph capturable."""
+    Replaces some fifteen torch launches per MoE layer; CUDA-graph capturable.
+    `picks_per_round` as in `softmax_topk_triton`."""
     num_experts = check_router_args(router_logits, top_k, shared_expert_weight)
     check_dtype("router_logits", router_logits)
     if num_experts > MAX_EXPERTS:
@@ -316,6 +369,7 @@ def sigmoid_topk_triton(
         HAS_BIAS=correction_bias is not None,
         RENORMALIZE=renormalize,
         SHARED=_shared_mode(shared_expert_weight),
+        PICKS=_check_picks(picks_per_round),
         num_warps=max(1, min(8, e_pad // 1024)),
         enable_fp_fusion=False,  # round as torch does: no fused multiply-adds
     )

@@ -20,7 +20,12 @@ import torch
 
 from kvloom.kernels.fused_moe_triton import fused_moe_triton
 from kvloom.kernels.moe_router import softmax_topk_ref
-from kvloom.kernels.moe_router_triton import MAX_EXPERTS, softmax_topk_triton
+from kvloom.kernels.moe_router_triton import (
+    MAX_EXPERTS,
+    PICKS_PER_ROUND,
+    sigmoid_topk_triton,
+    softmax_topk_triton,
+)
 from kvloom.workers.layers import moe
 from tests.kernel_env import DEVICE, gpu, needs_cuda
 
@@ -147,6 +152,49 @@ def test_nan_and_infinite_logits():
     assert weights.isnan().all() and ids.tolist() == [[0, 1, 2]]
 
 
+def picks_cases():
+    """Rows with ties, NaN, +-inf and a knocked-out lane's neighbours, odd and even k,
+    k == E, with and without a shared route."""
+    logits = distinct_logits(5, 24, torch.float32, seed=11)
+    logits[1] = 0.5  # all tied: lowest ids first
+    logits[2, [4, 17]] = NAN
+    logits[3, [0, 9]] = INF
+    logits[4, 3:9] = -INF
+    for top_k in (1, 3, 8, 24):
+        for renormalize in (False, True):
+            yield logits, top_k, renormalize, None
+    yield logits, 5, True, "one"
+    yield logits.to(torch.bfloat16), 7, True, "sigmoid_last_logit"
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_two_picks_per_reduction_give_one_pick_s_bits():
+    """The default plan (two keys from each max reduction, weights after the loop) picks
+    the same experts in the same order with the same weight bits as one pick a reduction,
+    for the softmax and the sigmoid routers."""
+    assert PICKS_PER_ROUND == 2
+    bias = torch.randn(24, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    for logits, top_k, renormalize, shared in picks_cases():
+        experts = logits.shape[1] - (shared == "sigmoid_last_logit")
+        top_k = min(top_k, experts)
+        runs = [
+            softmax_topk_triton(logits, top_k, renormalize, shared, picks_per_round=picks)
+            for picks in (1, 2)
+        ]
+        runs += [
+            sigmoid_topk_triton(
+                logits, bias[:experts], top_k, renormalize, 2.5, shared, picks_per_round=picks
+            )
+            for picks in (1, 2)
+        ]
+        case = (logits.dtype, top_k, renormalize, shared)
+        for one, two in (runs[:2], runs[2:]):
+            assert torch.equal(one[1], two[1]), case
+            assert torch.equal(one[0].view(torch.int8), two[0].view(torch.int8)), case
+    with pytest.raises(ValueError, match="picks_per_round"):
+        softmax_topk_triton(logits, 2, True, picks_per_round=3)
+
+
 def test_empty_batch():
     weights, ids = softmax_topk_triton(torch.empty(0, 32, device=DEVICE), 4, True)
     assert weights.shape == (0, 4) and ids.shape == (0, 4) and ids.dtype == torch.int64
@@ -239,3 +287,27 @@ def test_gpu_qwen3_next_router_and_cuda_graph(tokens, dtype):
 def test_gpu_1024_experts():
     logits = distinct_logits(64, 1024, torch.bfloat16, seed=8)
     check_case("gpu E1024", logits, 16, True)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 4, 300])
+def test_gpu_two_picks_per_reduction_at_real_router_widths(tokens):
+    """Compiled, at Qwen3-Next's router (512 experts + its shared gate column, top 10) and
+    Kimi-Linear's (256, top 8, bias, scaled): both pick plans give the same ids and bits,
+    and the default plan matches the reference."""
+    logits = distinct_logits(tokens, 513, torch.bfloat16, seed_of("picks", tokens))
+    runs = [
+        softmax_topk_triton(logits, 10, True, "sigmoid_last_logit", picks_per_round=picks)
+        for picks in (1, 2)
+    ]
+    kimi = distinct_logits(tokens, 256, torch.float32, seed_of("kimi picks", tokens))
+    bias = torch.randn(256, device="cuda") / 10
+    runs += [
+        sigmoid_topk_triton(kimi, bias, 8, True, 2.446, "one", picks_per_round=picks)
+        for picks in (1, 2)
+    ]
+    for one, two in (runs[:2], runs[2:]):
+        assert torch.equal(one[1], two[1])
+        assert torch.equal(one[0].view(torch.int8), two[0].view(torch.int8))
+    check_case(f"gpu picks T{tokens}", logits[:, :512], 10, True)
