@@ -498,6 +498,18 @@ def run_offline(engine: Engine, requests: list[tuple[list[int], int]]) -> tuple[
     return time.perf_counter() - start, out_tokens
 
 
+def schedule_figures(before: dict, after: dict) -> dict:
+    """How the first run was scheduled: engine steps, preemptions, and the block pool it
+    had (steps set the offline time where each step reads every weight, as a mixture of
+    experts does at large batches: compare the steps with the peer's concurrency)."""
+    return {
+        "steps": after["num_steps"] - before["num_steps"],
+        "preemptions": after["num_preemptions"] - before["num_preemptions"],
+        "kv_pool_blocks": after["num_blocks"],
+        "block_size": after["block_size"],
+    }
+
+
 def throughput(model: str, args) -> dict:
     """The offline workload, `repeat` times on one engine: figures of the first run (as the
     peer kit times vLLM's one run), and every run's seconds."""
@@ -505,8 +517,11 @@ def throughput(model: str, args) -> dict:
     requests = offline_workload(args, engine.vocab_size)
     runs = []
     try:
+        before = engine.stats()
         for _ in range(getattr(args, "repeat", 1)):
             runs.append(run_offline(engine, requests))
+            if len(runs) == 1:
+                schedule = schedule_figures(before, engine.stats())
         floor = throughput_floor(engine, args, requests)
     finally:
         engine.shutdown()  # a Ray executor's actors and placement group
@@ -518,6 +533,8 @@ def throughput(model: str, args) -> dict:
         "seconds": round(elapsed, 2),
         "output_tokens_per_s": round(out_tokens / elapsed, 1),
         "total_tokens_per_s": round((out_tokens + prompt_tokens) / elapsed, 1),
+        **schedule,
+        "tokens_per_step": round((out_tokens + prompt_tokens) / max(schedule["steps"], 1), 1),
     }
     if len(runs) > 1:
         result["seconds_per_run"] = [round(seconds, 2) for seconds, _ in runs]

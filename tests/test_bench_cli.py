@@ -68,6 +68,13 @@ def test_bench_throughput(tmp_path, executor):
     result = json.loads(out.read_text())
     assert result["requests"] == 4 and result["output_tokens_per_s"] > 0
     assert result["executor"] == executor
+    # The first run's schedule: a step per output token of the longest request at least
+    # (4-8 tokens each), a prefill step and 8 decode steps per request at most.
+    assert 4 <= result["steps"] <= 4 * (1 + 8)
+    # 4 prompts of 8-16 tokens and 4 outputs of 4-8, over those steps.
+    assert 48 <= round(result["tokens_per_step"] * result["steps"]) <= 96
+    assert result["preemptions"] == 0 and result["kv_pool_blocks"] > 0
+    assert result["block_size"] > 0
     # The floor (cluster/offline_floor.py) from rank 0's weights and rates: a lower bound.
     assert result["matmul_flops"] > 2 * 4 * 4 * 256 * 256 * (8 + 4 - 1)
     assert result["decode_kv_bytes"] > 0 and result["prefill_attention_flops"] > 0
