@@ -48,6 +48,13 @@ def split_steps(spans: list[dict], min_gap_us: float) -> list[list[dict]]:
     return steps
 
 
+def launch_grid(event: dict) -> str:
+    """A kernel event's grid as "x,y,z" (the profiler's args), "" where it has none
+    (copies, memsets)."""
+    grid = event.get("args", {}).get("grid")
+    return ",".join(str(g) for g in grid) if grid else ""
+
+
 def summarize(step: list[dict]) -> dict:
     per_name: dict[str, dict] = defaultdict(
         lambda: dict(launches=0, busy_us=0.0, gap_before_us=0.0)
@@ -60,6 +67,11 @@ def summarize(step: list[dict]) -> dict:
         if end is not None:
             row["gap_before_us"] += max(0.0, e["ts"] - end)
         end = max(end or 0.0, e["ts"] + e["dur"])
+    shapes: dict[tuple[str, str], dict] = defaultdict(lambda: dict(launches=0, busy_us=0.0))
+    for e in step:
+        row = shapes[(e["name"][:80], launch_grid(e))]
+        row["launches"] += 1
+        row["busy_us"] += e["dur"]
     span = step[-1]["ts"] + step[-1]["dur"] - step[0]["ts"]
     busy = sum(r["busy_us"] for r in per_name.values())
     rows = sorted(per_name.items(), key=lambda kv: -(kv[1]["busy_us"] + kv[1]["gap_before_us"]))
@@ -69,6 +81,18 @@ def summarize(step: list[dict]) -> dict:
         gaps_us=round(sum(r["gap_before_us"] for r in per_name.values()), 1),
         launches=len(step),
         kernels=[{"name": name, **{k: round(v, 1) for k, v in r.items()}} for name, r in rows],
+        # The same kernel at each grid it launched with (a GEMV per weight shape): where
+        # one kernel name covers launches of different sizes, which of them are slow.
+        launch_shapes=[
+            dict(
+                name=name,
+                grid=grid,
+                launches=r["launches"],
+                busy_us=round(r["busy_us"], 1),
+                us_per_launch=round(r["busy_us"] / r["launches"], 2),
+            )
+            for (name, grid), r in sorted(shapes.items(), key=lambda kv: -kv[1]["busy_us"])
+        ],
     )
 
 
@@ -120,6 +144,12 @@ def main() -> int:
         print(
             f"{row['launches']:5d} {row['busy_us']:9.1f} us busy {row['gap_before_us']:8.1f} us "
             f"gaps before  {row['name']}"
+        )
+    print("by grid:")
+    for row in step["launch_shapes"][:16]:
+        print(
+            f"{row['launches']:5d} x {row['us_per_launch']:7.2f} us  grid {row['grid']:>12}  "
+            f"{row['name'][:60]}"
         )
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -12,8 +12,11 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import decode_timeline  # noqa: E402
 
 
-def kernel(name, ts, dur, cat="kernel"):
-    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+def kernel(name, ts, dur, cat="kernel", grid=None):
+    event = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+    if grid:
+        event["args"] = {"grid": grid, "block": [128, 1, 1]}
+    return event
 
 
 def test_steps_are_split_at_long_gaps_and_gaps_charged_to_the_next_launch(tmp_path):
@@ -44,3 +47,20 @@ def test_overlapping_work_counts_no_negative_gap():
     step = [kernel("a", 0, 10), kernel("b", 5, 10), kernel("c", 12, 1)]
     got = decode_timeline.summarize(step)
     assert got["gaps_us"] == 0 and got["span_us"] == 13
+
+
+def test_launches_are_also_broken_down_by_grid():
+    step = [
+        kernel("gemv", 0, 10, grid=[96, 1, 1]),
+        kernel("norm", 10, 2, grid=[1, 1, 1]),
+        kernel("gemv", 12, 4, grid=[16, 1, 1]),
+        kernel("gemv", 16, 12, grid=[96, 1, 1]),
+        kernel("copy", 30, 1, cat="gpu_memcpy"),
+    ]
+    shapes = decode_timeline.summarize(step)["launch_shapes"]
+    assert shapes == [
+        dict(name="gemv", grid="96,1,1", launches=2, busy_us=22, us_per_launch=11),
+        dict(name="gemv", grid="16,1,1", launches=1, busy_us=4, us_per_launch=4),
+        dict(name="norm", grid="1,1,1", launches=1, busy_us=2, us_per_launch=2),
+        dict(name="copy", grid="", launches=1, busy_us=1, us_per_launch=1),
+    ]
