@@ -62,8 +62,9 @@ VARIANTS = {
     "three_bv128": (128, False, False),
     "two_bv32": (32, True, False),
     # Narrower tiles than production's 32: more programs at one row (256 / 512 at 32
-    # value heads), less state per program. An H100 (twenty-first session): bv16 0.3-0.5
-    # us faster at one row, 22-26% slower at 32-128 rows; bv8 slower past one row.
+    # value heads), less state per program. An H100 (twenty-first session): bv16 2-5%
+    # faster at one row (0.2-0.5 us), 24-56% slower at 8-128 rows (TP 2: 2-6% at 8);
+    # bv8 no faster at one row and slower past it. Production keeps 32.
     "two_bv16": (16, True, False),
     "two_bv8": (8, True, False),
     "one_bv128": (128, True, True),
