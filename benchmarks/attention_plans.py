@@ -14,6 +14,13 @@ plan change is chosen by measurement (issue 7's next step), in one device call:
 
     python benchmarks/attention_plans.py --out $OUT/attention_plans.json
     python benchmarks/attention_plans.py --split-decode-only --out $OUT/split_decode.json
+    python benchmarks/attention_plans.py --split-decode-only --heads 16 2 256 \
+        --batch 1 8 --split-keys 64 128 256 --out $OUT/split_decode_qwen3_next.json
+
+`--heads` sets the query heads, KV heads and head size (Qwen3-8B's by default). With
+Qwen3-Next's two KV heads of 256 dims, a 256-key split gives a batch-1 row at 128-640 keys
+2-6 programs (its 4 attention launches took 12.5 us each in an H100's batch-1 timeline,
+twenty-first session): the split size to try there is smaller.
 
 Each variant is checked against the default plan's output first (the same function must
 be computed); `--tiny` runs small shapes (also under TRITON_INTERPRET=1 on a CPU).
@@ -198,13 +205,22 @@ def main() -> None:
         help="other decode plans for the split decode, tTILE_wWARPS_sSTAGES (e.g. t128_w4_s2)",
     )
     parser.add_argument("--repeats", type=int, default=50, help="launches per timed graph")
+    parser.add_argument(
+        "--heads",
+        type=int,
+        nargs=3,
+        metavar=("QUERY", "KV", "DIM"),
+        default=[32, 8, 128],
+        help="query heads, KV heads, head size (default Qwen3-8B's; Qwen3-Next's: 16 2 256)",
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
-    hq, hkv, dim, block = (4, 2, 32, 16) if args.tiny else (32, 8, 128, 16)
+    hq, hkv, dim, block = (4, 2, 32, 16) if args.tiny else (*args.heads, 16)
     group = hq // hkv
     repeat = 1 if args.tiny else 20
     results = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"}
+    results["heads"] = [hq, hkv, dim]
     if args.tiny:
         args.graph_bound, args.repeats = 128, 1
     split_decode_cases(args, device, dtype, (hq, hkv, dim, block), results)

@@ -11,7 +11,7 @@
 #     [act-quant] [scaled-mm-accuracy] [attention-fusion] [norm-gemv] [gdn-decode]
 #     [moe-pairs] [fusion-ab] [bench-int4] [bench-fp8] [int4-gemv] [det-plans]
 #     [det-cost-tables] [moe-stages] [decode-timeline] [split-merge] [qk-rope-plans]
-#     [moe-slot-sum] [router-picks]
+#     [moe-slot-sum] [router-picks] [split-keys-next]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -336,6 +336,11 @@ print(min(ok, key=lambda r: r['us_per_layer'])['pairs_stages'])")
             || status=1
         done
       done
+      ;;
+    split-keys-next)  # the split decode's split size at Qwen3-Next's heads (2 KV, 256 dims)
+      timeout 300 python3 benchmarks/attention_plans.py --split-decode-only --heads 16 2 256 \
+        --batch 1 8 --context 128 640 4096 --split-keys 64 128 256 \
+        --out "$OUT/split_keys_qwen3_next.json" 2>&1 | grep RESULT || status=1
       ;;
     router-picks)  # the MoE routers: one or two picks a reduction, gpu tests and µs a launch
       timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -k picks \
