@@ -341,6 +341,12 @@ print(min(ok, key=lambda r: r['us_per_layer'])['pairs_stages'])")
       timeout 300 python3 benchmarks/attention_plans.py --split-decode-only --heads 16 2 256 \
         --batch 1 8 --context 128 640 4096 --split-keys 64 128 256 \
         --out "$OUT/split_keys_qwen3_next.json" 2>&1 | grep RESULT || status=1
+      for keys in 256 64 128 256 64 128; do  # batch-1 end to end, alternating
+        KVLOOM_DECODE_KEYS_PER_SPLIT=$keys timeout 200 python3 -m kvloom.cluster.cli bench \
+          latency --shape ${SPLIT_KEYS_SHAPE:-qwen3-next-16l} \
+          --out "$OUT/split_keys_ab_${keys}_$RANDOM.json" 2>&1 | grep "^RESULT ms_per" \
+          | sed "s/^/keys_per_split=$keys /" || status=1
+      done
       ;;
     router-picks)  # the MoE routers: one or two picks a reduction, gpu tests and µs a launch
       timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -k picks \

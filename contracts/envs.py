@@ -73,6 +73,13 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "its gate_up and down launches, or two, 'GATE_UP,DOWN' (empty: the plan's own); "
         "the same bits at any depth (A/B timing)",
     ),
+    "KVLOOM_DECODE_KEYS_PER_SPLIT": (
+        "",
+        "the split-KV decode's split size in keys (empty: the kernel's own, 256): a multiple "
+        "of the attention plan's key tile (64 for heads of at most 128 dims in a half type, "
+        "32 for wider ones); a row's bits depend on it, never on its batch (A/B timing, as "
+        "for Qwen3-Next's two KV heads, where 256-key splits leave a batch-1 row few programs)",
+    ),
     "KVLOOM_DETERMINISTIC_TILES": (
         "",
         "a tile table (JSON, written by benchmarks/batch_invariant_plans.py --tables on the "
@@ -150,6 +157,22 @@ def pdl_release() -> str:
     if raw not in ("start", "loop", "exit"):
         raise ValueError(f"KVLOOM_PDL_RELEASE: expected start, loop or exit, got {raw!r}")
     return raw
+
+
+def decode_keys_per_split() -> int | None:
+    """KVLOOM_DECODE_KEYS_PER_SPLIT as a positive multiple of 16, or None when unset."""
+    raw = get("KVLOOM_DECODE_KEYS_PER_SPLIT").strip()
+    if not raw:
+        return None
+    try:
+        keys = int(raw)
+    except ValueError:
+        keys = 0
+    if keys <= 0 or keys % 16:
+        raise ValueError(
+            f"KVLOOM_DECODE_KEYS_PER_SPLIT: expected a positive multiple of 16, got {raw!r}"
+        )
+    return keys
 
 
 def moe_decode_stages() -> tuple[int, int] | None:

@@ -191,7 +191,8 @@ def _paged_attention_decode_split(
     """The split-KV decode, its partials in the step's scratch (a CUDA graph's) if any."""
     from kvloom.kernels import paged_attention_triton as kernel
 
-    keys = kernel.DECODE_KEYS_PER_SPLIT  # read per call: tests shrink it
+    # Read per call (tests shrink the constant); the variable is for A/B timing.
+    keys = envs.decode_keys_per_split() or kernel.DECODE_KEYS_PER_SPLIT
     merge = kernel.uses_split_merge(q)  # read once here, passed on
     parts = part_lses = counters = None
     if split_decode.scratch is not None:

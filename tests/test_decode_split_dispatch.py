@@ -246,3 +246,30 @@ def test_split_kernel_in_replayed_graphs_gives_the_reference_tokens(
     counters = list(replayed[0]["split"].scratch._counters.values())
     assert len(counters) == int(merge) and not any(c.any() for c in counters)
     assert_pool_full(engine)
+
+
+def test_split_size_variable_reaches_the_kernel(monkeypatch):
+    """KVLOOM_DECODE_KEYS_PER_SPLIT sets the split decode's split size (A/B timing); unset,
+    the kernel's constant; anything but a positive multiple of 16 is an error naming it."""
+    from types import SimpleNamespace
+
+    from kvloom.kernels import paged_attention_triton
+
+    got = []
+    monkeypatch.setattr(
+        paged_attention_triton,
+        "paged_attention_decode_split_triton",
+        lambda *args, **kw: got.append(kw["keys_per_split"]),
+    )
+    split = SimpleNamespace(scratch=None, max_seq_len=64)
+    q = torch.zeros(1, 2, 8)
+    call = (q, None, None, None, None, 1.0, None, 1, 0, None, None, split)
+    monkeypatch.delenv("KVLOOM_DECODE_KEYS_PER_SPLIT", raising=False)
+    ops._paged_attention_decode_split(*call)
+    monkeypatch.setenv("KVLOOM_DECODE_KEYS_PER_SPLIT", "64")
+    ops._paged_attention_decode_split(*call)
+    assert got == [paged_attention_triton.DECODE_KEYS_PER_SPLIT, 64]
+    for bad in ("0", "-64", "40", "many"):
+        monkeypatch.setenv("KVLOOM_DECODE_KEYS_PER_SPLIT", bad)
+        with pytest.raises(ValueError, match="KVLOOM_DECODE_KEYS_PER_SPLIT"):
+            ops._paged_attention_decode_split(*call)
