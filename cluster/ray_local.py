@@ -22,7 +22,7 @@ The embedded Ray is a single-machine Ray and is treated as one (ARCHITECTURE inv
   thread that spawned them.
 
 Start-up failures raise `RayStartError`, whose message is one line: why, and what to try;
-a start that timed out (a busy machine) is tried once more first.
+a start that timed out (a busy machine, a GCS that never came up) is tried again first.
 """
 
 from __future__ import annotations
@@ -55,6 +55,12 @@ TERMINATE_GRACE_S = 3.0
 # miss Ray's fixed 30 s to register with the GCS twice in a row (CI, 2026-12-05).
 START_ATTEMPTS = 3
 RETRY_PAUSE_S = 2.0  # lets the stopped attempt's processes exit before the next one
+# Each attempt's wait for the GCS to publish its port. Ray polls a file and never looks at
+# the GCS process, so a GCS that hangs or dies at start costs the whole wait: a quickstart
+# in CI (2026-12-06) sat out a 120 s wait that way and failed its test's 120 s. 45 s covers
+# the slowest start seen on a loaded machine (over Ray's 30 s) and leaves room to retry.
+GCS_PORT_WAIT_VARIABLE = "RAY_gcs_server_port_wait_time_s"
+GCS_PORT_WAIT_S = 45
 
 
 class RayStartError(RuntimeError):
@@ -226,7 +232,7 @@ def _start_local(num_cpus: int, init_kwargs: dict[str, Any]) -> None:
 
     # Ray gives its GCS 30 s to bind a port; a busy small machine (CI's 2 cores under a
     # test run) was seen to need more. The variable stays the operator's to set.
-    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
+    os.environ.setdefault(GCS_PORT_WAIT_VARIABLE, str(GCS_PORT_WAIT_S))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}

@@ -20,9 +20,6 @@ if not os.path.exists("/dev/nvidia0") and "CUDA_VISIBLE_DEVICES" not in os.envir
 # Tiny models on 2 shared cores: more threads only add contention (measured 4x slower).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Local Ray started by tests (and subprocesses) on a loaded 2-core CI machine: give its GCS
-# more than Ray's default 30 s to come up (one CI run timed out there).
-os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 # Tests start private local clusters: a token left in ~/.ray by another Ray on this machine
 # must not switch on token auth for them (it did here; its warning was in one failed run).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")

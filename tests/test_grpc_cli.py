@@ -13,7 +13,7 @@ import time
 import pytest
 
 from kvloom.client import Client, collect
-from kvloom.cluster import cli
+from kvloom.cluster import cli, ray_local
 from kvloom.cluster.frontend import BackgroundServer, ServerOptions, engine_factory
 from tests.subprocess_stacks import run_or_show_stacks
 
@@ -29,10 +29,13 @@ def test_quickstart_writes_the_model_serves_chats_and_exits_cleanly(tmp_path):
     model_dir = tmp_path / "demo"
     begun = time.monotonic()
     done = run_or_show_stacks(
-        [*CLI, "quickstart", "--model-dir", str(model_dir), "--max-tokens", "8"], timeout=120
+        [*CLI, "quickstart", "--model-dir", str(model_dir), "--max-tokens", "8"], timeout=240
     )
     assert done.returncode == 0, done.stderr
-    assert time.monotonic() - begun < 60
+    # A minute for the quickstart's own work, plus each wait for a local Ray that did not
+    # come up and was started again (cluster/ray_local.py; seen on a loaded CI machine).
+    restarts = done.stderr.count("the local Ray did not come up in time; trying again")
+    assert time.monotonic() - begun < 60 + restarts * (ray_local.GCS_PORT_WAIT_S + 15)
     out = done.stdout
     assert f"writing a demo model to {model_dir}" in out
     assert (model_dir / "config.json").is_file()

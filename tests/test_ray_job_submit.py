@@ -85,6 +85,9 @@ def loopback_env() -> dict:
         AUTOSCALER_METRIC_PORT=str(free_port()),
         DASHBOARD_METRIC_PORT=str(free_port()),
     )
+    # `ray start` does not retry a slow start: on a loaded 2-core CI machine give its GCS
+    # more than Ray's 30 s to come up (one CI run timed out there).
+    env.setdefault("RAY_gcs_server_port_wait_time_s", "120")
     return env
 
 

@@ -53,6 +53,40 @@ def test_a_start_that_keeps_timing_out_fails_with_advice(fake_init):
     assert len(calls) == ray_local.START_ATTEMPTS
 
 
+def test_a_gcs_that_never_publishes_its_port_is_waited_for_briefly_and_retried(
+    fake_init, monkeypatch
+):
+    """Ray polls a file for the GCS's port and never looks at the process: a GCS that hung
+    at start cost a CI quickstart the whole wait. Each attempt waits GCS_PORT_WAIT_S (the
+    operator's value if set), and Ray's message for that wait counts as a timeout."""
+    monkeypatch.delenv(ray_local.GCS_PORT_WAIT_VARIABLE, raising=False)
+    message = "Timed out waiting for file /tmp/ray/session_x/gcs_server_port_ffff"
+    calls = fake_init([message])
+    waits = []
+    import ray
+
+    faked = ray.init
+    monkeypatch.setattr(
+        ray,
+        "init",
+        lambda *a, **k: (
+            waits.append(os.environ[ray_local.GCS_PORT_WAIT_VARIABLE]),
+            faked(*a, **k),
+        ),
+    )
+    ray_local._start_local(1, {})
+    ray_local._embedded = None
+    assert len(calls) == 2
+    assert waits == [str(ray_local.GCS_PORT_WAIT_S)] * 2
+    assert ray_local.GCS_PORT_WAIT_S * ray_local.START_ATTEMPTS < 240  # retries fit a test
+    monkeypatch.setenv(ray_local.GCS_PORT_WAIT_VARIABLE, "200")
+    calls.clear()
+    waits.clear()
+    ray_local._start_local(1, {})
+    ray_local._embedded = None
+    assert waits[0] == "200"
+
+
 def test_other_failures_are_not_retried(fake_init):
     calls = fake_init(["No space left on device"])
     with pytest.raises(ray_local.RayStartError, match="full"):
