@@ -75,10 +75,10 @@ VARIABLES: dict[str, tuple[str, str]] = {
     ),
     "KVLOOM_DECODE_KEYS_PER_SPLIT": (
         "",
-        "the split-KV decode's split size in keys (empty: the kernel's own, 256): a multiple "
-        "of the attention plan's key tile (64 for heads of at most 128 dims in a half type, "
-        "32 for wider ones); a row's bits depend on it, never on its batch (A/B timing, as "
-        "for Qwen3-Next's two KV heads, where 256-key splits leave a batch-1 row few programs)",
+        "the split-KV decode's split size in keys (empty: the kernel's own, 256, or 128 "
+        "for caches of at most two KV heads a rank, as Qwen3-Next's): a multiple of the "
+        "attention plan's key tile (64 for heads of at most 128 dims in a half type, 32 for "
+        "wider ones); a row's bits depend on it, never on its batch (A/B timing)",
     ),
     "KVLOOM_DETERMINISTIC_TILES": (
         "",

@@ -192,7 +192,7 @@ def _paged_attention_decode_split(
     from kvloom.kernels import paged_attention_triton as kernel
 
     # Read per call (tests shrink the constant); the variable is for A/B timing.
-    keys = envs.decode_keys_per_split() or kernel.DECODE_KEYS_PER_SPLIT
+    keys = envs.decode_keys_per_split() or kernel.decode_keys_per_split(kv_cache.shape[3])
     merge = kernel.uses_split_merge(q)  # read once here, passed on
     parts = part_lses = counters = None
     if split_decode.scratch is not None:

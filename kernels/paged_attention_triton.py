@@ -93,6 +93,14 @@ MAX_KV_SPLITS = 64
 # partial store; 4096 keys at batch 1 become 16 splits x 8 KV heads = 128 programs (about
 # one per H200 SM). Timed against 128 and 512 by benchmarks/attention_plans.py.
 DECODE_KEYS_PER_SPLIT = 256
+# At most this many KV heads (per rank), a short row leaves too few programs at that size:
+# Qwen3-Next's 2 heads give a row of 640 keys 6 programs. There the split is half as long
+# (a model's constant, never the batch's). Timed on an H100 at Qwen3-Next's heads (16 q,
+# 2 KV, 256 dims; docs/benchmarks/data/split_keys_and_router_picks_h100_2026-12-06s22.log):
+# one row of 640 keys 13.1 us at 128 keys a split against 18.8 at 256, 4,096 keys 18.1
+# against 20.6, 8 rows of 640 13.0 against 18.2, but 8 rows of 4,096 43.6 against 35.9;
+# batch-1 Qwen3-Next-16l 1.693 / 1.692 ms a token against 1.718 / 1.739.
+FEW_KV_HEADS = 2
 # The split-KV decode's grid aims at this many programs per SM (more splits than that run
 # one after another in a program; the grid never changes a result).
 DECODE_PROGRAMS_PER_SM = 2
@@ -1101,6 +1109,16 @@ def paged_attention_split_kv_triton(
 
 
 # -- split-KV decode, batch invariant --------------------------------------------------------
+
+
+def decode_keys_per_split(num_kv_heads: int) -> int:
+    """The split decode's split size for a cache of `num_kv_heads` heads on this rank:
+    DECODE_KEYS_PER_SPLIT, halved where FEW_KV_HEADS or fewer would leave a short row only a
+    few programs. A function of the model and TP size alone, so a row's bits still depend
+    on its own keys only."""
+    if num_kv_heads <= FEW_KV_HEADS:
+        return DECODE_KEYS_PER_SPLIT // 2
+    return DECODE_KEYS_PER_SPLIT
 
 
 def decode_split_slots(

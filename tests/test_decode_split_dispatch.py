@@ -215,7 +215,8 @@ def test_split_kernel_in_replayed_graphs_gives_the_reference_tokens(
     tiny_model, monkeypatch, arch, window, merge
 ):
     """Float32 on the CPU: decode steps replay stand-in graphs and run the split-KV kernel
-    (32-key splits, so rows cross several) over the graph's scratch, made once; padding
+    (32-key splits for the tiny models' two KV heads, half the patched 64, so rows cross
+    several) over the graph's scratch, made once; padding
     rows included. Tokens equal the torch reference engine's. `merge`: the splits merged
     in the attention launch (`split_merge`, forced on here), over the scratch's counters."""
     from kvloom.kernels import paged_attention_triton
@@ -226,7 +227,7 @@ def test_split_kernel_in_replayed_graphs_gives_the_reference_tokens(
     path = str(tiny_model(arch, **overrides))
     prompts = [PROMPTS[3], PROMPTS[6], PROMPTS[7]]
     want = run_to_completion(Engine(model=path, dtype="float32", device="cpu"), prompts, greedy(12))
-    monkeypatch.setattr(paged_attention_triton, "DECODE_KEYS_PER_SPLIT", 32)
+    monkeypatch.setattr(paged_attention_triton, "DECODE_KEYS_PER_SPLIT", 64)
     engine = Engine(model=path, dtype="float32", device="cpu", max_num_seqs=8)
     seen = _spy_attention(monkeypatch, run_split_kernel=True)
     runner = engine.executor.worker.runner
@@ -262,14 +263,26 @@ def test_split_size_variable_reaches_the_kernel(monkeypatch):
         lambda *args, **kw: got.append(kw["keys_per_split"]),
     )
     split = SimpleNamespace(scratch=None, max_seq_len=64)
-    q = torch.zeros(1, 2, 8)
-    call = (q, None, None, None, None, 1.0, None, 1, 0, None, None, split)
+    q = torch.zeros(1, 8, 8)
+
+    def call(kv_heads):  # kv_cache [2, blocks, block_size, kv_heads, dim]
+        cache = torch.zeros(2, 1, 16, kv_heads, 8)
+        return ops._paged_attention_decode_split(
+            q, cache, None, None, None, 1.0, None, 1, 0, None, None, split
+        )
+
     monkeypatch.delenv("KVLOOM_DECODE_KEYS_PER_SPLIT", raising=False)
-    ops._paged_attention_decode_split(*call)
+    for kv_heads in (8, 4, 2, 1):
+        call(kv_heads)
+    constant = paged_attention_triton.DECODE_KEYS_PER_SPLIT
+    # Half the split at two KV heads or fewer (a short row's programs), whatever the batch.
+    assert got == [constant, constant, constant // 2, constant // 2]
     monkeypatch.setenv("KVLOOM_DECODE_KEYS_PER_SPLIT", "64")
-    ops._paged_attention_decode_split(*call)
-    assert got == [paged_attention_triton.DECODE_KEYS_PER_SPLIT, 64]
+    got.clear()
+    call(8)
+    call(2)
+    assert got == [64, 64]
     for bad in ("0", "-64", "40", "many"):
         monkeypatch.setenv("KVLOOM_DECODE_KEYS_PER_SPLIT", bad)
         with pytest.raises(ValueError, match="KVLOOM_DECODE_KEYS_PER_SPLIT"):
-            ops._paged_attention_decode_split(*call)
+            call(2)
