@@ -11,7 +11,7 @@
 #     [act-quant] [scaled-mm-accuracy] [attention-fusion] [norm-gemv] [gdn-decode]
 #     [moe-pairs] [fusion-ab] [bench-int4] [bench-fp8] [int4-gemv] [det-plans]
 #     [det-cost-tables] [moe-stages] [decode-timeline] [split-merge] [qk-rope-plans]
-#     [moe-slot-sum] [router-picks] [split-keys-next]
+#     [moe-slot-sum] [router-picks] [split-keys-next] [mixed-steps]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -353,6 +353,21 @@ print(min(ok, key=lambda r: r['us_per_layer'])['pairs_stages'])")
         tests/test_moe_router.py 2>&1 | tail -3 || status=1
       timeout 200 python3 benchmarks/router_picks.py --out "$OUT/router_picks.json" \
         2>&1 | grep RESULT || status=1
+      ;;
+    mixed-steps)  # a hybrid's offline mixed steps: spans by prefill tokens, syncs, host trace
+      for shape in ${MIXED_SHAPES:-kimi-linear-16l}; do
+        timeout 300 python3 benchmarks/throughput_profile.py --shape "$shape" \
+          ${MIXED_ARGS:---max-num-seqs 128} --gpu-gaps --gaps-min-rows 100 \
+          --out "$OUT/mixed_steps_gaps_$shape.json" 2>&1 \
+          | grep "RESULT \(gpu_gaps\|mixed\|seconds\|steps\|allocator\|host\)" || status=1
+        timeout 300 python3 benchmarks/throughput_profile.py --shape "$shape" \
+          ${MIXED_ARGS:---max-num-seqs 128} --profile-at 400 --sync-steps 8 \
+          --trace-dir "$OUT/traces_$shape" --out "$OUT/mixed_steps_profile_$shape.json" 2>&1 \
+          | grep "^SYNC\|RESULT profile\|allocator" | head -40 || status=1
+        for trace in "$OUT/traces_$shape"/step*.json.gz; do
+          timeout 120 python3 benchmarks/trace_gaps.py "$trace" 2>&1 | tail -30 || status=1
+        done
+      done
       ;;
     qk-rope-plans)  # q/k norm + rotary + KV write: tokens a program, bitwise and timed
       timeout 200 python3 benchmarks/qk_norm_rope_plans.py --tokens 64 128 512 2048 16384 \

@@ -125,6 +125,45 @@ class GpuGaps:
             }
         return out
 
+    def mixed_by_prefill_tokens(self, shapes: list, min_rows: int) -> dict:
+        """Mixed steps of at least `min_rows` rows by their prefill tokens (scheduled tokens
+        less decodes), each bucket's step count and mean span from the forward's start to
+        the step's end. A span counts the device's idle time inside the step too, so an
+        eager forward whose host is slower than its kernels shows here, not in the waits."""
+        torch.cuda.synchronize()
+        buckets = defaultdict(list)
+        for i, (start, end) in enumerate(self.spans[:-1]):
+            rows, tokens, decodes = shapes[i]
+            if end is None or rows < min_rows or tokens == decodes:
+                continue
+            prefill = tokens - decodes
+            bound = next((b for b in PREFILL_BUCKETS if prefill <= b), None)
+            buckets[f"<={bound}" if bound else f">{PREFILL_BUCKETS[-1]}"].append(
+                (prefill, start.elapsed_time(end))
+            )
+        return {
+            name: {
+                "steps": len(rows),
+                "mean_prefill_tokens": round(sum(p for p, _ in rows) / len(rows)),
+                "mean_span_ms": round(sum(ms for _, ms in rows) / len(rows), 3),
+            }
+            for name, rows in sorted(buckets.items(), key=lambda item: item[1][0][0])
+        }
+
+
+# Prefill tokens per mixed step: the buckets of GpuGaps.mixed_by_prefill_tokens.
+PREFILL_BUCKETS = (128, 512, 1024, 2048, 4096, 8192)
+ALLOCATOR_COUNTS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms")
+
+
+def allocator_counts() -> dict:
+    """torch's caching-allocator counters: cudaMalloc / cudaFree calls and retries (a
+    retry frees every cached block, a device-wide sync). Zero on a CPU."""
+    if not torch.cuda.is_available():
+        return dict.fromkeys(ALLOCATOR_COUNTS, 0)
+    stats = torch.cuda.memory_stats()
+    return {name: int(stats.get(name, 0)) for name in ALLOCATOR_COUNTS}
+
 
 def kernel_summary(prof, steps: int, top: int) -> dict:
     """GPU kernel time per step, grouped by kernel name, and the busy time in total."""
@@ -181,6 +220,13 @@ def main() -> None:
         help="after each profiled window, trace 3 more steps with the host's Python calls "
         "(slows the host; for benchmarks/trace_gaps.py) into DIR/step<N>.json.gz",
     )
+    parser.add_argument(
+        "--sync-steps",
+        type=int,
+        default=2,
+        help="steps at the first --profile-at point whose host-device syncs are printed "
+        "(SYNC lines; more steps take mixed ones in)",
+    )
     parser.add_argument("--deterministic", action="store_true", help="batch-invariant kernels")
     parser.add_argument(
         "--gpu-gaps",
@@ -229,6 +275,7 @@ def main() -> None:
         timer.wrap(engine.output_processor, "process", "output_processor.process")
         gaps = GpuGaps(runner) if args.gpu_gaps and torch.cuda.is_available() else None
         step_ms, profiles = [], {}
+        allocator_before = allocator_counts()
         start = time.perf_counter()
         while engine.has_unfinished_requests():
             n = len(step_ms)
@@ -238,8 +285,8 @@ def main() -> None:
                     ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
                 ]
                 if torch.cuda.is_available() and n == args.profile_at[0]:
-                    report_syncs(engine, steps=2)
-                    step_ms.extend([float("nan")] * 2)
+                    report_syncs(engine, steps=args.sync_steps)
+                    step_ms.extend([float("nan")] * args.sync_steps)
                 t0 = time.perf_counter()
                 with profile(activities=acts) as prof:
                     for _ in range(args.profile_steps):
@@ -261,6 +308,7 @@ def main() -> None:
             engine.step()
             step_ms.append((time.perf_counter() - t0) * 1e3)
         elapsed = time.perf_counter() - start
+        allocator_after = allocator_counts()
     timed = [(ms, s) for ms, s in zip(step_ms, shapes) if ms == ms]  # sync-report steps: nan
     decode_only = [ms for ms, s in timed if s[1] == s[2]]
     mixed = [ms for ms, s in timed if s[1] != s[2]]
@@ -276,12 +324,16 @@ def main() -> None:
         "decode_only_seconds": round(sum(decode_only) / 1e3, 2),
         "host_phase_seconds": {k: round(v, 2) for k, v in timer.totals.items()},
         "max_rows": max(s[0] for s in shapes),
+        "allocator": {k: allocator_after[k] - allocator_before[k] for k in ALLOCATOR_COUNTS},
         "profiles": profiles,
     }
     if gaps is not None:
         result["gpu_gaps"] = gaps.summary(shapes, args.gaps_min_rows)
         for kind, row in result["gpu_gaps"].items():
             print(f"RESULT gpu_gaps_{kind}_rows>={args.gaps_min_rows} {row}")
+        result["mixed_by_prefill_tokens"] = gaps.mixed_by_prefill_tokens(shapes, args.gaps_min_rows)
+        for bucket, row in result["mixed_by_prefill_tokens"].items():
+            print(f"RESULT mixed_prefill_tokens{bucket} {row}")
     for key in (
         "seconds",
         "steps",
@@ -291,6 +343,7 @@ def main() -> None:
         "decode_only_seconds",
         "host_phase_seconds",
         "max_rows",
+        "allocator",
     ):
         print(f"RESULT {key} {result[key]}")
     for name, summary in profiles.items():
