@@ -51,12 +51,14 @@ def chunk_gated_delta_rule_fla(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
+    cu_seqlens_device: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`gated_delta_rule.chunk_gated_delta_rule` on fla's kernels (see that docstring).
 
     q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; cu_seqlens [N+1]; initial_state
     [N, Hv, Dk, Dv] read only where has_initial_state [N] is True. Returns (out [T, Hv, Dv]
     in q's dtype, final_state [N, Hv, Dk, Dv] float32, or initial_state's dtype when given).
+    `cu_seqlens_device`: the same bounds on q's device (see `run_fla_varlen`).
     """
     num_tokens, num_v_heads, _, _ = check_heads(q, k, v)
     check_shape("g", g, (num_tokens, num_v_heads))
@@ -66,6 +68,7 @@ def chunk_gated_delta_rule_fla(
     return run_fla_varlen(
         lambda: importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule,
         q, k, v, g, beta, cu_seqlens, initial_state, has_initial_state, scale, use_qk_l2norm,
+        cu_seqlens_device,
     )  # fmt: skip
 
 
@@ -81,10 +84,17 @@ def run_fla_varlen(
     has_initial_state,
     scale,
     use_qk_l2norm,
+    cu_seqlens_device=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The body both fla wrappers share (gated delta rule, KDA), after their shape checks:
     the NaN-safe initial states, then one varlen launch of `load_kernel()` (imported only
-    here, so CPU-only installs never import fla) over all packed tokens."""
+    here, so CPU-only installs never import fla) over all packed tokens.
+
+    fla takes the bounds twice, on the host (to lay out chunks) and on the device, and
+    copies its chunk layout to the device with a copy that waits for the stream: it keeps
+    that layout per bounds object. A layer that passes one int64 host tensor and its device
+    copy (`cu_seqlens_device`), the same two objects in every layer of a step, has fla
+    wait once per step, not once per layer; without them the bounds are staged here."""
     if q.dtype not in FLA_DTYPES:
         raise ValueError(f"q: fla takes float16/bfloat16/float32, got {q.dtype}")
     num_tokens, num_v_heads, head_k, head_v = check_heads(q, k, v)
@@ -95,8 +105,8 @@ def run_fla_varlen(
     final_dtype = torch.float32 if initial_state is None else initial_state.dtype
     if num_tokens == 0:  # nothing to launch; every sequence keeps its starting state
         return v.new_zeros(v.shape, dtype=q.dtype), state.to(final_dtype)
+    cu_cpu, cu_dev = fla_bounds(cu_seqlens, bounds, cu_seqlens_device, q.device)
     kernel = load_kernel()
-    cu_cpu = torch.tensor(bounds, dtype=torch.int64)
     # fla's varlen form: a batch of one holding all packed tokens, sequences cut by cu_seqlens.
     out, final_state = kernel(
         q.unsqueeze(0),
@@ -108,7 +118,28 @@ def run_fla_varlen(
         initial_state=state,
         output_final_state=True,
         use_qk_l2norm_in_kernel=use_qk_l2norm,
-        cu_seqlens=cu_cpu.to(q.device),
+        cu_seqlens=cu_dev,
         cu_seqlens_cpu=cu_cpu,  # lets fla lay out chunks without a device-to-host copy
     )
     return out.squeeze(0).to(q.dtype), final_state.to(final_dtype)
+
+
+def fla_bounds(cu_seqlens, bounds, cu_seqlens_device, device):
+    """(host int64 bounds, device int64 bounds) for fla: the caller's own objects where it
+    gave both (so fla's per-object cache hits), else fresh ones, staged through pinned
+    memory so the copy does not wait for the stream."""
+    if cu_seqlens_device is not None:
+        check_shape("cu_seqlens_device", cu_seqlens_device, (len(bounds),))
+        if cu_seqlens_device.device != device or cu_seqlens_device.dtype != torch.int64:
+            raise ValueError(
+                f"cu_seqlens_device: expected int64 on {device}, got "
+                f"{cu_seqlens_device.dtype} on {cu_seqlens_device.device}"
+            )
+        host = cu_seqlens
+        if host.is_cuda or host.dtype != torch.int64:
+            host = torch.tensor(bounds, dtype=torch.int64)
+        return host, cu_seqlens_device
+    host = torch.tensor(bounds, dtype=torch.int64)
+    if device.type != "cuda":
+        return host, host.to(device)
+    return host, host.pin_memory().to(device, non_blocking=True)

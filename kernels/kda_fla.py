@@ -34,11 +34,13 @@ def chunk_kda_fla(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
+    cu_seqlens_device: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`kda.chunk_kda` on fla's kernels. q, k [T, Hk, Dk]; v [T, Hv, Dv]; g [T, Hv, Dk]
     (log-decay, <= 0); beta [T, Hv]; cu_seqlens [N+1]; initial_state [N, Hv, Dk, Dv] read
     only where has_initial_state [N]. Returns (out [T, Hv, Dv] in q's dtype, final_state
-    [N, Hv, Dk, Dv] float32, or initial_state's dtype when given)."""
+    [N, Hv, Dk, Dv] float32, or initial_state's dtype when given). `cu_seqlens_device`: the
+    same bounds on q's device (`gated_delta_rule_fla.run_fla_varlen`)."""
     num_tokens, num_v_heads, head_k, _ = check_heads(q, k, v)
     check_shape("g", g, (num_tokens, num_v_heads, head_k))
     check_shape("beta", beta, (num_tokens, num_v_heads))
@@ -46,5 +48,5 @@ def chunk_kda_fla(
     check_floating("beta", beta)
     return run_fla_varlen(
         lambda: importlib.import_module("fla.ops.kda").chunk_kda, q, k, v, g, beta,
-        cu_seqlens, initial_state, has_initial_state, scale, use_qk_l2norm,
+        cu_seqlens, initial_state, has_initial_state, scale, use_qk_l2norm, cu_seqlens_device,
     )  # fmt: skip

@@ -627,9 +627,12 @@ def chunk_gated_delta_rule(
     *,
     scale=None,
     use_qk_l2norm=False,
+    cu_seqlens_device=None,
 ):
     """Gated DeltaNet prefill: fla-core's chunked kernels on CUDA when installed (set
-    KVLOOM_NO_FLA=1 to force the reference), else the torch reference."""
+    KVLOOM_NO_FLA=1 to force the reference), else the torch reference.
+    `cu_seqlens_device`: the same bounds on the device, one object for every layer of a
+    step (fla then waits for the stream once per step, not per layer)."""
     if _takes_fla(q):
         from kvloom.kernels.gated_delta_rule_fla import chunk_gated_delta_rule_fla
 
@@ -644,6 +647,7 @@ def chunk_gated_delta_rule(
             has_initial_state,
             scale=scale,
             use_qk_l2norm=use_qk_l2norm,
+            cu_seqlens_device=cu_seqlens_device,
         )
     return gdn_ref.chunk_gated_delta_rule(
         q,
@@ -671,15 +675,17 @@ def chunk_kda(
     *,
     scale=None,
     use_qk_l2norm=False,
+    cu_seqlens_device=None,
 ):
     """KDA prefill (Kimi-Linear): fla-core's chunked kernels on CUDA when installed (not
-    KVLOOM_NO_FLA=1), else the torch reference."""
+    KVLOOM_NO_FLA=1), else the torch reference. `cu_seqlens_device`: as for
+    `chunk_gated_delta_rule`."""
     if _takes_fla(q):
         from kvloom.kernels.kda_fla import chunk_kda_fla
 
         return chunk_kda_fla(
             q, k, v, g, beta, cu_seqlens, initial_state, has_initial_state,
-            scale=scale, use_qk_l2norm=use_qk_l2norm,
+            scale=scale, use_qk_l2norm=use_qk_l2norm, cu_seqlens_device=cu_seqlens_device,
         )  # fmt: skip
     return kda_ref.chunk_kda(
         q, k, v, g, beta, cu_seqlens, initial_state, has_initial_state,

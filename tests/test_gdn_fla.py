@@ -122,6 +122,48 @@ def test_fla_wrapper_bad_input_names_the_field(field, change):
         gdn_fla.chunk_gated_delta_rule_fla(**args)
 
 
+def _fake_fla(calls):
+    def kernel(q, k, v, g, beta, **kw):
+        calls.append(kw)
+        return torch.zeros_like(v), kw["initial_state"].clone()
+
+    return lambda: kernel
+
+
+def test_fla_gets_the_layers_own_bound_objects():
+    """fla keeps its chunk layout per bounds object and copies it to the device with a
+    copy that waits for the stream: the layer's host bounds and their device copy must
+    reach it as they are (the same objects in every layer of a step), so it waits once
+    per step. Without a device copy the wrapper stages fresh bounds itself."""
+    args = _good_args()
+    args["cu_seqlens"] = args["cu_seqlens"].long()  # as the layers keep them
+    cu_dev = args["cu_seqlens"].clone()  # "the device" is the CPU here
+    calls = []
+    for _ in range(2):  # two layers of one step
+        gdn_fla.run_fla_varlen(
+            _fake_fla(calls), args["q"], args["k"], args["v"], args["g"], args["beta"],
+            args["cu_seqlens"], args["initial_state"], args["has_initial_state"], None, True,
+            cu_dev,
+        )  # fmt: skip
+    assert all(c["cu_seqlens"] is cu_dev for c in calls)
+    assert all(c["cu_seqlens_cpu"] is args["cu_seqlens"] for c in calls)
+    calls.clear()
+    gdn_fla.run_fla_varlen(
+        _fake_fla(calls), args["q"], args["k"], args["v"], args["g"], args["beta"],
+        args["cu_seqlens"].int(), args["initial_state"], args["has_initial_state"], None, True,
+    )  # fmt: skip
+    assert calls[0]["cu_seqlens_cpu"].dtype == torch.int64
+    assert calls[0]["cu_seqlens_cpu"].tolist() == args["cu_seqlens"].tolist()
+    assert calls[0]["cu_seqlens"].tolist() == args["cu_seqlens"].tolist()
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([0, 2]), torch.tensor([0, 2, 5], dtype=torch.int32)])
+def test_fla_device_bounds_must_match_the_host_ones(bad):
+    args = _good_args()
+    with pytest.raises(ValueError, match="cu_seqlens_device"):
+        gdn_fla.chunk_gated_delta_rule_fla(**args, cu_seqlens_device=bad)
+
+
 # ----------------------------------------------------------------------------- GPU
 
 

@@ -1,10 +1,15 @@
 """The per-step row split of linear-state layers (workers/linear_rows.py)."""
 
+import pytest
 import torch
 
+from kvloom import Engine
 from kvloom.workers.attention_metadata import ForwardBatch
+from kvloom.workers.layers import gated_deltanet as gdn_layer
+from kvloom.workers.layers import kda_layer
 from kvloom.workers.linear_rows import build_linear_rows, build_long_rows
 from kvloom.workers.row_kinds import RowClasses, classify_rows
+from tests.engine_helpers import PROMPTS, assert_pool_full, greedy, run_to_completion
 
 
 def _rows(computed, scheduled):
@@ -26,6 +31,9 @@ def test_split_matches_the_classification_row_by_row():
     assert split.decode_rows_index.tolist() == [1, 5]
     assert split.decode_tokens.tolist() == [3, 9]
     assert split.prefill_tokens.dtype == split.decode_tokens.dtype == torch.int64
+    # The bounds once more on the device, for the chunked kernels of every layer.
+    assert split.cu_seqlens_device.tolist() == [0, 3, 7, 8]
+    assert split.cu_seqlens_device.dtype == torch.int64
 
 
 def test_long_rows_are_the_rows_past_the_threshold_as_chunked_rows():
@@ -64,3 +72,34 @@ def test_forward_batch_builds_the_split_once_per_device():
     first = batch.linear_rows("cpu")
     assert batch.linear_rows("cpu") is first
     assert first.prefill_tokens.tolist() == [0, 1] and first.decode_tokens.tolist() == [2]
+
+
+@pytest.mark.parametrize(
+    ("arch", "module", "kernel"),
+    [("qwen3_next", gdn_layer, "chunk_gated_delta_rule"), ("kimi_linear", kda_layer, "chunk_kda")],
+)
+def test_every_linear_layer_of_a_step_passes_the_steps_one_device_bounds(
+    hybrid_model, monkeypatch, arch, module, kernel
+):
+    """The chunked kernels get the step's host bounds and their one device copy
+    (LinearRows.cu_seqlens_device): the same objects in every layer, so fla waits for the
+    stream once per step rather than once per layer (it did, in Kimi-Linear's mixed steps)."""
+    monkeypatch.setenv("KVLOOM_GDN_MIXED_STEPS", "chunked")
+    real, calls = getattr(module, kernel), []
+
+    def spy(*args, **kwargs):
+        calls.append((args[5], kwargs["cu_seqlens_device"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, kernel, spy)
+    engine = Engine(model=str(hybrid_model(arch)), dtype="float32", device="cpu")
+    run_to_completion(engine, PROMPTS[:3], greedy(4))
+    steps = {}
+    for host, device in calls:
+        steps.setdefault(id(device), []).append((host, device))
+    assert calls and all(len(layers) >= 2 for layers in steps.values())
+    for layers in steps.values():
+        host, device = layers[0]
+        assert all(h is host and d is device for h, d in layers)  # one pair per step
+        assert device.tolist() == host.tolist() and device.dtype == torch.int64
+    assert_pool_full(engine)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from kvloom.workers.device_copy import to_device, to_device_packed
 from kvloom.workers.row_kinds import RowClasses
 
 
@@ -25,6 +27,10 @@ class LinearRows:
     prefill_rows_index: torch.Tensor  # [P] int64 on the device: rows, for state_indices
     prefill_tokens: torch.Tensor  # [sum of their lengths] int64 on the device
     cu_seqlens: torch.Tensor  # [P + 1] int64 on the host: chunk boundaries
+    # The same bounds on the device, copied once per step: the chunked kernels take this one
+    # object in every layer, so none copies (and waits) per layer, and fla's identity cache
+    # of its chunk layout hits after the first layer.
+    cu_seqlens_device: torch.Tensor
     has_initial_state: torch.Tensor  # [P] bool on the device
     decode_rows: list[int]
     decode_rows_index: torch.Tensor  # [D] int64 on the device
@@ -57,13 +63,20 @@ def _linear_rows(rows: RowClasses, query_start_loc: list[int], device, prefill, 
     flags = rows.has_initial_state
     has_state = torch.tensor([flags[i] for i in prefill], dtype=torch.bool)
     decode_host = torch.tensor(decode, dtype=torch.int64)
+    # Staged copies (workers/device_copy.py): a plain `.to(device)` from pageable memory
+    # waits for every launch queued before it, which in a mixed step is the step so far.
+    host = [prefill_host, tokens, cu, decode_host, starts[decode_host]]
+    rows_index, tokens_dev, cu_dev, decode_index, decode_tokens = to_device_packed(
+        [np.asarray(t.numpy()) for t in host], torch.int64, torch.device(device)
+    )
     return LinearRows(
         prefill_rows=prefill,
-        prefill_rows_index=prefill_host.to(device),
-        prefill_tokens=tokens.to(device),
+        prefill_rows_index=rows_index,
+        prefill_tokens=tokens_dev,
         cu_seqlens=cu,
-        has_initial_state=has_state.to(device),
+        cu_seqlens_device=cu_dev,
+        has_initial_state=to_device(has_state, torch.bool, torch.device(device)),
         decode_rows=decode,
-        decode_rows_index=decode_host.to(device),
-        decode_tokens=starts[decode_host].to(device),
+        decode_rows_index=decode_index,
+        decode_tokens=decode_tokens,
     )

@@ -397,14 +397,14 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
         pages = self._pages(slots, rows.prefill_rows_index)
         has_state = rows.has_initial_state
         x, conv_final = causal_conv1d_varlen(
-            mixed[index], self.conv1d.weight, None, cu, self.conv_state[pages], has_state,
-            self.activation,
+            mixed[index], self.conv1d.weight, None, rows.cu_seqlens_device,
+            self.conv_state[pages], has_state, self.activation,
         )  # fmt: skip
         self.conv_state[pages] = conv_final
         q, k, v = self._split_heads(x)
         out, final = chunk_gated_delta_rule(
             q, k, v, g[index], beta[index], cu, self.recurrent_state[pages], has_state,
-            use_qk_l2norm=True,
+            use_qk_l2norm=True, cu_seqlens_device=rows.cu_seqlens_device,
         )  # fmt: skip
         self.recurrent_state[pages] = final.to(self.recurrent_state.dtype)
         core[index] = out

@@ -278,7 +278,7 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
             mixed[tokens],
             self.conv1d.weight,
             None,
-            cu_seqlens,
+            split.cu_seqlens_device,
             self.conv_state[row_slots],
             has_state,
             self.activation,
@@ -295,6 +295,7 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
             self.recurrent_state[row_slots],
             has_state,
             use_qk_l2norm=True,
+            cu_seqlens_device=split.cu_seqlens_device,
         )
         self.recurrent_state[row_slots] = state.to(self.recurrent_state.dtype)
         core[tokens] = out.to(core.dtype)
