@@ -16,8 +16,6 @@ import enum
 from dataclasses import dataclass
 from functools import cached_property
 
-import torch
-
 
 class RowKind(enum.IntEnum):
     PADDING = 0
@@ -78,7 +76,3 @@ class RowClasses:
             (k, n) for k, n in zip(self.kinds, self.num_scheduled_tokens) if k != RowKind.PADDING
         ]
         return bool(real) and all(k == RowKind.RESUME and n == query_len for k, n in real)
-
-    def has_initial_state_tensor(self, rows: list[int], device) -> torch.Tensor:
-        flags = self.has_initial_state
-        return torch.tensor([flags[i] for i in rows], dtype=torch.bool, device=device)
