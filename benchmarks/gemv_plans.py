@@ -298,15 +298,35 @@ def _plan_fields(plan: GemvPlan):
     return (plan.block_n, plan.block_k, plan.num_warps, plan.num_stages, plan.split_k)
 
 
+def parse_shape(text: str) -> tuple[int, int]:
+    """ "K,N" -> (K, N), both positive."""
+    try:
+        k, n = (int(part) for part in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--shapes: expected K,N (two integers), got {text!r}") from None
+    if k < 1 or n < 1:
+        raise SystemExit(f"--shapes: K and N must be positive, got {text!r}")
+    return k, n
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="JSON results")
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU interpreter)")
     parser.add_argument("--budget-s", type=float, default=150.0, help="stop new plans after")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        metavar="K,N",
+        help="these (K, N) weight shapes instead of the dense-model ones "
+        "(Kimi-Linear's: 4096,2304 9216,2304 2304,576)",
+    )
     args = parser.parse_args(argv)
     start = time.monotonic()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = TINY_SHAPES_KN if args.tiny else SHAPES_KN
+    if args.shapes:
+        shapes = tuple(parse_shape(text) for text in args.shapes)
     batches = TINY_BATCHES if args.tiny else BATCHES
     candidates = TINY_CANDIDATES if args.tiny else CANDIDATES
     timer = time_graph_us if device.type == "cuda" else time_wall_us

@@ -11,7 +11,7 @@
 #     [act-quant] [scaled-mm-accuracy] [attention-fusion] [norm-gemv] [gdn-decode]
 #     [moe-pairs] [fusion-ab] [bench-int4] [bench-fp8] [int4-gemv] [det-plans]
 #     [det-cost-tables] [moe-stages] [decode-timeline] [split-merge] [qk-rope-plans]
-#     [moe-slot-sum] [router-picks] [split-keys-next] [mixed-steps]
+#     [moe-slot-sum] [router-picks] [split-keys-next] [mixed-steps] [gemv-kimi]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -368,6 +368,14 @@ print(min(ok, key=lambda r: r['us_per_layer'])['pairs_stages'])")
           timeout 120 python3 benchmarks/trace_gaps.py "$trace" 2>&1 | tail -30 || status=1
         done
       done
+      ;;
+    gemv-kimi)  # Kimi-Linear's GEMV shapes (output projections, low-rank gates), then batch 1
+      timeout 400 python3 benchmarks/gemv_plans.py --budget-s 300 \
+        --shapes 4096,2304 9216,2304 2304,256 128,4096 2304,576 \
+        --out "$OUT/gemv_plans_kimi.json" 2>&1 | tail -40 || status=1
+      timeout 200 python3 -m kvloom.cluster.cli bench latency --shape kimi-linear-16l \
+        --out "$OUT/kvloom_kimi-linear-16l_latency_gemv.json" 2>&1 | grep "^RESULT ms_per" \
+        || status=1
       ;;
     qk-rope-plans)  # q/k norm + rotary + KV write: tokens a program, bitwise and timed
       timeout 200 python3 benchmarks/qk_norm_rope_plans.py --tokens 64 128 512 2048 16384 \

@@ -510,3 +510,20 @@ def test_ops_linear_routes_decode_sizes_to_the_gemv(monkeypatch, rows):
     monkeypatch.setenv("KVLOOM_NO_GEMV", "1")
     calls.clear()
     assert torch.equal(ops.linear(x, w, b), F.linear(x, w, b)) and not calls
+
+
+def test_kimi_linear_output_projections_take_table_plans():
+    """Kimi-Linear's output projections (N 2,304 from K 4,096; its dense down from 9,216)
+    ran 3x below the copy rate under the default plan's 8 rows and 2 warps a program: they
+    take the table's 16-row plans at one row, one split_k for every M."""
+    for n, k in ((2304, 4096), (2304, 9216)):
+        plan = choose_gemv_plan(1, n, k, torch.bfloat16)
+        assert plan != default_gemv_plan(n, k) and plan.block_n == 16
+        assert {choose_gemv_plan(m, n, k, torch.bfloat16).split_k for m in range(1, 9)} == {1}
+
+
+def test_benchmark_shapes_option():
+    assert gemv_plans.parse_shape("4096,2304") == (4096, 2304)
+    for bad in ("4096", "a,b", "0,5"):
+        with pytest.raises(SystemExit, match="--shapes"):
+            gemv_plans.parse_shape(bad)
