@@ -202,25 +202,14 @@ GEMV_PLAN_TABLE: dict[tuple[int, int], dict[int, GemvPlan]] = {
         4: GemvPlan(16, 128, 4, 4, 1),  # 3.5 us, 603 GB/s, 1.04x cuBLAS
         8: GemvPlan(16, 128, 4, 4, 1),  # 4.3 us, 490 GB/s, 0.84x cuBLAS
     },
-    # Kimi-Linear's attention output projections (32 heads x 128 -> 2,304; KDA and MLA) and
-    # its dense layer's down projection. Under the default plan (8 rows a program, 2 warps)
-    # the output projection took 24.9 us a launch at batch 1 on an H100 (16 a step, about
-    # 760 GB/s; docs/benchmarks/data/decode_timeline_kimi-linear-16l_h100_2026-12-06s22.json)
-    # where Qwen3-Next's (2048, 4096) ran 8.2 us under its measured plans, reused here; not
-    # yet measured at these shapes (benchmarks/gemv_plans.py --shapes 4096,2304 9216,2304).
-    (2304, 4096): {  # N, K
-        1: GemvPlan(16, 128, 4, 8, 1),
-        2: GemvPlan(4, 128, 1, 6, 1),
-        4: GemvPlan(16, 256, 4, 4, 1),
-        8: GemvPlan(16, 256, 4, 4, 1),
-    },
-    (2304, 9216): {  # N, K
-        1: GemvPlan(16, 128, 4, 8, 1),
-        2: GemvPlan(4, 128, 1, 6, 1),
-        4: GemvPlan(16, 256, 4, 4, 1),
-        8: GemvPlan(16, 256, 4, 4, 1),
-    },
 }
+# Kimi-Linear's attention output projections (32 heads x 128 -> 2,304; KDA and MLA) and its
+# dense layer's down projection. Under the default plan (8 rows a program, 2 warps) the
+# output projection took 24.9 us a launch at batch 1 on an H100 (16 a step, about 760 GB/s;
+# docs/benchmarks/data/decode_timeline_kimi-linear-16l_h100_2026-12-06s22.json) where
+# Qwen3-Next's (2048, 4096) ran 8.2 us under its measured plans, reused here; not yet
+# measured at these shapes (benchmarks/gemv_plans.py --shapes 4096,2304 9216,2304).
+GEMV_PLAN_TABLE[(2304, 4096)] = GEMV_PLAN_TABLE[(2304, 9216)] = GEMV_PLAN_TABLE[(2048, 4096)]
 
 
 def check_plan_table(table: dict[tuple[int, int], dict[int, GemvPlan]]) -> None:
