@@ -204,12 +204,21 @@ GEMV_PLAN_TABLE: dict[tuple[int, int], dict[int, GemvPlan]] = {
     },
 }
 # Kimi-Linear's attention output projections (32 heads x 128 -> 2,304; KDA and MLA) and its
-# dense layer's down projection. Under the default plan (8 rows a program, 2 warps) the
-# output projection took 24.9 us a launch at batch 1 on an H100 (16 a step, about 760 GB/s;
-# docs/benchmarks/data/decode_timeline_kimi-linear-16l_h100_2026-12-06s22.json) where
-# Qwen3-Next's (2048, 4096) ran 8.2 us under its measured plans, reused here; not yet
-# measured at these shapes (benchmarks/gemv_plans.py --shapes 4096,2304 9216,2304).
-GEMV_PLAN_TABLE[(2304, 4096)] = GEMV_PLAN_TABLE[(2304, 9216)] = GEMV_PLAN_TABLE[(2048, 4096)]
+# dense layer's down projection, measured on an H100 (benchmarks/gemv_plans.py --shapes
+# 4096,2304 9216,2304; docs/benchmarks/data/gemv_plans_kimi_h100_2026-12-06s23.json). The
+# default plan (8 rows a program, 2 warps) took 23.0 us and 55.8 us at M = 1 here.
+GEMV_PLAN_TABLE[(2304, 4096)] = {  # N, K
+    1: GemvPlan(4, 128, 1, 6, 1),  # 8.5 us, 2210 GB/s, 1.24x cuBLAS
+    2: GemvPlan(4, 128, 1, 6, 1),  # 9.9 us, 1909 GB/s, 1.15x cuBLAS
+    4: GemvPlan(32, 128, 4, 6, 1),  # 12.7 us, 1482 GB/s, 0.89x cuBLAS
+    8: GemvPlan(32, 128, 4, 6, 1),  # 20.1 us, 940 GB/s, 0.57x cuBLAS
+}
+GEMV_PLAN_TABLE[(2304, 9216)] = {  # N, K
+    1: GemvPlan(4, 128, 1, 6, 4),  # 18.5 us, 2293 GB/s, 1.06x cuBLAS
+    2: GemvPlan(4, 128, 1, 6, 4),  # 19.9 us, 2134 GB/s, 0.98x cuBLAS
+    4: GemvPlan(4, 128, 1, 6, 4),  # 24.7 us, 1721 GB/s, 0.81x cuBLAS
+    8: GemvPlan(4, 128, 1, 6, 4),  # 38.6 us, 1101 GB/s, 0.51x cuBLAS
+}
 
 
 def check_plan_table(table: dict[tuple[int, int], dict[int, GemvPlan]]) -> None:
