@@ -90,6 +90,11 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "",
         "1: linear-attention prefill (Gated DeltaNet, KDA) on CUDA skips fla-core's kernels",
     ),
+    "KVLOOM_FLA_KDA_DEVICE_LAYOUT": (
+        "",
+        "1: KDA prefill on fla builds its chunk layout on the device (fla's use_graph form: "
+        "no wait for the stream, a few more launches a layer; A/B timing, not yet on a GPU)",
+    ),
     "KVLOOM_GDN_MIXED_STEPS": (
         "auto",
         "how Gated DeltaNet serves mixed prefill + decode steps: serial (token by token, in "

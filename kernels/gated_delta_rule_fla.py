@@ -85,6 +85,7 @@ def run_fla_varlen(
     scale,
     use_qk_l2norm,
     cu_seqlens_device=None,
+    device_layout: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The body both fla wrappers share (gated delta rule, KDA), after their shape checks:
     the NaN-safe initial states, then one varlen launch of `load_kernel()` (imported only
@@ -94,7 +95,9 @@ def run_fla_varlen(
     copies its chunk layout to the device with a copy that waits for the stream: it keeps
     that layout per bounds object. A layer that passes one int64 host tensor and its device
     copy (`cu_seqlens_device`), the same two objects in every layer of a step, has fla
-    wait once per step, not once per layer; without them the bounds are staged here."""
+    wait once per step, not once per layer; without them the bounds are staged here.
+    `device_layout` (KDA only: fla's `use_graph` form) has fla build that layout on the
+    device instead, every layer, with no wait at all."""
     if q.dtype not in FLA_DTYPES:
         raise ValueError(f"q: fla takes float16/bfloat16/float32, got {q.dtype}")
     num_tokens, num_v_heads, head_k, head_v = check_heads(q, k, v)
@@ -107,6 +110,8 @@ def run_fla_varlen(
         return v.new_zeros(v.shape, dtype=q.dtype), state.to(final_dtype)
     cu_cpu, cu_dev = fla_bounds(cu_seqlens, bounds, cu_seqlens_device, q.device)
     kernel = load_kernel()
+    # fla's graph form lays chunks out for max_num_seqs sequences; ours are all real.
+    layout = {"use_graph": True, "max_num_seqs": len(bounds) - 1} if device_layout else {}
     # fla's varlen form: a batch of one holding all packed tokens, sequences cut by cu_seqlens.
     out, final_state = kernel(
         q.unsqueeze(0),
@@ -120,6 +125,7 @@ def run_fla_varlen(
         use_qk_l2norm_in_kernel=use_qk_l2norm,
         cu_seqlens=cu_dev,
         cu_seqlens_cpu=cu_cpu,  # lets fla lay out chunks without a device-to-host copy
+        **layout,
     )
     return out.squeeze(0).to(q.dtype), final_state.to(final_dtype)
 

@@ -18,6 +18,7 @@ import importlib
 
 import torch
 
+from kvloom.contracts import envs
 from kvloom.kernels.gated_delta_rule import check_floating, check_heads, check_shape
 from kvloom.kernels.gated_delta_rule_fla import run_fla_varlen
 
@@ -49,4 +50,5 @@ def chunk_kda_fla(
     return run_fla_varlen(
         lambda: importlib.import_module("fla.ops.kda").chunk_kda, q, k, v, g, beta,
         cu_seqlens, initial_state, has_initial_state, scale, use_qk_l2norm, cu_seqlens_device,
+        device_layout=envs.flag("KVLOOM_FLA_KDA_DEVICE_LAYOUT"),
     )  # fmt: skip

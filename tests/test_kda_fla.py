@@ -88,6 +88,31 @@ def test_fla_wrapper_bad_input_names_the_field(field, change):
         kda_fla.chunk_kda_fla(**args)
 
 
+@pytest.mark.parametrize("device_layout", ["", "1"])
+def test_device_layout_switch_reaches_fla(monkeypatch, device_layout):
+    """KVLOOM_FLA_KDA_DEVICE_LAYOUT=1 hands fla its graph form (use_graph, with every one of
+    the step's sequences real), which lays chunks out on the device with no wait for the
+    stream; unset, fla gets neither argument."""
+    calls = []
+
+    class FakeKda:
+        @staticmethod
+        def chunk_kda(q, k, v, g, beta, **kw):
+            calls.append(kw)
+            return torch.zeros_like(v), kw["initial_state"].clone()
+
+    monkeypatch.setenv("KVLOOM_FLA_KDA_DEVICE_LAYOUT", device_layout)
+    monkeypatch.setattr(kda_fla.importlib, "import_module", lambda name: FakeKda)
+    q, k, v, g, beta, cu, state = make_inputs([2, 3, 4], torch.float32, "cpu", h=2, dk=4, dv=4)
+    kda_fla.chunk_kda_fla(q, k, v, g, beta, cu, state, torch.tensor([True, False, True]))
+    (kw,) = calls
+    if device_layout:
+        assert kw["use_graph"] is True and kw["max_num_seqs"] == 3
+        assert kw["cu_seqlens"].tolist() == [0, 2, 5, 9]
+    else:
+        assert "use_graph" not in kw and "max_num_seqs" not in kw
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
@@ -187,3 +212,20 @@ def test_kimi_linear_engine_with_fla_kda_matches_the_reference_path(hybrid_model
     # margin bound.
     assert all(swapped and margin <= ENGINE_MARGIN_TOL for _, _, margin, swapped in diverged)
     assert equal >= len(PROMPTS) // 2, "most prompts must not diverge at all"
+
+
+@pytest.mark.gpu
+def test_device_layout_gives_fla_default_bits(monkeypatch):
+    """fla's graph form (chunk layout built on the device, sentinel chunks past the real
+    ones) computes every real chunk as the default form does: the same bits, with and
+    without initial states, across sequences around the 64-token chunk edge."""
+    require_fla()
+    q, k, v, g, beta, cu, state = make_inputs(LENGTHS, torch.bfloat16, "cuda")
+    has = torch.arange(len(LENGTHS), device="cuda") % 2 == 0
+    state[~has] = float("nan")  # never read
+    runs = {}
+    for flag in ("", "1"):
+        monkeypatch.setenv("KVLOOM_FLA_KDA_DEVICE_LAYOUT", flag)
+        runs[flag] = kda_fla.chunk_kda_fla(q, k, v, g, beta, cu, state, has, use_qk_l2norm=True)
+    for default, device in zip(runs[""], runs["1"]):
+        assert torch.equal(default, device)
