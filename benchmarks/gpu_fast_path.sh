@@ -12,6 +12,7 @@
 #     [moe-pairs] [fusion-ab] [bench-int4] [bench-fp8] [int4-gemv] [det-plans]
 #     [det-cost-tables] [moe-stages] [decode-timeline] [split-merge] [qk-rope-plans]
 #     [moe-slot-sum] [router-picks] [split-keys-next] [mixed-steps] [gemv-kimi]
+#     [kda-mixed-ab]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -376,6 +377,20 @@ print(min(ok, key=lambda r: r['us_per_layer'])['pairs_stages'])")
       timeout 200 python3 -m kvloom.cluster.cli bench latency --shape kimi-linear-16l \
         --out "$OUT/kvloom_kimi-linear-16l_latency_gemv.json" 2>&1 | grep "^RESULT ms_per" \
         || status=1
+      ;;
+    kda-mixed-ab)  # Kimi-Linear-16l offline at 128 sequences: KDA's mixed steps chunked
+      # (default), serial (KVLOOM_KDA_MIXED_STEPS=auto), and chunked with fla's device-built
+      # chunk layout (KVLOOM_FLA_KDA_DEVICE_LAYOUT=1); then the serial kernels' tests
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -k serial \
+        tests/triton_interpret/test_batch_invariant_triton.py 2>&1 | tail -3 || status=1
+      for variant in chunked auto layout; do
+        mixed=$variant layout=""
+        [ "$variant" = layout ] && mixed=chunked layout=1
+        KVLOOM_KDA_MIXED_STEPS=$mixed KVLOOM_FLA_KDA_DEVICE_LAYOUT=$layout timeout 240 \
+          python3 -m kvloom.cluster.cli bench throughput --shape kimi-linear-16l \
+          --max-num-seqs 128 --out "$OUT/kvloom_kimi-linear-16l_throughput_kda_$variant.json" \
+          2>&1 | grep "^RESULT \(seconds\|steps\)" | sed "s/^/$variant /" || status=1
+      done
       ;;
     qk-rope-plans)  # q/k norm + rotary + KV write: tokens a program, bitwise and timed
       timeout 200 python3 benchmarks/qk_norm_rope_plans.py --tokens 64 128 512 2048 16384 \

@@ -101,6 +101,13 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "place), chunked (the chunked kernels), split (rows over 64 tokens chunked, the rest "
         "serial) or auto (serial on CUDA for many short rows and a float32 state)",
     ),
+    "KVLOOM_KDA_MIXED_STEPS": (
+        "chunked",
+        "how KDA (Kimi-Linear) serves mixed prefill + decode steps: chunked (fla's or the "
+        "reference's chunked kernels), serial (token by token, in place) or auto (serial on "
+        "CUDA for many short rows and a float32 state, Gated DeltaNet's rule); not yet timed "
+        "on a GPU, so chunked stays the default",
+    ),
     "KVLOOM_GC_YOUNG_THRESHOLD": (
         "20000",
         "net allocations between collections of Python's youngest GC generation in a "

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from kvloom.kernels import causal_conv1d as conv_ref
 from kvloom.kernels import gated_delta_rule as gdn_ref
+from kvloom.kernels import kda as kda_ref
 from kvloom.kernels.dispatch import use_triton
 
 
@@ -90,25 +91,31 @@ def serial_causal_conv1d_ref(
     return out
 
 
-def serial_gated_delta_rule_ref(
-    q, k, v, g, beta, state, cu_seqlens, state_indices, has_initial_state, scale, use_qk_l2norm
-):
-    """Token by token through `recurrent_gated_delta_rule`, in place on the pool."""
+def _serial_recurrence_ref(
+    step, q, k, v, g, beta, state, cu_seqlens, state_indices, has_initial_state, scale,
+    use_qk_l2norm,
+):  # fmt: skip
+    """Token by token through the single-step reference `step`, in place on the pool."""
     _zero_fresh_slots(state, state_indices, has_initial_state, cu_seqlens)
     out = v.new_zeros(v.shape)
     for tokens, rows in _steps(cu_seqlens):
-        out[tokens] = gdn_ref.recurrent_gated_delta_rule(
-            q[tokens],
-            k[tokens],
-            v[tokens],
-            g[tokens],
-            beta[tokens],
-            state,
-            state_indices[rows],
-            scale=scale,
-            use_qk_l2norm=use_qk_l2norm,
-        )
+        out[tokens] = step(
+            q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens], state,
+            state_indices[rows], scale=scale, use_qk_l2norm=use_qk_l2norm,
+        )  # fmt: skip
     return out
+
+
+def serial_gated_delta_rule_ref(*args):
+    """Token by token through `recurrent_gated_delta_rule` (arguments as
+    `serial_gated_delta_rule`'s, scale and use_qk_l2norm positional), in place on the pool."""
+    return _serial_recurrence_ref(gdn_ref.recurrent_gated_delta_rule, *args)
+
+
+def serial_kda_ref(*args):
+    """Token by token through `kda.recurrent_kda` (arguments as `serial_kda`'s, scale and
+    use_qk_l2norm positional), in place on the pool."""
+    return _serial_recurrence_ref(kda_ref.recurrent_kda, *args)
 
 
 def serial_causal_conv1d(
@@ -133,32 +140,44 @@ def serial_causal_conv1d(
 
 
 def serial_gated_delta_rule(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    state,
-    cu_seqlens,
-    state_indices,
-    has_initial_state,
-    *,
-    scale=None,
+    q, k, v, g, beta, state, cu_seqlens, state_indices, has_initial_state, *, scale=None,
     use_qk_l2norm=False,
-):
+):  # fmt: skip
     """The gated delta rule over packed rows, token by token, in place on the pool.
 
     q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; state [slots, Hv, Dk, Dv];
     cu_seqlens, state_indices, has_initial_state as `serial_causal_conv1d`. Returns out
     [T, Hv, Dv] in q's dtype. The state is rounded to the pool's dtype after every token."""
+    return _serial_recurrence(
+        False, q, k, v, g, beta, state, cu_seqlens, state_indices, has_initial_state, scale,
+        use_qk_l2norm,
+    )  # fmt: skip
+
+
+def serial_kda(
+    q, k, v, g, beta, state, cu_seqlens, state_indices, has_initial_state, *, scale=None,
+    use_qk_l2norm=False,
+):  # fmt: skip
+    """Kimi Delta Attention over packed rows, token by token, in place on the pool: as
+    `serial_gated_delta_rule` with one log-decay per key channel, g [T, Hv, Dk] (float32).
+    A mixed step of many short rows may run this instead of the chunked kernels
+    (workers/layers/kda_layer.py, KVLOOM_KDA_MIXED_STEPS)."""
+    num_v_heads, head_k = v.shape[1], q.shape[2]
+    if g.dim() != 3 or tuple(g.shape) != (q.shape[0], num_v_heads, head_k):
+        raise ValueError(
+            f"g: expected [{q.shape[0]}, {num_v_heads}, {head_k}], got {list(g.shape)}"
+        )
+    return _serial_recurrence(
+        True, q, k, v, g.contiguous(), beta, state, cu_seqlens, state_indices,
+        has_initial_state, scale, use_qk_l2norm,
+    )  # fmt: skip
+
+
+def _serial_recurrence(per_channel_decay, q, *args):
+    """The serial Triton kernel on CUDA (for a float pool), else the matching reference."""
+    state = args[4]
     if use_triton(q) and state.dtype in (torch.float16, torch.bfloat16, torch.float32):
         from kvloom.kernels.batch_invariant_triton import serial_gated_delta_rule_triton
 
-        return serial_gated_delta_rule_triton(
-            q, k, v, g, beta, state, cu_seqlens, state_indices, has_initial_state, scale,
-            use_qk_l2norm,
-        )  # fmt: skip
-    return serial_gated_delta_rule_ref(
-        q, k, v, g, beta, state, cu_seqlens, state_indices, has_initial_state, scale,
-        use_qk_l2norm,
-    )  # fmt: skip
+        return serial_gated_delta_rule_triton(q, *args, per_channel_decay=per_channel_decay)
+    return (serial_kda_ref if per_channel_decay else serial_gated_delta_rule_ref)(q, *args)

@@ -533,6 +533,7 @@ def _serial_delta_rule_kernel(
     stride_vt,
     stride_vh,
     stride_gt,
+    stride_gh,
     stride_bt,
     stride_ss,
     stride_sh,
@@ -545,6 +546,7 @@ def _serial_delta_rule_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     L2NORM: tl.constexpr,
+    PER_CHANNEL_DECAY: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -571,7 +573,12 @@ def _serial_delta_rule_kernel(
                 q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps)
                 k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
             q = q * scale
-            s = s * tl.exp(tl.load(g_ptr + t * stride_gt + head).to(tl.float32))
+            gate = g_ptr + t * stride_gt + head * stride_gh
+            if PER_CHANNEL_DECAY:  # KDA: one log-decay per key channel
+                decay = tl.exp(tl.load(gate + dims, mask=dim_ok, other=0.0).to(tl.float32))
+                s = s * decay[:, None]
+            else:
+                s = s * tl.exp(tl.load(gate).to(tl.float32))
             v = tl.load(v_ptr + t * stride_vt + head * stride_vh + cols, mask=col_ok, other=0.0)
             beta = tl.load(beta_ptr + t * stride_bt + head).to(tl.float32)
             predicted = tl.sum(k[:, None] * s, axis=0)
@@ -586,9 +593,11 @@ def _serial_delta_rule_kernel(
 
 
 def serial_gated_delta_rule_triton(
-    q, k, v, g, beta, state, cu_seqlens, state_indices, has_initial_state, scale, use_qk_l2norm
-):
-    """See `batch_invariant.serial_gated_delta_rule`."""
+    q, k, v, g, beta, state, cu_seqlens, state_indices, has_initial_state, scale, use_qk_l2norm,
+    per_channel_decay: bool = False,
+):  # fmt: skip
+    """See `batch_invariant.serial_gated_delta_rule`; `per_channel_decay`: g [T, Hv, Dk],
+    KDA's gate (`batch_invariant.serial_kda`)."""
     tokens, num_k_heads, head_k = q.shape
     num_v_heads, head_v = v.shape[1], v.shape[2]
     out = torch.zeros((tokens, num_v_heads, head_v), dtype=q.dtype, device=q.device)
@@ -619,6 +628,7 @@ def serial_gated_delta_rule_triton(
         v.stride(0),
         v.stride(1),
         g.stride(0),
+        g.stride(1),
         beta.stride(0),
         state.stride(0),
         state.stride(1),
@@ -631,6 +641,7 @@ def serial_gated_delta_rule_triton(
         BK=next_power_of_2(head_k),
         BV=block_v,
         L2NORM=bool(use_qk_l2norm),
+        PER_CHANNEL_DECAY=per_channel_decay,
         num_warps=4,
     )
     return out

@@ -10,6 +10,7 @@ import torch
 
 from kvloom import Engine
 from kvloom.workers.layers import gated_deltanet as gdn
+from kvloom.workers.layers import linear_state_pages as pages
 from kvloom.workers.row_kinds import RowClasses, classify_rows
 from tests.engine_helpers import PROMPTS, assert_pool_full, greedy, run_to_completion
 
@@ -29,8 +30,8 @@ def test_mixed_step_path_policy(monkeypatch):
     assert gdn.mixed_step_path(many_short, CPU, f32) == "chunked"  # the CPU keeps chunked
     assert gdn.mixed_step_path(many_short, CUDA, torch.bfloat16) == "chunked"  # rounded per token
     too_few = rows([0] * 7, [64] * 7)
-    assert gdn.SERIAL_MIN_ROWS == 8 and gdn.mixed_step_path(too_few, CUDA, f32) == "chunked"
-    one_long = rows([0] + [40] * 9, [gdn.SERIAL_MAX_ROW_TOKENS + 1] + [1] * 9)
+    assert pages.SERIAL_MIN_ROWS == 8 and gdn.mixed_step_path(too_few, CUDA, f32) == "chunked"
+    one_long = rows([0] + [40] * 9, [pages.SERIAL_MAX_ROW_TOKENS + 1] + [1] * 9)
     assert gdn.mixed_step_path(one_long, CUDA, f32) == "chunked"
     for forced in ("serial", "split", "chunked"):  # forced paths ignore device and rows
         monkeypatch.setenv("KVLOOM_GDN_MIXED_STEPS", forced)

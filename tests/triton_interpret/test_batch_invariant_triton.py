@@ -19,6 +19,7 @@ from kvloom.kernels.batch_invariant import (
     linear_ref,
     serial_causal_conv1d_ref,
     serial_gated_delta_rule_ref,
+    serial_kda_ref,
 )
 from kvloom.kernels.batch_invariant_triton import (
     MATMUL_PLAN,
@@ -193,24 +194,37 @@ def test_serial_conv_is_chunking_and_batch_invariant(dtype):
     torch.testing.assert_close(pool[1], ref_pool[1], atol=tol, rtol=tol)
 
 
-def _gdn_case(seed, tokens, hk=2, hv=4, dk=16, dv=24, dtype=torch.float32):
+def _gdn_case(seed, tokens, hk=2, hv=4, dk=16, dv=24, dtype=torch.float32, kda=False):
+    """Gated DeltaNet's inputs (one log-decay per head), or KDA's (one per key channel)."""
     q = rand(tokens, hk, dk, seed=seed, dtype=dtype)
     k = rand(tokens, hk, dk, seed=seed + 1, dtype=dtype)
     v = rand(tokens, hv, dv, seed=seed + 2, dtype=dtype)
-    g = -torch.rand(tokens, hv, generator=torch.Generator().manual_seed(seed + 3)).to(DEVICE)
+    gate_shape = (tokens, hv, dk) if kda else (tokens, hv)
+    g = -torch.rand(*gate_shape, generator=torch.Generator().manual_seed(seed + 3)).to(DEVICE)
     beta = torch.rand(tokens, hv, generator=torch.Generator().manual_seed(seed + 4))
     return q, k, v, g, beta.to(dtype).to(DEVICE)
 
 
 @pytest.mark.parametrize(
-    "dtype,state_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]
+    "dtype,state_dtype,kda",
+    [
+        (torch.bfloat16, torch.float32, False),
+        (torch.bfloat16, torch.bfloat16, False),
+        (torch.bfloat16, torch.float32, True),
+        (torch.float32, torch.float32, True),
+    ],
 )
-def test_serial_delta_rule_is_chunking_and_batch_invariant(dtype, state_dtype):
-    tensors = _gdn_case(40, 9, dtype=dtype)
+def test_serial_delta_rule_is_chunking_and_batch_invariant(dtype, state_dtype, kda):
+    """Gated DeltaNet's serial recurrence, and KDA's (per-channel decay, as mixed steps of
+    Kimi-Linear run it under KVLOOM_KDA_MIXED_STEPS=serial)."""
+    tensors = _gdn_case(40, 9, dtype=dtype, kda=kda)
     hv, dk, dv = tensors[2].shape[1], tensors[0].shape[2], tensors[2].shape[2]
+    reference = serial_kda_ref if kda else serial_gated_delta_rule_ref
 
     def rule(q, k, v, g, beta, pool, cu, slots, has):
-        return serial_gated_delta_rule_triton(q, k, v, g, beta, pool, cu, slots, has, None, True)
+        return serial_gated_delta_rule_triton(
+            q, k, v, g, beta, pool, cu, slots, has, None, True, per_channel_decay=kda
+        )
 
     def fresh_pool():
         return torch.full((3, hv, dk, dv), float("nan"), dtype=state_dtype, device=DEVICE)
@@ -224,7 +238,7 @@ def test_serial_delta_rule_is_chunking_and_batch_invariant(dtype, state_dtype):
     for cuts, (out, state) in runs.items():
         assert torch.equal(out, first_out), f"chunks {cuts} change the recurrence output"
         assert torch.equal(state, first_state), f"chunks {cuts} change the state"
-    other = _gdn_case(50, 5, dtype=dtype)
+    other = _gdn_case(50, 5, dtype=dtype, kda=kda)
     batch = [torch.cat([a, b]) for a, b in zip(other, tensors)]
     pool = fresh_pool()
     pool[2] = rand(hv, dk, dv, seed=60, dtype=state_dtype, scale=0.1)
@@ -234,7 +248,7 @@ def test_serial_delta_rule_is_chunking_and_batch_invariant(dtype, state_dtype):
     has = torch.tensor([True, False, False], device=DEVICE)
     out = rule(*batch, pool, cu, slots, has)
     assert torch.equal(out[5:], first_out) and torch.equal(pool[1], first_state)
-    ref = serial_gated_delta_rule_ref(*batch, ref_pool, cu, slots.long(), has, None, True)
+    ref = reference(*batch, ref_pool, cu, slots.long(), has, None, True)
     tol = 3e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(pool[1:].float(), ref_pool[1:].float(), atol=tol, rtol=tol)

@@ -67,22 +67,19 @@ from kvloom.kernels.ops import (
     rms_norm_linear_conv,
 )
 from kvloom.workers.attention_metadata import ForwardBatch
-from kvloom.workers.device_copy import to_device
 from kvloom.workers.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape
-from kvloom.workers.layers.linear_state_pages import LinearStatePages, uniform_resume_len
+from kvloom.workers.layers.linear_state_pages import (
+    LinearStatePages,
+    serial_rows,
+    serial_suits,
+    uniform_resume_len,
+)
 from kvloom.workers.layers.norm import RMSNorm
 from kvloom.workers.layers.norm_linear import norm_linear
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
 from kvloom.workers.linear_rows import LinearRows
 from kvloom.workers.row_kinds import RowClasses
 
-# A mixed step goes token by token when it has at least this many rows, none longer than
-# SERIAL_MAX_ROW_TOKENS: the serial kernels run one program per (row, value head) through a
-# row's tokens in sequence, so they need many rows to fill the GPU and short rows to stay
-# short. Both measured H200 workloads (above) lie inside these bounds; a lone long prompt
-# (time to first token) lies outside and keeps the chunked kernels.
-SERIAL_MIN_ROWS = 8
-SERIAL_MAX_ROW_TOKENS = 2048
 # A split mixed step (opt-in: KVLOOM_GDN_MIXED_STEPS=split) serves rows longer than this
 # with the chunked kernels (tensor cores; the chunks are 64 tokens) and the rest token by
 # token. On an H200 the serial delta rule took about 9 ms a layer at a 16,384-token step
@@ -97,7 +94,8 @@ def mixed_step_path(rows: RowClasses, device: torch.device, state_dtype: torch.d
     KVLOOM_GDN_MIXED_STEPS=serial|split|chunked forces one; auto (the default) takes serial
     on CUDA, for a float32 state (a narrower one would be rounded after every prompt
     token, as decodes round it, where the chunked kernels round once a chunk), for steps of
-    at least SERIAL_MIN_ROWS rows of at most SERIAL_MAX_ROW_TOKENS tokens, else chunked."""
+    at least SERIAL_MIN_ROWS rows of at most SERIAL_MAX_ROW_TOKENS tokens, else chunked
+    (`serial_suits`)."""
     choice = envs.get("KVLOOM_GDN_MIXED_STEPS").strip().lower()
     if choice not in ("auto", "serial", "split", "chunked"):
         raise ValueError(
@@ -105,14 +103,7 @@ def mixed_step_path(rows: RowClasses, device: torch.device, state_dtype: torch.d
         )
     if choice != "auto":
         return choice
-    lens = rows.num_scheduled_tokens
-    serial = (
-        device.type == "cuda"
-        and state_dtype == torch.float32
-        and len(lens) >= SERIAL_MIN_ROWS
-        and max(lens, default=0) <= SERIAL_MAX_ROW_TOKENS
-    )
-    return "serial" if serial else "chunked"
+    return "serial" if serial_suits(rows, device, state_dtype) else "chunked"
 
 
 class GatedRMSNorm(nn.Module):
@@ -459,22 +450,13 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
         preemption), and the fast one for mixed steps of many short rows."""
         if slots is None:
             raise ValueError("state_indices: missing for a linear-state layer's group")
-        device = mixed.device
         if batch.decode_only:  # one token per row, padding rows (slot -1) included
             rows = mixed.shape[0]
-            cu = torch.arange(rows + 1, dtype=torch.int32, device=device)
-            has_state = torch.ones(rows, dtype=torch.bool, device=device)
+            cu = torch.arange(rows + 1, dtype=torch.int32, device=mixed.device)
+            has_state = torch.ones(rows, dtype=torch.bool, device=mixed.device)
         else:
-            cu = batch.query_start_loc
-            cache = batch.__dict__.setdefault("_serial_has_state", {})
-            if device not in cache:  # once per step, shared by the layers
-                cache[device] = to_device(batch.rows.has_initial_state, torch.bool, device)
-            has_state = cache[device]
-            slots = slots[: cu.shape[0] - 1]
-        x = bi.serial_causal_conv1d(
-            mixed, self.conv1d.weight, None, self.conv_state, cu, slots, has_state,
-            self.activation,
-        )  # fmt: skip
+            cu, slots, has_state = serial_rows(batch, slots, mixed.device)
+        x = self.serial_conv(mixed, cu, slots, has_state)
         q, k, v = self._split_heads(x)
         return bi.serial_gated_delta_rule(
             q, k, v, g, beta, self.recurrent_state, cu, slots, has_state, use_qk_l2norm=True

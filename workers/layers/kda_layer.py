@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvloom.contracts import envs
+from kvloom.kernels import batch_invariant as bi
 from kvloom.kernels.ops import (
     causal_conv1d_update,
     causal_conv1d_varlen,
@@ -45,9 +47,29 @@ from kvloom.workers.layers.linear import (
     RowParallelLinear,
     check_shape,
 )
-from kvloom.workers.layers.linear_state_pages import LinearStatePages, uniform_resume_len
+from kvloom.workers.layers.linear_state_pages import (
+    LinearStatePages,
+    serial_rows,
+    serial_suits,
+    uniform_resume_len,
+)
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
 from kvloom.workers.linear_rows import LinearRows
+from kvloom.workers.row_kinds import RowClasses
+
+
+def mixed_step_path(rows: RowClasses, device: torch.device, state_dtype: torch.dtype) -> str:
+    """How a KDA layer serves a step that is neither decode-only nor a uniform resume:
+    "chunked" (prefill rows through the chunked kernels, decode rows through the single-step
+    ones) or "serial" (every row token by token through the serial kernels, in place on the
+    pool: no state gathers, no host-side chunk layout). KVLOOM_KDA_MIXED_STEPS picks one;
+    auto takes serial where Gated DeltaNet's rule does (`serial_suits`)."""
+    choice = envs.get("KVLOOM_KDA_MIXED_STEPS").strip().lower()
+    if choice not in ("auto", "serial", "chunked"):
+        raise ValueError(f"KVLOOM_KDA_MIXED_STEPS must be auto, serial or chunked, got {choice!r}")
+    if choice != "auto":
+        return choice
+    return "serial" if serial_suits(rows, device, state_dtype) else "chunked"
 
 
 class GatedRMSNorm(nn.Module):
@@ -208,6 +230,8 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
         resume = uniform_resume_len(batch, num_tokens)
         if resume is not None:  # a verification: token by token, no host-side bounds
             core = self.resume_token_by_token(mixed, g, beta, slots, resume)
+        elif mixed_step_path(batch.rows, hidden.device, self.recurrent_state.dtype) == "serial":
+            core = self._serial_all(mixed, g, beta, batch, slots)
         else:
             core = hidden.new_zeros(heads)
             self._mixed_rows(mixed, g, beta, batch, slots, core)
@@ -235,6 +259,17 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
             self._prefill(mixed, g, beta, split, slots, core)
         if split.decode_rows:
             self._decode(mixed, g, beta, split, slots, core)
+
+    def _serial_all(self, mixed, g, beta, batch: ForwardBatch, slots) -> torch.Tensor:
+        """Every row, prefill chunk or decode step, through one token-by-token conv and
+        recurrence (kernels/batch_invariant.py), in place on the pool."""
+        cu, slots, has_state = serial_rows(batch, slots, mixed.device)
+        x = self.serial_conv(mixed, cu, slots, has_state)
+        q, k, v = self._split_heads(x)
+        out = bi.serial_kda(
+            q, k, v, g, beta, self.recurrent_state, cu, slots, has_state, use_qk_l2norm=True
+        )
+        return out.to(mixed.dtype)
 
     def _decode_all(self, mixed, g, beta, slots: torch.Tensor) -> torch.Tensor:
         """Every token is its row's one-token decode: the single-step kernels over all rows

@@ -14,12 +14,48 @@ from __future__ import annotations
 
 import torch
 
+from kvloom.kernels import batch_invariant as bi
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.cache_pages import span_view
+from kvloom.workers.device_copy import to_device
 from kvloom.workers.dtypes import TORCH_DTYPES
 
 # Longest uniform resume row served token by token (verifications are k + 1 <= 9 tokens).
 MAX_SERIAL_RESUME = 9
+# A mixed step goes token by token when it has at least this many rows, none longer than
+# SERIAL_MAX_ROW_TOKENS: the serial kernels run one program per (row, value head) through a
+# row's tokens in sequence, so they need many rows to fill the GPU and short rows to stay
+# short. Both measured H200 workloads (Gated DeltaNet, gated_deltanet.py) lie inside these
+# bounds; a lone long prompt (time to first token) lies outside and keeps the chunked kernels.
+SERIAL_MIN_ROWS = 8
+SERIAL_MAX_ROW_TOKENS = 2048
+
+
+def serial_suits(rows, device: torch.device, state_dtype: torch.dtype) -> bool:
+    """Whether a mixed step (RowClasses `rows`) suits the serial kernels: on CUDA, for a
+    float32 state (a narrower one would be rounded after every prompt token, as decodes
+    round it, where the chunked kernels round once a chunk), for at least SERIAL_MIN_ROWS
+    rows of at most SERIAL_MAX_ROW_TOKENS tokens."""
+    lens = rows.num_scheduled_tokens
+    return (
+        device.type == "cuda"
+        and state_dtype == torch.float32
+        and len(lens) >= SERIAL_MIN_ROWS
+        and max(lens, default=0) <= SERIAL_MAX_ROW_TOKENS
+    )
+
+
+def serial_rows(batch: ForwardBatch, slots: torch.Tensor | None, device: torch.device):
+    """(row bounds [N+1], state pages [N], has_initial_state [N] bool) of a step's rows for
+    the serial kernels (kernels/batch_invariant.py); the flags are copied to the device
+    once a step and shared by the layers."""
+    if slots is None:
+        raise ValueError("state_indices: missing for a linear-state layer's group")
+    cu = batch.query_start_loc
+    cache = batch.__dict__.setdefault("_serial_has_state", {})
+    if device not in cache:
+        cache[device] = to_device(batch.rows.has_initial_state, torch.bool, device)
+    return cu, slots[: cu.shape[0] - 1], cache[device]
 
 
 def uniform_resume_len(batch: ForwardBatch, num_tokens: int) -> int | None:
@@ -53,6 +89,14 @@ class LinearStatePages:
                 core = out.new_empty((mixed.shape[0], *out.shape[1:]))
             core[index] = out
         return core
+
+    def serial_conv(self, mixed, cu, slots, has_state) -> torch.Tensor:
+        """The layer's causal conv over a step's rows token by token, in place on the pool
+        (`serial_rows` gives the row arguments)."""
+        return bi.serial_causal_conv1d(
+            mixed, self.conv1d.weight, None, self.conv_state, cu, slots, has_state,
+            self.activation,
+        )  # fmt: skip
 
     def allocate_cache(self, pages: torch.Tensor, spec) -> None:
         """Views the pool's pages: the conv window first, the recurrent state after it. A
