@@ -379,11 +379,12 @@ print(min(ok, key=lambda r: r['us_per_layer'])['pairs_stages'])")
         || status=1
       ;;
     kda-mixed-ab)  # Kimi-Linear-16l offline at 128 sequences: KDA's mixed steps chunked
-      # (default), serial (KVLOOM_KDA_MIXED_STEPS=auto), and chunked with fla's device-built
-      # chunk layout (KVLOOM_FLA_KDA_DEVICE_LAYOUT=1); then the serial kernels' tests
+      # (default), serial (KVLOOM_KDA_MIXED_STEPS=auto), split, and chunked with fla's
+      # device-built chunk layout (KVLOOM_FLA_KDA_DEVICE_LAYOUT=1); first the serial
+      # kernels' tests, compiled. KDA_VARIANTS narrows the runs (about 2 min each)
       timeout 240 python3 -m pytest -q -p no:cacheprovider -k serial \
         tests/triton_interpret/test_batch_invariant_triton.py 2>&1 | tail -3 || status=1
-      for variant in chunked auto layout; do
+      for variant in ${KDA_VARIANTS:-chunked auto split layout}; do
         mixed=$variant layout=""
         [ "$variant" = layout ] && mixed=chunked layout=1
         KVLOOM_KDA_MIXED_STEPS=$mixed KVLOOM_FLA_KDA_DEVICE_LAYOUT=$layout timeout 240 \

@@ -104,9 +104,10 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "KVLOOM_KDA_MIXED_STEPS": (
         "chunked",
         "how KDA (Kimi-Linear) serves mixed prefill + decode steps: chunked (fla's or the "
-        "reference's chunked kernels), serial (token by token, in place) or auto (serial on "
-        "CUDA for many short rows and a float32 state, Gated DeltaNet's rule); not yet timed "
-        "on a GPU, so chunked stays the default",
+        "reference's chunked kernels), serial (token by token, in place), split (rows over "
+        "64 tokens chunked, the rest serial) or auto (serial on CUDA for many short rows and "
+        "a float32 state, Gated DeltaNet's rule); not yet timed on a GPU, so chunked stays "
+        "the default",
     ),
     "KVLOOM_GC_YOUNG_THRESHOLD": (
         "20000",

@@ -361,7 +361,7 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
             core = self._serial_all(mixed, g, beta, slots, batch)
             return self.out_proj(self.norm(core, z).flatten(1))
         if path == "split":
-            core = self._split_step(mixed, g, beta, slots, batch)
+            core = self._split_step(mixed, g, beta, slots, batch, SPLIT_ROW_TOKENS)
             return self.out_proj(self.norm(core, z).flatten(1))
         core = hidden.new_zeros(hidden.shape[0], self.num_v_heads, self.head_v_dim)
         split = batch.linear_rows(hidden.device)
@@ -399,21 +399,6 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
         )  # fmt: skip
         self.recurrent_state[pages] = final.to(self.recurrent_state.dtype)
         core[index] = out
-
-    def _split_step(self, mixed, g, beta, slots, batch: ForwardBatch) -> torch.Tensor:
-        """A mixed step in two parts: rows of more than SPLIT_ROW_TOKENS tokens through the
-        chunked kernels (work parallel over a row's tokens), every other row token by token
-        through the serial ones, which skip the long rows (their slot -1 there)."""
-        long = batch.long_rows(mixed.device, SPLIT_ROW_TOKENS)
-        if not long.prefill_rows:
-            return self._serial_all(mixed, g, beta, slots, batch)
-        if slots is None:
-            raise ValueError("state_indices: missing for a linear-state layer's group")
-        rows = batch.query_start_loc.shape[0] - 1
-        short_slots = slots[:rows].index_fill(0, long.prefill_rows_index, -1)
-        core = self._serial_all(mixed, g, beta, short_slots, batch)
-        self._chunked_rows(mixed, g, beta, slots, long, core)
-        return core
 
     def _decode_step(self, mixed, z, ba, slots: torch.Tensor, convolved=None) -> torch.Tensor:
         """A decode-only step after the projection -> the normed output: the conv update

@@ -57,16 +57,23 @@ from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
 from kvloom.workers.linear_rows import LinearRows
 from kvloom.workers.row_kinds import RowClasses
 
+# Split mixed steps (KVLOOM_KDA_MIXED_STEPS=split): rows longer than this take the chunked
+# kernels, the rest go token by token (Gated DeltaNet's SPLIT_ROW_TOKENS, fla's chunk).
+SPLIT_ROW_TOKENS = 64
+
 
 def mixed_step_path(rows: RowClasses, device: torch.device, state_dtype: torch.dtype) -> str:
     """How a KDA layer serves a step that is neither decode-only nor a uniform resume:
     "chunked" (prefill rows through the chunked kernels, decode rows through the single-step
-    ones) or "serial" (every row token by token through the serial kernels, in place on the
-    pool: no state gathers, no host-side chunk layout). KVLOOM_KDA_MIXED_STEPS picks one;
-    auto takes serial where Gated DeltaNet's rule does (`serial_suits`)."""
+    ones), "serial" (every row token by token through the serial kernels, in place on the
+    pool: no state gathers, no host-side chunk layout) or "split" (rows of more than
+    SPLIT_ROW_TOKENS tokens chunked, the rest serial). KVLOOM_KDA_MIXED_STEPS picks one;
+    auto takes serial where Gated DeltaNet's rule does (`serial_suits`), else chunked."""
     choice = envs.get("KVLOOM_KDA_MIXED_STEPS").strip().lower()
-    if choice not in ("auto", "serial", "chunked"):
-        raise ValueError(f"KVLOOM_KDA_MIXED_STEPS must be auto, serial or chunked, got {choice!r}")
+    if choice not in ("auto", "serial", "split", "chunked"):
+        raise ValueError(
+            f"KVLOOM_KDA_MIXED_STEPS must be auto, serial, split or chunked, got {choice!r}"
+        )
     if choice != "auto":
         return choice
     return "serial" if serial_suits(rows, device, state_dtype) else "chunked"
@@ -230,11 +237,8 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
         resume = uniform_resume_len(batch, num_tokens)
         if resume is not None:  # a verification: token by token, no host-side bounds
             core = self.resume_token_by_token(mixed, g, beta, slots, resume)
-        elif mixed_step_path(batch.rows, hidden.device, self.recurrent_state.dtype) == "serial":
-            core = self._serial_all(mixed, g, beta, batch, slots)
         else:
-            core = hidden.new_zeros(heads)
-            self._mixed_rows(mixed, g, beta, batch, slots, core)
+            core = self._mixed_step(mixed, g, beta, slots, batch)
         out = self.o_norm(core, gate).reshape(num_tokens, -1)
         return self.o_proj(out)
 
@@ -253,14 +257,24 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
         f_a, g_a = self.fg_a_proj(hidden).split(self.head_dim, dim=-1)
         return mixed, beta_logits, f_a, g_a
 
-    def _mixed_rows(self, mixed, g, beta, batch: ForwardBatch, slots, core) -> None:
+    def _mixed_step(self, mixed, g, beta, slots, batch: ForwardBatch) -> torch.Tensor:
+        """A step of prefill and decode rows -> the core output [T, H, D], by
+        `mixed_step_path`: chunked (prefill rows chunked, decode rows single-step), serial
+        or split (long rows chunked, the rest serial)."""
+        path = mixed_step_path(batch.rows, mixed.device, self.recurrent_state.dtype)
+        if path == "serial":
+            return self._serial_all(mixed, g, beta, slots, batch)
+        if path == "split":
+            return self._split_step(mixed, g, beta, slots, batch, SPLIT_ROW_TOKENS)
+        core = mixed.new_zeros((mixed.shape[0], self.num_heads, self.head_dim))
         split = batch.linear_rows(mixed.device)
         if split.prefill_rows:
-            self._prefill(mixed, g, beta, split, slots, core)
+            self._chunked_rows(mixed, g, beta, slots, split, core)
         if split.decode_rows:
             self._decode(mixed, g, beta, split, slots, core)
+        return core
 
-    def _serial_all(self, mixed, g, beta, batch: ForwardBatch, slots) -> torch.Tensor:
+    def _serial_all(self, mixed, g, beta, slots, batch: ForwardBatch) -> torch.Tensor:
         """Every row, prefill chunk or decode step, through one token-by-token conv and
         recurrence (kernels/batch_invariant.py), in place on the pool."""
         cu, slots, has_state = serial_rows(batch, slots, mixed.device)
@@ -302,7 +316,7 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
         shape = (mixed.shape[0], self.num_heads, self.head_dim)
         return q.reshape(shape), k.reshape(shape), v.reshape(shape)
 
-    def _prefill(self, mixed, g, beta, split: LinearRows, slots, core) -> None:
+    def _chunked_rows(self, mixed, g, beta, slots, split: LinearRows, core) -> None:
         """Chunked kernels over the prefill rows' tokens, from zeros for fresh rows."""
         tokens = split.prefill_tokens
         cu_seqlens = split.cu_seqlens  # on the host: the kernels read it as a list

@@ -90,6 +90,22 @@ class LinearStatePages:
             core[index] = out
         return core
 
+    def _split_step(self, mixed, g, beta, slots, batch: ForwardBatch, min_tokens: int):
+        """A mixed step in two parts: rows of more than `min_tokens` tokens through the
+        layer's chunked kernels (`_chunked_rows`: work parallel over a row's tokens), every
+        other row token by token through its serial ones (`_serial_all`), which skip the
+        long rows (their slot -1 there). Returns the core output [T, Hv, Dv]."""
+        long = batch.long_rows(mixed.device, min_tokens)
+        if not long.prefill_rows:
+            return self._serial_all(mixed, g, beta, slots, batch)
+        if slots is None:
+            raise ValueError("state_indices: missing for a linear-state layer's group")
+        rows = batch.query_start_loc.shape[0] - 1
+        short_slots = slots[:rows].index_fill(0, long.prefill_rows_index, -1)
+        core = self._serial_all(mixed, g, beta, short_slots, batch)
+        self._chunked_rows(mixed, g, beta, slots, long, core)
+        return core
+
     def serial_conv(self, mixed, cu, slots, has_state) -> torch.Tensor:
         """The layer's causal conv over a step's rows token by token, in place on the pool
         (`serial_rows` gives the row arguments)."""
