@@ -240,18 +240,30 @@ def check_plan_table(table: dict[tuple[int, int], dict[int, GemvPlan]]) -> None:
 check_plan_table(GEMV_PLAN_TABLE)
 
 
-def default_gemv_plan(n: int, k: int) -> GemvPlan:
-    """A Hopper default: the widest block_n that still gives >= 1.5 programs per SM, 8
-    elements (16 bytes of bf16) per thread per 64-lane chunk, and memory parallelism from
-    a 6-stage pipeline of 128-column steps (5 steps, 5 * block_n * 256 bytes, in flight
-    per program). Plain loads (num_stages = 1) keep only about two 16-byte loads in flight
-    per thread (ptxas does not hoist the next chunk's loads), too few for HBM; deeper
-    steps (more chunks per step) multiply the pipelined loads and the compile time."""
-    block_n = 4
+def hopper_block_n(n: int) -> int:
+    """The widest block_n of 32, 16 and 8 that still gives >= 1.5 programs per SM, else 4."""
     for candidate in (32, 16, 8):
         if triton.cdiv(n, candidate) * 2 >= 3 * _HOPPER_SMS:
-            block_n = candidate
-            break
+            return candidate
+    return 4
+
+
+def default_gemv_plan(n: int, k: int) -> GemvPlan:
+    """A Hopper default: `hopper_block_n`'s rows a program, 8 elements (16 bytes of bf16)
+    per thread per 64-lane chunk, and memory parallelism from a 6-stage pipeline of
+    128-column steps (5 steps, 5 * block_n * 256 bytes, in flight per program). Plain
+    loads (num_stages = 1) keep only about two 16-byte loads in flight per thread (ptxas
+    does not hoist the next chunk's loads), too few for HBM; deeper steps (more chunks per
+    step) multiply the pipelined loads and the compile time.
+
+    Never 8 rows on 2 warps: at one row that plan ran 1.2-3.3x slower than 4 rows on 1
+    warp at 13 of the 14 shapes where both were timed (2-3.3x at nine; 4% faster at K 128;
+    an H200 and an H100: docs/benchmarks/data/gemv_plans_h200.json,
+    gemv_plans_kimi_h100_2026-12-06s23.json; e.g. N 2,304 x K 4,096 23.0 against 8.5 us),
+    so N of 1,577-3,152 takes 4 rows."""
+    block_n = hopper_block_n(n)
+    if block_n == 8:
+        block_n = 4
     return GemvPlan(block_n, 128, max(1, block_n // 4), 6, 1)
 
 

@@ -38,7 +38,7 @@ from kvloom.kernels.gemv_triton import (
     FMT_INT4,
     GemvPlan,
     check_plan_table,
-    default_gemv_plan,
+    hopper_block_n,
     launch_gemv,
 )
 from kvloom.kernels.quant_gemv import LANES, QUANT_GEMV_MAX_M, gemv_group
@@ -108,13 +108,13 @@ def default_quant_gemv_plan(n: int, k: int, fmt: str) -> GemvPlan:
     """The bf16 default's block_n and warps (>= 1.5 programs per SM where N allows), steps
     of 256 bytes per weight row, and split-K when even 4-feature blocks leave the H200's
     132 SMs short of 1.5 programs each (small N, long K)."""
-    base = default_gemv_plan(n, k)
+    block_n = hopper_block_n(n)  # the bf16 rule before its 8-row exception (not timed here)
     block_k = max(LANES, min(_STEP_COLUMNS[fmt], triton.cdiv(k, LANES) * LANES))
-    programs = triton.cdiv(n, base.block_n)
+    programs = triton.cdiv(n, block_n)
     split_k = 1
     if 2 * programs < 3 * _HOPPER_SMS:
         split_k = min(triton.cdiv(3 * _HOPPER_SMS, 2 * programs), max(1, k // block_k), 64)
-    return GemvPlan(base.block_n, block_k, base.num_warps, 4, split_k)
+    return GemvPlan(block_n, block_k, max(1, block_n // 4), 4, split_k)
 
 
 def choose_quant_gemv_plan(m: int, n: int, k: int, fmt: str) -> GemvPlan:

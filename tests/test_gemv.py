@@ -34,7 +34,9 @@ from kvloom.kernels.gemv_triton import (
     choose_gemv_plan,
     default_gemv_plan,
     gemv_triton,
+    hopper_block_n,
 )
+from kvloom.kernels.quant_gemv_triton import default_quant_gemv_plan
 from tests.kernel_env import CUDA, DEVICE, gpu, needs_cuda
 
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
@@ -336,6 +338,19 @@ def test_default_plan_fills_a_hopper(k, n):
     assert {choose_gemv_plan(m, n, k, torch.bfloat16).split_k for m in range(1, 9)} == {1}
 
 
+def test_default_plan_never_takes_eight_rows_on_two_warps():
+    """That plan ran up to 3.3x slower than 4 rows on 1 warp (13 of 14 timed shapes): N where the
+    programs-per-SM rule picks 8 rows (1,577-3,152) takes 4; other N keep the rule's. The
+    int4/FP8 GEMV's default keeps the rule's 8 rows (its kernel was not timed there)."""
+    for n in (1577, 2048, 2304, 3072, 3152):
+        assert hopper_block_n(n) == 8
+        assert default_gemv_plan(n, 4096) == GemvPlan(4, 128, 1, 6, 1)
+        assert default_quant_gemv_plan(n, 4096, "int4").block_n == 8
+    for n in (1024, 3153, 4096, 24576):
+        plan = default_gemv_plan(n, 4096)
+        assert plan.block_n == hopper_block_n(n) and plan.num_warps == max(1, plan.block_n // 4)
+
+
 # ---------------------------------------------------------------- benchmark helpers
 
 
@@ -514,14 +529,15 @@ def test_ops_linear_routes_decode_sizes_to_the_gemv(monkeypatch, rows):
 
 def test_kimi_linear_output_projections_take_table_plans():
     """Kimi-Linear's output projections (N 2,304 from K 4,096; its dense down from 9,216)
-    ran 3x below the copy rate under the default plan's 8 rows and 2 warps a program: at
-    one row they take the table's measured 4-row, 1-warp plans (the down projection's in 4
-    K ranges), one split_k for every M."""
+    ran 3x below the copy rate under the old default's 8 rows and 2 warps a program: they
+    take the table's measured plans, 4 rows on 1 warp at one row (the down projection's in
+    4 K ranges), 32 rows from 4 rows up for the output projection, one split_k for every M."""
+    assert (2304, 4096) in gt.GEMV_PLAN_TABLE and (2304, 9216) in gt.GEMV_PLAN_TABLE
     for (n, k), split_k in (((2304, 4096), 1), ((2304, 9216), 4)):
         plan = choose_gemv_plan(1, n, k, torch.bfloat16)
-        assert plan != default_gemv_plan(n, k)
-        assert (plan.block_n, plan.num_warps) == (4, 1)
+        assert (plan.block_n, plan.num_warps, plan.split_k) == (4, 1, split_k)
         assert {choose_gemv_plan(m, n, k, torch.bfloat16).split_k for m in range(1, 9)} == {split_k}
+    assert choose_gemv_plan(4, 2304, 4096, torch.bfloat16).block_n == 32
 
 
 def test_benchmark_shapes_option():
