@@ -84,6 +84,45 @@ def assert_pool_full(engine: Engine) -> None:
     assert stats["num_free_blocks"] == stats["num_blocks"], stats
 
 
+def tokens_by_mixed_step_path(monkeypatch, layer_cls, env_name: str, model: str, settings):
+    """Greedy tokens of PROMPTS with a linear-attention layer's mixed steps forced through
+    each path (`env_name` = chunked, serial, split), under preemption: each run must take
+    only its own kernels (split: both within one step) and give every block back."""
+    calls = {"serial": 0, "chunked": 0, "both": 0}
+    serial_all, chunked_rows = layer_cls._serial_all, layer_cls._chunked_rows
+    split_step = layer_cls._split_step
+
+    def counting_serial(*args, **kwargs):
+        calls["serial"] += 1
+        return serial_all(*args, **kwargs)
+
+    def counting_chunked(self, mixed, g, beta, slots, rows, core):
+        calls["chunked"] += bool(rows.prefill_rows)
+        return chunked_rows(self, mixed, g, beta, slots, rows, core)
+
+    def counting_split(*args, **kwargs):
+        before = dict(calls)
+        out = split_step(*args, **kwargs)
+        calls["both"] += all(calls[k] > before[k] for k in ("serial", "chunked"))
+        return out
+
+    monkeypatch.setattr(layer_cls, "_serial_all", counting_serial)
+    monkeypatch.setattr(layer_cls, "_chunked_rows", counting_chunked)
+    monkeypatch.setattr(layer_cls, "_split_step", counting_split)
+    outs = {}
+    for choice in ("chunked", "serial", "split"):
+        monkeypatch.setenv(env_name, choice)
+        calls.update(serial=0, chunked=0, both=0)
+        eng = Engine(model=model, **settings)
+        outs[choice] = [o.outputs[0].token_ids for o in run_to_completion(eng, PROMPTS, greedy(12))]
+        assert eng.stats()["num_preemptions"] > 0
+        assert bool(calls["serial"]) == (choice != "chunked"), (choice, calls)
+        assert bool(calls["chunked"]) == (choice != "serial"), (choice, calls)
+        assert bool(calls["both"]) == (choice == "split"), (choice, calls)  # one step, two paths
+        assert_pool_full(eng)
+    return outs
+
+
 def multi_turn(
     engine: Engine,
     num_conversations: int = 3,

@@ -8,11 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvloom import Engine
 from kvloom.workers.layers import gated_deltanet as gdn
 from kvloom.workers.layers import linear_state_pages as pages
 from kvloom.workers.row_kinds import RowClasses, classify_rows
-from tests.engine_helpers import PROMPTS, assert_pool_full, greedy, run_to_completion
+from tests.engine_helpers import tokens_by_mixed_step_path
 
 CUDA = torch.device("cuda")  # a device object only: nothing is allocated on it
 CPU = torch.device("cpu")
@@ -49,37 +48,8 @@ def test_serial_split_and_chunked_mixed_steps_give_the_same_tokens(hybrid_model,
     settings = dict(dtype="float64", device="cpu", block_size=4, max_num_seqs=8,
                     max_num_batched_tokens=24, num_kv_blocks=64, sanitize=True, progress=False)  # fmt: skip
     monkeypatch.setattr(gdn, "SPLIT_ROW_TOKENS", 4)
-    calls = {"serial": 0, "chunked": 0, "both": 0}
-    serial_all, chunked_rows = gdn.GatedDeltaNet._serial_all, gdn.GatedDeltaNet._chunked_rows
-    split_step = gdn.GatedDeltaNet._split_step
-
-    def counting_serial(*args, **kwargs):
-        calls["serial"] += 1
-        return serial_all(*args, **kwargs)
-
-    def counting_chunked(self, mixed, g, beta, slots, rows_, core):
-        calls["chunked"] += bool(rows_.prefill_rows)
-        return chunked_rows(self, mixed, g, beta, slots, rows_, core)
-
-    def counting_split(self, *args, **kwargs):
-        before = dict(calls)
-        out = split_step(self, *args, **kwargs)
-        calls["both"] += all(calls[k] > before[k] for k in ("serial", "chunked"))
-        return out
-
-    monkeypatch.setattr(gdn.GatedDeltaNet, "_serial_all", counting_serial)
-    monkeypatch.setattr(gdn.GatedDeltaNet, "_chunked_rows", counting_chunked)
-    monkeypatch.setattr(gdn.GatedDeltaNet, "_split_step", counting_split)
-    outs = {}
-    for choice in ("chunked", "serial", "split"):
-        monkeypatch.setenv("KVLOOM_GDN_MIXED_STEPS", choice)
-        calls.update(serial=0, chunked=0, both=0)
-        eng = Engine(model=path, **settings)
-        outs[choice] = [o.outputs[0].token_ids for o in run_to_completion(eng, PROMPTS, greedy(12))]
-        assert eng.stats()["num_preemptions"] > 0
-        assert bool(calls["serial"]) == (choice != "chunked"), (choice, calls)
-        assert bool(calls["chunked"]) == (choice != "serial"), (choice, calls)
-        assert bool(calls["both"]) == (choice == "split"), (choice, calls)  # one step, two paths
-        assert_pool_full(eng)
+    outs = tokens_by_mixed_step_path(
+        monkeypatch, gdn.GatedDeltaNet, "KVLOOM_GDN_MIXED_STEPS", path, settings
+    )
     assert outs["serial"] == outs["chunked"]
     assert outs["split"] == outs["chunked"]

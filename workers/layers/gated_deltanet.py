@@ -52,7 +52,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvloom.contracts import envs
 from kvloom.contracts.kv_cache_spec import LinearStateSpec
 from kvloom.kernels import batch_invariant as bi
 from kvloom.kernels.dispatch import batch_invariant
@@ -70,8 +69,8 @@ from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.layers.linear import ColumnParallelLinear, RowParallelLinear, check_shape
 from kvloom.workers.layers.linear_state_pages import (
     LinearStatePages,
+    mixed_step_choice,
     serial_rows,
-    serial_suits,
     uniform_resume_len,
 )
 from kvloom.workers.layers.norm import RMSNorm
@@ -96,14 +95,7 @@ def mixed_step_path(rows: RowClasses, device: torch.device, state_dtype: torch.d
     token, as decodes round it, where the chunked kernels round once a chunk), for steps of
     at least SERIAL_MIN_ROWS rows of at most SERIAL_MAX_ROW_TOKENS tokens, else chunked
     (`serial_suits`)."""
-    choice = envs.get("KVLOOM_GDN_MIXED_STEPS").strip().lower()
-    if choice not in ("auto", "serial", "split", "chunked"):
-        raise ValueError(
-            f"KVLOOM_GDN_MIXED_STEPS must be auto, serial, split or chunked, got {choice!r}"
-        )
-    if choice != "auto":
-        return choice
-    return "serial" if serial_suits(rows, device, state_dtype) else "chunked"
+    return mixed_step_choice("KVLOOM_GDN_MIXED_STEPS", rows, device, state_dtype)
 
 
 class GatedRMSNorm(nn.Module):

@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvloom.contracts import envs
 from kvloom.kernels import batch_invariant as bi
 from kvloom.kernels.ops import (
     causal_conv1d_update,
@@ -49,8 +48,8 @@ from kvloom.workers.layers.linear import (
 )
 from kvloom.workers.layers.linear_state_pages import (
     LinearStatePages,
+    mixed_step_choice,
     serial_rows,
-    serial_suits,
     uniform_resume_len,
 )
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
@@ -69,14 +68,7 @@ def mixed_step_path(rows: RowClasses, device: torch.device, state_dtype: torch.d
     pool: no state gathers, no host-side chunk layout) or "split" (rows of more than
     SPLIT_ROW_TOKENS tokens chunked, the rest serial). KVLOOM_KDA_MIXED_STEPS picks one;
     auto takes serial where Gated DeltaNet's rule does (`serial_suits`), else chunked."""
-    choice = envs.get("KVLOOM_KDA_MIXED_STEPS").strip().lower()
-    if choice not in ("auto", "serial", "split", "chunked"):
-        raise ValueError(
-            f"KVLOOM_KDA_MIXED_STEPS must be auto, serial, split or chunked, got {choice!r}"
-        )
-    if choice != "auto":
-        return choice
-    return "serial" if serial_suits(rows, device, state_dtype) else "chunked"
+    return mixed_step_choice("KVLOOM_KDA_MIXED_STEPS", rows, device, state_dtype)
 
 
 class GatedRMSNorm(nn.Module):

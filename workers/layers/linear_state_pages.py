@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from kvloom.contracts import envs
 from kvloom.kernels import batch_invariant as bi
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.cache_pages import span_view
@@ -43,6 +44,17 @@ def serial_suits(rows, device: torch.device, state_dtype: torch.dtype) -> bool:
         and len(lens) >= SERIAL_MIN_ROWS
         and max(lens, default=0) <= SERIAL_MAX_ROW_TOKENS
     )
+
+
+def mixed_step_choice(env_name: str, rows, device: torch.device, state_dtype: torch.dtype) -> str:
+    """The mixed-step path a linear-attention layer takes (serial, split or chunked) as the
+    environment variable `env_name` picks it; auto takes serial where `serial_suits`."""
+    choice = envs.get(env_name).strip().lower()
+    if choice not in ("auto", "serial", "split", "chunked"):
+        raise ValueError(f"{env_name} must be auto, serial, split or chunked, got {choice!r}")
+    if choice != "auto":
+        return choice
+    return "serial" if serial_suits(rows, device, state_dtype) else "chunked"
 
 
 def serial_rows(batch: ForwardBatch, slots: torch.Tensor | None, device: torch.device):
