@@ -45,7 +45,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "",
         "decode fusions to turn off, comma-separated (A/B timing, or an escape hatch): "
         "norm_gemv, kv_write, mul_sigmoid, gdn_decode, moe_pairs, gdn_conv, kda_norm, "
-        "kda_decode, pdl, split_merge, moe_slot_sum, router_rows, or all",
+        "kda_decode, pdl, split_merge, moe_slot_sum, router_rows, router_gemv, or all",
     ),
     "KVLOOM_FUSED": (
         "",
@@ -53,7 +53,8 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "(same bits, but slower on an H200), pdl (decode kernel launches overlap the "
         "launch before them on Hopper; 1.7% slower on Qwen3-8B on an H100), split_merge (the "
         "split-KV decode merges its splits in its attention launch; level with two launches "
-        "on an H100), or all; "
+        "on an H100), router_gemv (the softmax top-k router in the router GEMV's launch; "
+        "not yet timed on a GPU), or all; "
         "KVLOOM_UNFUSED wins over it",
     ),
     "KVLOOM_PDL_PREFETCH_LINES": (
@@ -233,6 +234,8 @@ def set_here() -> dict[str, str]:
 # sums each token's k slots in its down launch, no slot-sum launch
 # (kernels/fused_moe_triton.py). `router_rows`: Kimi-Linear's post-attention RMSNorm also
 # stores its rows widened to float32 for the float32 router (no cast launch before it).
+# `router_gemv`: the softmax top-k router runs in the router GEMV's launch, by its last
+# program to store (kernels/gemv_triton.py `gemv_route_triton`), no router launch.
 FUSIONS = (
     "norm_gemv",
     "kv_write",
@@ -246,6 +249,7 @@ FUSIONS = (
     "split_merge",
     "moe_slot_sum",
     "router_rows",
+    "router_gemv",
 )
 
 
@@ -257,7 +261,8 @@ FUSIONS = (
 # its gpu tests and gained nothing end to end on an H100 (twentieth session: 5.97-5.98
 # ms/token on and off). (`moe_slot_sum` left this list after its gpu tests passed and it
 # gained 1.0-1.4% per token on both 16-layer hybrids on an H100, twenty-first session.)
-OPT_IN_FUSIONS = ("norm_gemv", "pdl", "split_merge")
+# `router_gemv` is new and waits for its gpu tests and a timing.
+OPT_IN_FUSIONS = ("norm_gemv", "pdl", "split_merge", "router_gemv")
 
 
 @functools.lru_cache(maxsize=16)

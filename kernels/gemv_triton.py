@@ -72,6 +72,18 @@ from kvloom.kernels.causal_conv1d_triton import (
 )
 from kvloom.kernels.gemv import CONV_GEMV_MAX_M, GEMV_MAX_M, NORM_GEMV_MAX_K, NORM_GEMV_MAX_M
 from kvloom.kernels.int4_nibbles_triton import nibble_q_16bit, nibble_q_fp32, word_nibbles
+from kvloom.kernels.moe_router import check_router_args
+from kvloom.kernels.moe_router_triton import (
+    MAX_EXPERTS,
+    PICKS_PER_ROUND,
+    SHARED_MODES,
+    check_picks,
+    check_renormalize,
+    router_num_warps,
+    routes_out,
+    softmax_topk_row,
+    softmax_topk_triton,
+)
 from kvloom.kernels.pdl_triton import pdl_launch, prefetch_l2, uses_pdl
 from kvloom.kernels.rms_norm_triton import (
     rms_row_rstd,
@@ -560,6 +572,41 @@ def _conv_epilogue(
 
 
 @triton.jit
+def _route_epilogue(
+    out0,
+    stride_om,
+    counter_ptr,
+    rw_ptr,
+    stride_rwm,
+    rid_ptr,
+    stride_ridm,
+    route_experts,
+    ROWS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    SHARED: tl.constexpr,
+    PICKS: tl.constexpr,
+):
+    """The softmax top-k router on the logits this launch stored (ROUTE): every program
+    arrives at the launch's counter after its stores; the last to arrive routes each row
+    with the router launch's code (moe_router_triton.softmax_topk_row) on the stored,
+    rounded logits, then sets the counter back to 0 for the next launch. The barrier puts
+    every thread's stores before the release; the acquire puts the other programs' stores
+    before this program's loads (fused_moe_triton's slot sum does the same)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        for row in tl.static_range(ROWS):
+            softmax_topk_row(
+                out0 + row * stride_om, 1, rw_ptr + row * stride_rwm, rid_ptr + row * stride_ridm,
+                route_experts, TOP_K, K_PAD, E_PAD, RENORMALIZE, SHARED, PICKS,
+            )  # fmt: skip
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -590,6 +637,12 @@ def _gemv_kernel(
     slot_ptr,
     co_ptr,
     stride_com,
+    counter_ptr,
+    rw_ptr,
+    stride_rwm,
+    rid_ptr,
+    stride_ridm,
+    route_experts,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CHUNKS: tl.constexpr,
@@ -609,6 +662,13 @@ def _gemv_kernel(
     CONV_WIDTH: tl.constexpr,
     CONV_WIDTH_PAD: tl.constexpr,
     CONV_SILU: tl.constexpr,
+    ROUTE: tl.constexpr = False,
+    ROUTE_TOP_K: tl.constexpr = 1,
+    ROUTE_K_PAD: tl.constexpr = 1,
+    ROUTE_E_PAD: tl.constexpr = 1,
+    ROUTE_RENORMALIZE: tl.constexpr = False,
+    ROUTE_SHARED: tl.constexpr = 0,
+    ROUTE_PICKS: tl.constexpr = 2,
     GDC: tl.constexpr = 0,
     PREFETCH_LINES: tl.constexpr = 1,
     LINE: tl.constexpr = 64,
@@ -629,6 +689,8 @@ def _gemv_kernel(
     to no_ptr ([ROWS, K] each).
     CONV (ROWS <= 2, split_k = 1, not GATED): features < conv_c are also the channels of a
     depthwise causal conv's decode step (_conv_epilogue), run on each row's stored y.
+    ROUTE (split_k = 1, not GATED): the outputs are router logits, and the launch's last
+    program runs the softmax top-k router on them (_route_epilogue).
     GDC (programmatic dependent launch, kernels/pdl_triton.py): the program may start
     before the launch it follows has finished. It lets the next launch stage (at its
     start with GDC 1, after its main loop with GDC 2, at exit with 3), asks for
@@ -639,6 +701,7 @@ def _gemv_kernel(
     tl.static_assert(ROWS <= 8)
     tl.static_assert(not NORM or (ROWS <= 2 and WFMT == FMT_PLAIN))
     tl.static_assert(not CONV or (ROWS <= 2 and not GATED))  # CONV_GEMV_MAX_M
+    tl.static_assert(not ROUTE or not GATED)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     if GATED:
@@ -787,6 +850,12 @@ def _gemv_kernel(
         _store_row(acc6, bias, out0 + 6 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT, GATED)
     if ROWS > 7:
         _store_row(acc7, bias, out0 + 7 * stride_om, n_offs, n_mask, BLOCK_N, HAS_BIAS, WFMT, GATED)
+    if ROUTE:
+        _route_epilogue(
+            out0, stride_om, counter_ptr, rw_ptr, stride_rwm, rid_ptr, stride_ridm, route_experts,
+            ROWS, ROUTE_TOP_K, ROUTE_K_PAD, ROUTE_E_PAD, ROUTE_RENORMALIZE, ROUTE_SHARED,
+            ROUTE_PICKS,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -948,25 +1017,106 @@ def rms_norm_gemv_triton(
     up] weight with `silu_and_mul`); `plan` defaults to the GEMV's own choice.
     """
     _check_args(x, weight, bias)
-    m, k = x.shape
     _check_norm_args(x, residual, norm_weight, weight)
     if silu_and_mul and weight.shape[0] % 2:
         raise ValueError(f"weight: expected [gate; up] rows (an even count), got {weight.shape[0]}")
     if plan is None:
-        plan = choose_gemv_plan(max(m, 1), weight.shape[0], k, x.dtype)
+        plan = choose_gemv_plan(max(x.shape[0], 1), weight.shape[0], x.shape[1], x.dtype)
     width = weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
-    out = torch.empty((m, width), dtype=x.dtype, device=x.device)
-    new_rows = dict(dtype=x.dtype, device=x.device)
-    norm = NormPrologue(
+    out = torch.empty((x.shape[0], width), dtype=x.dtype, device=x.device)
+    norm = _norm_prologue(x, residual, norm_weight, eps, weight_offset, write_normed)
+    launch_gemv(x, weight, bias, out, plan, silu_and_mul=silu_and_mul, norm=norm)
+    return out, norm.residual_out, norm.normed_out
+
+
+def _norm_prologue(x, residual, norm_weight, eps, weight_offset, write_normed) -> NormPrologue:
+    """The norm prologue with fresh [M, K] outputs for the new residual and normed rows."""
+    new_rows = dict(size=tuple(x.shape), dtype=x.dtype, device=x.device)
+    return NormPrologue(
         weight=norm_weight,
         eps=eps,
         weight_offset=weight_offset,
         residual=residual,
-        residual_out=torch.empty((m, k), **new_rows) if residual is not None else None,
-        normed_out=torch.empty((m, k), **new_rows) if write_normed else None,
+        residual_out=torch.empty(**new_rows) if residual is not None else None,
+        normed_out=torch.empty(**new_rows) if write_normed else None,
     )
-    launch_gemv(x, weight, bias, out, plan, silu_and_mul=silu_and_mul, norm=norm)
-    return out, norm.residual_out, norm.normed_out
+
+
+def rms_norm_gemv_route_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    top_k: int,
+    renormalize: bool,
+    shared_expert_weight: str | None = None,
+    weight_offset: float = 0.0,
+    write_normed: bool = False,
+    plan: GemvPlan | None = None,
+    picks_per_round: int = PICKS_PER_ROUND,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """rms_norm_gemv_triton with gemv_route_triton's router: returns (logits, x + residual
+    or None, normed rows or None, weights, ids), bitwise rms_norm_gemv_triton followed by
+    softmax_topk_triton on its logits; one launch where gemv_route_triton fuses."""
+    _check_norm_args(x, residual, norm_weight, weight)
+    norm = _norm_prologue(x, residual, norm_weight, eps, weight_offset, write_normed)
+    logits, weights, ids = gemv_route_triton(
+        x, weight, bias, top_k=top_k, renormalize=renormalize,
+        shared_expert_weight=shared_expert_weight, plan=plan, picks_per_round=picks_per_round,
+        norm=norm,
+    )  # fmt: skip
+    return logits, norm.residual_out, norm.normed_out, weights, ids
+
+
+def gemv_route_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    top_k: int,
+    renormalize: bool,
+    shared_expert_weight: str | None = None,
+    plan: GemvPlan | None = None,
+    picks_per_round: int = PICKS_PER_ROUND,
+    norm: NormPrologue | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A MoE layer's router GEMV and softmax top-k router in one launch: returns (logits
+    [M, N], weights, ids), bitwise gemv_triton (with `norm`, its prologue) followed by
+    moe_router_triton.softmax_topk_triton on the logits with the same arguments. The last
+    program to store its logits routes every row (ROUTE, `_route_epilogue`); where the
+    plan splits K, or its warps are not the router launch's (a reduction's order could
+    differ), the two launches run instead."""
+    _check_args(x, weight, bias)
+    m, k = x.shape
+    if m > GEMV_MAX_M:
+        raise ValueError(f"x: {m} rows exceed GEMV_MAX_M={GEMV_MAX_M}; use F.linear")
+    if plan is None:
+        plan = choose_gemv_plan(max(m, 1), weight.shape[0], k, x.dtype)
+    logits = torch.empty((m, weight.shape[0]), dtype=x.dtype, device=x.device)
+    num_experts = check_router_args(logits, top_k, shared_expert_weight)
+    check_renormalize(renormalize)
+    picks = check_picks(picks_per_round)
+    fused = plan.split_k == 1 and plan.num_warps == router_num_warps(num_experts)
+    if not fused or m == 0 or num_experts > MAX_EXPERTS:
+        launch_gemv(x, weight, bias, logits, plan, norm=norm)
+        weights, ids = softmax_topk_triton(logits, top_k, renormalize, shared_expert_weight, picks)
+        return logits, weights, ids
+    weights, ids = routes_out(m, top_k, shared_expert_weight, x.dtype, x.device)
+    route = RouteEpilogue(
+        weights=weights,
+        ids=ids,
+        counter=route_counter(x.device),
+        num_experts=num_experts,
+        top_k=top_k,
+        renormalize=renormalize,
+        shared=SHARED_MODES[shared_expert_weight],
+        picks=picks,
+    )
+    launch_gemv(x, weight, bias, logits, plan, norm=norm, route=route)
+    return logits, weights, ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1004,6 +1154,61 @@ def _conv_args(conv: ConvEpilogue | None, x: torch.Tensor) -> dict:
         CONV_WIDTH=width,
         CONV_WIDTH_PAD=next_power_of_2(width),
         CONV_SILU=conv.silu,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteEpilogue:
+    """The softmax top-k router on the GEMV's outputs, the router logits
+    (`launch_gemv(route=...)`): weights [M, k (+ 1)] and ids [M, k (+ 1)] as
+    moe_router_triton.softmax_topk_triton returns them, for experts the first
+    `num_experts` features (one more, the shared gate, with `shared`); counter: the
+    launch's arrival counter (`route_counter`)."""
+
+    weights: torch.Tensor
+    ids: torch.Tensor
+    counter: torch.Tensor
+    num_experts: int
+    top_k: int
+    renormalize: bool
+    shared: int
+    picks: int
+
+
+# Per device: the route epilogue's arrival counter, one int32 zero. Every launch leaves it
+# 0 (the routing program resets it), so one counter serves every router GEMV, step and
+# CUDA-graph replay in stream order, and a captured graph's pointer stays valid.
+_ROUTE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def route_counter(device: torch.device) -> torch.Tensor:
+    counter = _ROUTE_COUNTERS.get(device)
+    if counter is None:
+        counter = torch.zeros(1, dtype=torch.int32, device=device)
+        _ROUTE_COUNTERS[device] = counter
+    return counter
+
+
+def _route_args(route: RouteEpilogue | None, x: torch.Tensor) -> dict:
+    """The kernel's route arguments (placeholder pointers when there is no epilogue)."""
+    if route is None:
+        return dict(
+            counter_ptr=x, rw_ptr=x, stride_rwm=0, rid_ptr=x, stride_ridm=0, route_experts=0
+        )
+    return dict(
+        counter_ptr=route.counter,
+        rw_ptr=route.weights,
+        stride_rwm=route.weights.stride(0),
+        rid_ptr=route.ids,
+        stride_ridm=route.ids.stride(0),
+        route_experts=route.num_experts,
+        ROUTE=True,
+        ROUTE_TOP_K=route.top_k,
+        ROUTE_K_PAD=next_power_of_2(route.weights.shape[1]),
+        ROUTE_E_PAD=next_power_of_2(route.num_experts),
+        ROUTE_RENORMALIZE=route.renormalize,
+        ROUTE_SHARED=route.shared,
+        ROUTE_PICKS=route.picks,
     )
 
 
@@ -1150,6 +1355,7 @@ def launch_gemv(
     silu_and_mul: bool = False,
     norm: NormPrologue | None = None,
     conv: ConvEpilogue | None = None,
+    route: RouteEpilogue | None = None,
     pdl: bool | None = None,
 ) -> torch.Tensor:
     """Fills out [M, N] (any float dtype) with x @ W^T (+ bias) and returns it; W is
@@ -1157,7 +1363,8 @@ def launch_gemv(
     `silu_and_mul`, W is [gate; up] (2N rows) and out [M, N] (x's dtype) gets
     silu(gate) * up. With `norm`, x is first RMS-normalized (NormPrologue). With `conv`
     (split_k = 1, at most 2 rows, not gated), the first C features also go through a
-    conv decode step (ConvEpilogue). `pdl`: launch the GEMV (the split-K partial sums;
+    conv decode step (ConvEpilogue); with `route` (split_k = 1, not gated), the last
+    program routes the rows (RouteEpilogue). `pdl`: launch the GEMV (the split-K partial sums;
     not their reduce) with programmatic dependent launch; None: `uses_pdl(x)`. Callers
     check the arguments; this only launches."""
     if not isinstance(plan, GemvPlan):
@@ -1166,6 +1373,8 @@ def launch_gemv(
         raise ValueError(
             f"conv: the epilogue needs split_k = 1, <= {CONV_GEMV_MAX_M} rows, no silu_and_mul"
         )
+    if route is not None and (plan.split_k > 1 or silu_and_mul):
+        raise ValueError("route: the epilogue needs split_k = 1 and no silu_and_mul")
     m, k = x.shape
     n = out.shape[1]
     if m == 0 or n == 0:
@@ -1176,8 +1385,9 @@ def launch_gemv(
     # prologue compiles as rms_norm_triton's does, for the same reason.
     act_options = dict(enable_fp_fusion=False) if silu_and_mul else {}
     norm_options = dict(enable_fp_fusion=False) if norm is not None else {}
-    # The conv epilogue compiles as the conv update launch does (causal_conv1d_triton).
-    if conv is not None:
+    # The conv and route epilogues compile as their own launches do (causal_conv1d_triton,
+    # moe_router_triton).
+    if conv is not None or route is not None:
         norm_options = dict(enable_fp_fusion=False)
     split_len = split_k_len(k, plan.split_k)
     gdc = uses_pdl(x) if pdl is None else pdl
@@ -1204,6 +1414,7 @@ def launch_gemv(
         num_stages=plan.num_stages,
         **_norm_args(x, norm),
         **_conv_args(conv, x),
+        **_route_args(route, x),
     )
     s = scales if scales is not None else weight  # placeholder pointers when absent
     b = bias if bias is not None else weight

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import torch
 
+# Most experts the router kernels hold in registers (one program a token's whole row of
+# logits and keys; moe_router_triton); wider routers take the reference.
+ROUTER_KERNEL_MAX_EXPERTS = 8192
 # How a router weighs the shared expert it appends as route k (None: no shared route).
 SHARED_EXPERT_WEIGHTS = (None, "sigmoid_last_logit", "one")
 

@@ -55,9 +55,9 @@ import triton.language as tl
 
 from kvloom.kernels.arg_checks_triton import check_dtype, next_power_of_2
 from kvloom.kernels.gdn_gates_triton import exp_f32
-from kvloom.kernels.moe_router import check_router_args
+from kvloom.kernels.moe_router import ROUTER_KERNEL_MAX_EXPERTS, check_router_args
 
-MAX_EXPERTS = 8192  # one program holds a whole row of logits (and its keys) in registers
+MAX_EXPERTS = ROUTER_KERNEL_MAX_EXPERTS
 KNOCKED_OUT = tl.constexpr(-(2**63))  # below every real key: picked lanes and padding
 # Keys picked per max reduction (`_pick_keys`): 2, or 1 (the first version's one pick per
 # reduction; tests and benchmarks/router_picks.py compare the two). The same picks either way.
@@ -144,13 +144,25 @@ def _shared_mode(shared_expert_weight) -> int:
     return SHARED_MODES[shared_expert_weight]
 
 
-def _check_picks(picks_per_round) -> int:
+def check_picks(picks_per_round) -> int:
     if picks_per_round not in (1, 2):
         raise ValueError(f"picks_per_round must be 1 or 2, got {picks_per_round!r}")
     return picks_per_round
 
 
-def _routes_out(num_tokens, top_k, shared_expert_weight, dtype, device):
+def check_renormalize(renormalize) -> bool:
+    if not isinstance(renormalize, bool):
+        raise ValueError(f"renormalize must be a bool, got {renormalize!r}")
+    return renormalize
+
+
+def router_num_warps(num_experts: int) -> int:
+    """The router launch's warps: one per 1024 experts (small rows reduce with warp
+    shuffles alone). Its reductions' order follows them, so a fused router uses the same."""
+    return max(1, min(8, next_power_of_2(num_experts) // 1024))
+
+
+def routes_out(num_tokens, top_k, shared_expert_weight, dtype, device):
     """Output buffers: k columns, k + 1 with a shared route."""
     width = top_k + (shared_expert_weight is not None)
     weights = torch.empty((num_tokens, width), dtype=dtype, device=device)
@@ -176,9 +188,31 @@ def _softmax_topk_kernel(
     PICKS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
+    softmax_topk_row(
+        logits_ptr + token * stride_lt, stride_le, weights_ptr + token * stride_wt,
+        ids_ptr + token * stride_it, num_experts, TOP_K, K_PAD, E_PAD, RENORMALIZE, SHARED, PICKS,
+    )  # fmt: skip
+
+
+@triton.jit
+def softmax_topk_row(
+    row_ptr,
+    stride_le,
+    w_row_ptr,
+    id_row_ptr,
+    num_experts,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    SHARED: tl.constexpr,
+    PICKS: tl.constexpr,
+):
+    """One token's routes: its logits at row_ptr (stride_le apart) -> its k (k + 1 with a
+    shared route) weights at w_row_ptr and ids at id_row_ptr. The router launch runs it
+    once per program; the router GEMV's route epilogue (gemv_triton) in its last program."""
     experts = tl.arange(0, E_PAD)
     real = experts < num_experts
-    row_ptr = logits_ptr + token * stride_lt
     logits = tl.load(row_ptr + experts * stride_le, mask=real, other=float("-inf")).to(tl.float32)
     is_nan = logits != logits
     has_nan = tl.max(is_nan.to(tl.int32), axis=0) > 0
@@ -203,10 +237,8 @@ def _softmax_topk_kernel(
         out_w, out_id, slots, row_ptr, stride_le, num_experts, TOP_K, SHARED
     )
     used = slots < TOP_K + (SHARED != 0)
-    tl.store(
-        weights_ptr + token * stride_wt + slots, out_w.to(weights_ptr.dtype.element_ty), mask=used
-    )
-    tl.store(ids_ptr + token * stride_it + slots, out_id, mask=used)
+    tl.store(w_row_ptr + slots, out_w.to(w_row_ptr.dtype.element_ty), mask=used)
+    tl.store(id_row_ptr + slots, out_id, mask=used)
 
 
 def softmax_topk_triton(
@@ -226,10 +258,9 @@ def softmax_topk_triton(
         raise ValueError(
             f"router_logits: {num_experts} experts exceed the kernel's limit {MAX_EXPERTS}"
         )
-    if not isinstance(renormalize, bool):
-        raise ValueError(f"renormalize must be a bool, got {renormalize!r}")
+    check_renormalize(renormalize)
     num_tokens = router_logits.shape[0]
-    weights, ids = _routes_out(
+    weights, ids = routes_out(
         num_tokens, top_k, shared_expert_weight, router_logits.dtype, router_logits.device
     )
     if num_tokens == 0:
@@ -249,9 +280,8 @@ def softmax_topk_triton(
         E_PAD=e_pad,
         RENORMALIZE=renormalize,
         SHARED=_shared_mode(shared_expert_weight),
-        PICKS=_check_picks(picks_per_round),
-        # A warp per 1024 experts: small rows reduce with warp shuffles alone.
-        num_warps=max(1, min(8, e_pad // 1024)),
+        PICKS=check_picks(picks_per_round),
+        num_warps=router_num_warps(num_experts),
         enable_fp_fusion=False,  # round as torch does: no fused multiply-adds
     )
     return weights, ids
@@ -346,7 +376,7 @@ def sigmoid_topk_triton(
     if not isinstance(renormalize, bool):
         raise ValueError(f"renormalize must be a bool, got {renormalize!r}")
     num_tokens = router_logits.shape[0]
-    weights, ids = _routes_out(
+    weights, ids = routes_out(
         num_tokens, top_k, shared_expert_weight, torch.float32, router_logits.device
     )
     if num_tokens == 0:
@@ -369,8 +399,8 @@ def sigmoid_topk_triton(
         HAS_BIAS=correction_bias is not None,
         RENORMALIZE=renormalize,
         SHARED=_shared_mode(shared_expert_weight),
-        PICKS=_check_picks(picks_per_round),
-        num_warps=max(1, min(8, e_pad // 1024)),
+        PICKS=check_picks(picks_per_round),
+        num_warps=router_num_warps(num_experts),
         enable_fp_fusion=False,  # round as torch does: no fused multiply-adds
     )
     return weights, ids

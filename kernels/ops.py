@@ -26,6 +26,7 @@ from kvloom.kernels.kda_gated_norm import kda_gated_norm_ref
 from kvloom.kernels.kda_gates import kda_gates_ref
 from kvloom.kernels.kv_cache_write import is_fp8, write_kv_cache_ref
 from kvloom.kernels.mla_attention import mla_attention_ref, write_mla_cache_ref
+from kvloom.kernels.moe_router import ROUTER_KERNEL_MAX_EXPERTS
 from kvloom.kernels.paged_attention import paged_attention_ref
 from kvloom.kernels.quant_gemv import QUANT_GEMV_MAX_M, gemv_group
 from kvloom.kernels.rms_norm import rms_norm_ref
@@ -425,6 +426,52 @@ def rms_norm_linear(
     normed, new_res = rms_norm(x, norm_weight, eps, residual, weight_offset)
     project = linear_silu_and_mul if silu_and_mul else linear
     return project(normed, weight, bias), new_res, normed if write_normed else None
+
+
+def _takes_gemv_route(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rms_norm_linear_route` runs the router in the router GEMV's launch: where
+    `linear` would run the GEMV on [T, K] rows, for at most the router kernel's experts,
+    when KVLOOM_FUSED names router_gemv (opt-in until timed on a GPU)."""
+    return (
+        not batch_invariant()
+        and x.dim() == 2
+        and _takes_gemv(x, weight)
+        and weight.shape[0] <= ROUTER_KERNEL_MAX_EXPERTS + 1
+        and not envs.unfused("router_gemv")
+    )
+
+
+def rms_norm_linear_route(
+    x,
+    residual,
+    norm_weight,
+    eps,
+    weight,
+    bias,
+    *,
+    top_k: int,
+    renormalize: bool,
+    shared_expert_weight: str | None = None,
+    weight_offset: float = 0.0,
+):
+    """A MoE layer's norm, router GEMV and softmax top-k router (kernels/moe_router):
+    (logits, new_residual, normed, weights, ids) where the router runs in the GEMV's launch
+    (gemv_triton.gemv_route_triton: bitwise the GEMV and router launches), with the norm
+    in its prologue where `rms_norm_linear` would fuse that; None elsewhere (the caller
+    runs `rms_norm_linear` and its router)."""
+    if not _takes_gemv_route(x, weight):
+        return None
+    from kvloom.kernels import gemv_triton
+
+    route = dict(top_k=top_k, renormalize=renormalize, shared_expert_weight=shared_expert_weight)
+    if _takes_norm_gemv(x, residual, norm_weight, weight, False):
+        return gemv_triton.rms_norm_gemv_route_triton(
+            x, residual, norm_weight, eps, weight, bias, weight_offset=weight_offset,
+            write_normed=True, **route,
+        )  # fmt: skip
+    normed, new_residual = rms_norm(x, norm_weight, eps, residual, weight_offset)
+    logits, weights, ids = gemv_triton.gemv_route_triton(normed, weight, bias, **route)
+    return logits, new_residual, normed, weights, ids
 
 
 def _takes_gemv_conv(x, weight, conv_weight, conv_state_pool) -> bool:

@@ -38,7 +38,12 @@ from torch import nn
 
 from kvloom.kernels.activation import silu_and_mul_ref
 from kvloom.kernels.dispatch import TRITON_DTYPES, use_triton
-from kvloom.kernels.moe_router import append_shared_route, check_router_args, softmax_topk_ref
+from kvloom.kernels.moe_router import (
+    ROUTER_KERNEL_MAX_EXPERTS,
+    append_shared_route,
+    check_router_args,
+    softmax_topk_ref,
+)
 from kvloom.kernels.ops import fused_moe
 from kvloom.workers.layers.linear import check_float_tensor, check_shape
 from kvloom.workers.layers.quantization.geometry import Geometry
@@ -46,9 +51,7 @@ from kvloom.workers.layers.quantization.scope import weight_device
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup, shard_range
 
 SUPPORTED_ACTIVATIONS = ("silu",)
-# Rows the fused router kernel holds in registers (its MAX_EXPERTS; kept here so CPU-only
-# installs never import triton); wider routers take the reference.
-MAX_ROUTER_EXPERTS = 8192
+MAX_ROUTER_EXPERTS = ROUTER_KERNEL_MAX_EXPERTS  # the router kernels' limit (no triton import)
 
 # Checkpoint projection name -> (FusedMoE child, part index within that child).
 # Qwen/DeepSeek spell them gate/up/down_proj; Mixtral-style checkpoints (Kimi-Linear) w1/w3/w2.

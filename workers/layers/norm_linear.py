@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvloom.kernels.ops import rms_norm_linear, silu_and_mul
+from kvloom.kernels.ops import rms_norm_linear, rms_norm_linear_route, silu_and_mul
 from kvloom.workers.layers.norm import RMSNorm
 
 
@@ -52,3 +52,32 @@ def norm_linear(
     if silu_and_mul_out:
         y = silu_and_mul(y)
     return y, residual, normed if keep_normed else None
+
+
+def norm_linear_route(
+    norm: RMSNorm,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    proj: torch.nn.Module,
+    *,
+    top_k: int,
+    renormalize: bool,
+    shared_expert_weight: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """`norm_linear(..., keep_normed=True)` for a MoE layer's router GEMV `proj`, plus its
+    softmax top-k routes (weights, ids) where the GEMV's launch also runs the router
+    (ops.rms_norm_linear_route; the router's arguments as `route_softmax_topk` takes
+    them); else None, and the layer routes the logits itself."""
+    plain = proj.quant_method is None and not getattr(proj, "gather_output", False)
+    fused = None
+    if plain:
+        fused = rms_norm_linear_route(
+            hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias,
+            top_k=top_k, renormalize=renormalize, shared_expert_weight=shared_expert_weight,
+            weight_offset=norm.weight_offset,
+        )  # fmt: skip
+    if fused is None:
+        y, residual, normed = norm_linear(norm, hidden, residual, proj, keep_normed=True)
+        return y, residual, normed, None
+    y, new_residual, normed, weights, ids = fused
+    return y, hidden if residual is None else new_residual, normed, (weights, ids)

@@ -47,7 +47,7 @@ from kvloom.workers.layers.moe import (
     route_softmax_topk,
 )
 from kvloom.workers.layers.norm import RMSNorm
-from kvloom.workers.layers.norm_linear import norm_linear
+from kvloom.workers.layers.norm_linear import norm_linear, norm_linear_route
 from kvloom.workers.layers.quantization.config import (
     QuantizationConfig,
     parse_quantization_config,
@@ -293,26 +293,41 @@ class Qwen3NextSparseMoe(nn.Module):
         are kept separate (registered under this name), else the fused `gate`."""
         return self._modules.get("shared_expert_gate", self.gate)
 
-    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+    @property
+    def router_args(self) -> dict:
+        """The folded layer's router arguments (route_softmax_topk's, norm_linear_route's)."""
+        return dict(
+            top_k=self.top_k,
+            renormalize=self.renormalize,
+            shared_expert_weight="sigmoid_last_logit",
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        logits: torch.Tensor | None = None,
+        routes: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """`logits`: self.gate(x), computed by the caller (the decoder layer fuses it with
-        its norm)."""
+        its norm); `routes`: the folded layer's (weights, ids) where the caller's GEMV
+        launch also routed (norm_linear_route)."""
         if logits is None:
             logits = self.gate(x)
         # Both branches end in a row-parallel projection; their partial sums are reduced
         # once (the shared gate is a per-token scalar, so it commutes with the sum).
         if self.folded_shared_expert:
-            out = self._folded(x, logits)
+            out = self._folded(x, logits, routes)
         else:
             out = self._two_branches(x, logits)
         return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
 
-    def _folded(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Router GEMM (given), router (k + 1 routes), fused MoE: three steps."""
+    def _folded(self, x: torch.Tensor, logits: torch.Tensor, routes) -> torch.Tensor:
+        """Router GEMM (given), router (k + 1 routes; given where it ran in the GEMM's
+        launch), fused MoE: three steps."""
         # logits [T, E + 1]: the router's logits, then the shared gate's
-        weights, ids = route_softmax_topk(
-            logits, self.top_k, self.renormalize, shared_expert_weight="sigmoid_last_logit"
-        )
-        return self.experts(x, weights, ids)
+        if routes is None:
+            routes = route_softmax_topk(logits, **self.router_args)
+        return self.experts(x, *routes)
 
     def _two_branches(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(x)
@@ -386,7 +401,13 @@ class Qwen3NextDecoderLayer(nn.Module):
                 post, hidden, residual, mlp.gate_up_proj, silu_and_mul_out=True
             )
             return mlp.down_proj(act), residual
-        # The router's GEMV with the norm; the experts read the normed rows it stores.
+        # The router's GEMV with the norm (and the router itself where it fuses: a folded
+        # shared expert's routes); the experts read the normed rows it stores.
+        if mlp.folded_shared_expert:
+            logits, residual, normed, routes = norm_linear_route(
+                post, hidden, residual, mlp.gate, **mlp.router_args
+            )
+            return mlp(normed, logits, routes), residual
         logits, residual, normed = norm_linear(post, hidden, residual, mlp.gate, keep_normed=True)
         return mlp(normed, logits), residual
 
