@@ -23,8 +23,8 @@ Summation order (the same for every M and every plan with the same `split_k`):
 Rounding is the reference's (`gemv.gemv_ref`): float32 sum, + bias in float32, one
 rounding to x's dtype.
 
-Deterministic (no atomics) and CUDA-graph capturable: no host sync; it allocates only the
-output and, with split_k > 1, a float32 workspace of S * M * N elements.
+Deterministic (no atomics in any sum) and CUDA-graph capturable: no host sync; it
+allocates only the output and, with split_k > 1, a float32 workspace of S * M * N elements.
 
 The same kernel streams quantized weights (WFMT: FMT_FP8 e4m3, FMT_INT4 packed int4, with
 group scales; quant_gemv_triton.py is their entry): only the load and in-register
@@ -45,6 +45,13 @@ features are the conv channels, each owned by one program, which after storing t
 feature's y (rounded as the plain store rounds it) runs the conv update kernel's helper
 (causal_conv1d_triton.conv1d_update_channels) on each row's state slot: bitwise the GEMV
 followed by `causal_conv1d_update_triton`, one launch (split_k > 1: two).
+
+`gemv_route_triton` / `rms_norm_gemv_route_triton` (ROUTE) are a MoE layer's router GEMV
+with the softmax top-k router in the same launch: every program arrives at a per-device
+counter after storing its logits, and the last to arrive routes each row with the router
+kernel's code (moe_router_triton.softmax_topk_row) on the stored logits. Which program
+routes depends on timing, but it reads the same stored values and computes them alone:
+bitwise the GEMV followed by `softmax_topk_triton`, one launch.
 """
 
 from __future__ import annotations
