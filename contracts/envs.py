@@ -45,7 +45,8 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "",
         "decode fusions to turn off, comma-separated (A/B timing, or an escape hatch): "
         "norm_gemv, kv_write, mul_sigmoid, gdn_decode, moe_pairs, gdn_conv, kda_norm, "
-        "kda_decode, pdl, split_merge, moe_slot_sum, router_rows, router_gemv, or all",
+        "kda_decode, pdl, split_merge, moe_slot_sum, router_rows, router_gemv, "
+        "linear_norm_tail, or all",
     ),
     "KVLOOM_FUSED": (
         "",
@@ -54,7 +55,8 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "launch before them on Hopper; 1.7% slower on Qwen3-8B on an H100), split_merge (the "
         "split-KV decode merges its splits in its attention launch; level with two launches "
         "on an H100), router_gemv (the softmax top-k router in the router GEMV's launch; "
-        "not yet timed on a GPU), or all; "
+        "not yet timed on a GPU), linear_norm_tail (Gated DeltaNet's and KDA's output norm "
+        "at 128 x 128 heads in the recurrence's launch; not yet timed), or all; "
         "KVLOOM_UNFUSED wins over it",
     ),
     "KVLOOM_PDL_PREFETCH_LINES": (
@@ -236,6 +238,9 @@ def set_here() -> dict[str, str]:
 # stores its rows widened to float32 for the float32 router (no cast launch before it).
 # `router_gemv`: the softmax top-k router runs in the router GEMV's launch, by its last
 # program to store (kernels/gemv_triton.py `gemv_route_triton`), no router launch.
+# `linear_norm_tail`: where a linear-attention decode step splits a value head over
+# programs, the last of them to store applies the output norm (kernels/
+# gated_delta_rule_triton.py), no norm launch.
 FUSIONS = (
     "norm_gemv",
     "kv_write",
@@ -250,6 +255,7 @@ FUSIONS = (
     "moe_slot_sum",
     "router_rows",
     "router_gemv",
+    "linear_norm_tail",
 )
 
 
@@ -261,8 +267,8 @@ FUSIONS = (
 # its gpu tests and gained nothing end to end on an H100 (twentieth session: 5.97-5.98
 # ms/token on and off). (`moe_slot_sum` left this list after its gpu tests passed and it
 # gained 1.0-1.4% per token on both 16-layer hybrids on an H100, twenty-first session.)
-# `router_gemv` is new and waits for its gpu tests and a timing.
-OPT_IN_FUSIONS = ("norm_gemv", "pdl", "split_merge", "router_gemv")
+# `router_gemv` and `linear_norm_tail` are new and wait for their gpu tests and a timing.
+OPT_IN_FUSIONS = ("norm_gemv", "pdl", "split_merge", "router_gemv", "linear_norm_tail")
 
 
 @functools.lru_cache(maxsize=16)

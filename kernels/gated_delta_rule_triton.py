@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvloom.contracts import envs
 from kvloom.kernels.arg_checks_triton import (
     check_dtype,
     check_last_dim_contiguous,
@@ -118,6 +119,8 @@ def _delta_rule_decode_kernel(
     stride_zn,
     stride_zk,
     stride_zj,
+    counter_ptr,
+    stride_cn,
     GROUP: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
@@ -132,6 +135,8 @@ def _delta_rule_decode_kernel(
     ROUND_PRODUCT: tl.constexpr,
     KDA_GATES: tl.constexpr = False,
     NORM_SIGMOID: tl.constexpr = False,
+    NORM_TAIL: tl.constexpr = False,
+    DV_PAD: tl.constexpr = 1,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -201,19 +206,54 @@ def _delta_rule_decode_kernel(
         out = tl.sum(q[:, None] * s, axis=0)
 
         tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=tile_ok)
+        z_offs = row * stride_zn + (head // Z_GROUP) * stride_zk + (head % Z_GROUP) * stride_zj
         if NORM:
             # The program holds the whole value head (BV >= DV): the gated RMSNorm the
             # separate launch would apply to this output, read back in its dtype.
             x = out.to(out_ptr.dtype.element_ty)[None, :]
-            z_offs = row * stride_zn + (head // Z_GROUP) * stride_zk + (head % Z_GROUP) * stride_zj
-            z = tl.load(z_ptr + z_offs + cols, mask=col_ok, other=0.0)[None, :]
-            w = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            if NORM_SIGMOID:  # KDA's norm (kda_gated_norm_triton's formula)
-                normed = kda_gated_norm_rows(x.to(tl.float32), z.to(tl.float32), w, norm_eps, DV)
-            else:
-                normed = gated_rms_norm_rows(x, z, w, norm_eps, DV, ROUND_PRODUCT)
-            out = tl.reshape(normed, [BV])
+            out = tl.reshape(
+                _output_norm(x, z_ptr + z_offs, norm_w_ptr, cols, col_ok, norm_eps, DV,
+                             ROUND_PRODUCT, NORM_SIGMOID),
+                [BV],
+            )  # fmt: skip
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=col_ok)
+        if NORM_TAIL:
+            # The head's output is split over programs (BV < DV): each arrives at the
+            # (row, head) counter after its store; the last to arrive reads the whole head
+            # back as stored and applies the norm as the NORM path does, then sets the
+            # counter back to 0. The barrier orders every thread's stores before the
+            # release; the acquire orders the other programs' stores before the loads.
+            tl.debug_barrier()
+            count_ptr = counter_ptr + row * stride_cn + head
+            arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(2) - 1:
+                head_cols = tl.arange(0, DV_PAD)
+                head_ok = head_cols < DV
+                head_out = out_ptr + row * stride_on + head * stride_oh + head_cols
+                x = tl.load(head_out, mask=head_ok, other=0.0)[None, :]
+                normed = _output_norm(
+                    x, z_ptr + z_offs, norm_w_ptr, head_cols, head_ok, norm_eps, DV,
+                    ROUND_PRODUCT, NORM_SIGMOID,
+                )  # fmt: skip
+                tl.store(
+                    head_out,
+                    tl.reshape(normed, [DV_PAD]).to(out_ptr.dtype.element_ty),
+                    mask=head_ok,
+                )
+                tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _output_norm(x, z_row_ptr, norm_w_ptr, cols, col_ok, norm_eps, DV: tl.constexpr,
+                 ROUND_PRODUCT: tl.constexpr, NORM_SIGMOID: tl.constexpr):  # fmt: skip
+    """The layer's output norm on x [1, C] (the output in its dtype) over columns `cols` of
+    one value head: Gated DeltaNet's gated RMSNorm (gated_rms_norm_triton's formula) or
+    KDA's sigmoid-gated one (kda_gated_norm_triton's) -> float32 [1, C]."""
+    z = tl.load(z_row_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    w = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if NORM_SIGMOID:
+        return kda_gated_norm_rows(x.to(tl.float32), z.to(tl.float32), w, norm_eps, DV)
+    return gated_rms_norm_rows(x, z, w, norm_eps, DV, ROUND_PRODUCT)
 
 
 def _block_v(head_k: int, head_v: int, tile_elements: int = _TILE_ELEMENTS) -> int:
@@ -307,13 +347,43 @@ def _decode_step(
     )
 
 
+# Per (device, value heads): the norm tail's arrival counters, int32 zeros [rows, heads].
+# Every launch leaves them 0 (the normalising program resets its counter), so one buffer
+# serves every layer, step and CUDA-graph replay in stream order. A launch of more rows
+# than it holds gets a bigger buffer; the old one is kept alive (`_RETIRED_COUNTERS`), so a
+# captured graph's pointer never dangles.
+_NORM_TAIL_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+_NORM_TAIL_MIN_ROWS = 512
+
+
+def norm_tail_counters(device: torch.device, rows: int, heads: int) -> torch.Tensor:
+    key = (device, heads)
+    counters = _NORM_TAIL_COUNTERS.get(key)
+    if counters is None or counters.shape[0] < rows:
+        if counters is not None:
+            _RETIRED_COUNTERS.append(counters)
+        size = max(rows, _NORM_TAIL_MIN_ROWS)
+        counters = torch.zeros((size, heads), dtype=torch.int32, device=device)
+        _NORM_TAIL_COUNTERS[key] = counters
+    return counters
+
+
+def uses_norm_tail() -> bool:
+    """Whether a decode step whose value heads span several programs applies the output
+    norm in its launch (NORM_TAIL), not in a norm launch after it: where KVLOOM_FUSED names
+    linear_norm_tail (opt-in until timed on a GPU)."""
+    return not envs.unfused("linear_norm_tail")
+
+
 def _launch(
     q, k, v, state, state_indices, scale, use_qk_l2norm, block_v, per_channel,
     g=None, beta=None, gates=None, norm=None,
 ):  # fmt: skip
     """One launch of the decode kernel on checked arguments. Either g, beta [N, Hv] (KDA's
     g [N, Hv, Dk]) or gates = (ba, A_log, dt_bias, r): computed in the kernel. norm = (z,
-    weight, eps): the gated RMSNorm at the store (block_v >= Dv). Gated DeltaNet's launches
+    weight, eps): the gated RMSNorm at the store, by the one program of each head (block_v
+    >= Dv) or by the last of its programs to store (the norm tail). Gated DeltaNet's launches
     compile without fused multiply-adds, as the gates and norm kernels do, so the fused
     and separate launches give the same bits; so do KDA's (kda_decode_triton)."""
     num_rows, num_k_heads, head_k = q.shape
@@ -343,6 +413,8 @@ def _launch(
         half = (torch.float16, torch.bfloat16)
         round_product = torch.promote_types(norm_weight.dtype, q.dtype) in half
     grid = (num_rows, num_v_heads, triton.cdiv(head_v, block_v))
+    tail = norm is not None and block_v < head_v
+    counters = norm_tail_counters(q.device, num_rows, num_v_heads) if tail else out
     _delta_rule_decode_kernel[grid](
         q,
         k,
@@ -374,6 +446,8 @@ def _launch(
         out.stride(1),
         gate_strides[4],
         *z_strides,
+        counters,
+        counters.stride(0),
         GROUP=num_v_heads // num_k_heads,
         DK=head_k,
         DV=head_v,
@@ -383,11 +457,13 @@ def _launch(
         L2NORM=bool(use_qk_l2norm),
         GATES_FROM_BA=gates is not None and not per_channel,
         BA_GROUP=ba_group,
-        NORM=norm is not None,
+        NORM=norm is not None and not tail,
         Z_GROUP=z_group,
         ROUND_PRODUCT=round_product,
         KDA_GATES=gates is not None and per_channel,
         NORM_SIGMOID=norm is not None and per_channel,
+        NORM_TAIL=tail,
+        DV_PAD=next_power_of_2(head_v),
         num_warps=_num_warps(head_k, block_v),
         enable_fp_fusion=False,  # as the gates and norm kernels: fused = separate bits
     )
@@ -477,7 +553,7 @@ def gdn_decode_triton(
     block_v = _block_v_override or _block_v(head_k, head_v)
     gates = (ba, A_log, dt_bias, ba_group)
     args = (q, k, v, state, state_indices, scale, use_qk_l2norm, block_v, False)
-    if block_v >= head_v:
+    if block_v >= head_v or uses_norm_tail():
         return _launch(*args, gates=gates, norm=(z, norm_weight, norm_eps))
     return gated_rms_norm_triton(_launch(*args, gates=gates), z, norm_weight, norm_eps)
 
@@ -537,6 +613,6 @@ def kda_decode_triton(
     block_v = _block_v_override or _block_v(head_k, head_v)
     gates = (raw_gate, A_log, dt_bias, beta_logits)
     args = (q, k, v, state, state_indices, scale, use_qk_l2norm, block_v, True)
-    if block_v >= head_v:
+    if block_v >= head_v or uses_norm_tail():
         return _launch(*args, gates=gates, norm=(gate, norm_weight, norm_eps))
     return kda_gated_norm_triton(_launch(*args, gates=gates), gate, norm_weight, norm_eps)
