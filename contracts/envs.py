@@ -54,9 +54,6 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "(same bits, but slower on an H200), pdl (decode kernel launches overlap the "
         "launch before them on Hopper; 1.7% slower on Qwen3-8B on an H100), split_merge (the "
         "split-KV decode merges its splits in its attention launch; level with two launches "
-        "on an H100), router_gemv (the softmax top-k router in the router GEMV's launch; "
-        "1% faster at one row on an H100, slower at two), linear_norm_tail (Gated DeltaNet's "
-        "and KDA's output norm at 128 x 128 heads in the recurrence's launch; 0.7% faster "
         "on an H100), or all; "
         "KVLOOM_UNFUSED wins over it",
     ),
@@ -268,10 +265,9 @@ FUSIONS = (
 # its gpu tests and gained nothing end to end on an H100 (twentieth session: 5.97-5.98
 # ms/token on and off). (`moe_slot_sum` left this list after its gpu tests passed and it
 # gained 1.0-1.4% per token on both 16-layer hybrids on an H100, twenty-first session.)
-# `router_gemv` (slower at two rows) and `linear_norm_tail` passed their gpu tests and
-# each gained about 1% at batch 1 on an H100 (twenty-fourth session); the default waits
-# for the router at one row only and the tests that expect the two-launch plans.
-OPT_IN_FUSIONS = ("norm_gemv", "pdl", "split_merge", "router_gemv", "linear_norm_tail")
+# (`router_gemv`, now at one row only, and `linear_norm_tail` left this list after their
+# gpu tests passed and each gained about 1% at batch 1 on an H100, twenty-fourth session.)
+OPT_IN_FUSIONS = ("norm_gemv", "pdl", "split_merge")
 
 
 @functools.lru_cache(maxsize=16)

@@ -371,8 +371,9 @@ def norm_tail_counters(device: torch.device, rows: int, heads: int) -> torch.Ten
 
 def uses_norm_tail() -> bool:
     """Whether a decode step whose value heads span several programs applies the output
-    norm in its launch (NORM_TAIL), not in a norm launch after it: where KVLOOM_FUSED names
-    linear_norm_tail (opt-in until timed on a GPU)."""
+    norm in its launch (NORM_TAIL), not in a norm launch after it: unless KVLOOM_UNFUSED
+    names linear_norm_tail (on an H100 it took Qwen3-Next-16l's batch-1 decode from 1.659
+    to 1.648 ms/token)."""
     return not envs.unfused("linear_norm_tail")
 
 

@@ -30,6 +30,7 @@ from kvloom.kernels.gated_delta_rule_triton import (
     fuses_norm,
     gdn_decode_triton,
     recurrent_gated_delta_rule_triton,
+    uses_norm_tail,
 )
 from kvloom.kernels.gated_rms_norm_triton import gated_rms_norm_triton
 from kvloom.kernels.gdn_gates_triton import gdn_gates_triton
@@ -130,8 +131,10 @@ def check_bitwise(name, step: Step, block_v=None) -> torch.Tensor:
     real = step.indices >= 0
     assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
     head_k, head_v = step.q.shape[2], step.v.shape[2]
-    one_launch = block_v >= head_v if block_v else fuses_norm(head_k, head_v)
-    if one_launch:  # padding rows zero
+    # The norm in the step's launch: one program a head, or the head's last (the norm
+    # tail, on unless KVLOOM_UNFUSED names linear_norm_tail).
+    whole_head = block_v >= head_v if block_v else fuses_norm(head_k, head_v)
+    if whole_head or uses_norm_tail():  # padding rows zero
         assert torch.equal(got[~real], torch.zeros_like(got[~real])), f"{name}: padding row"
     else:  # two: the separate norm's, of the recurrence's zeros
         real = torch.ones_like(real)
@@ -336,6 +339,7 @@ def test_gpu_cuda_graph_replay_and_launches(block_v):
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
     names = [n for n in names if not n.startswith(("Memcpy", "Memset"))]
-    kernels = ["_delta_rule_decode_kernel"] + ([] if block_v else ["_gated_rms_norm_kernel"])
+    separate_norm = not block_v and not uses_norm_tail()
+    kernels = ["_delta_rule_decode_kernel"] + (["_gated_rms_norm_kernel"] if separate_norm else [])
     assert len(names) == len(kernels), names
     assert all(kernel in name for kernel, name in zip(kernels, names)), names

@@ -214,8 +214,8 @@ def test_folded_qwen3_next_decode_is_bitwise_the_same_routed_in_the_gemv(
     monkeypatch, folded_src, norm_gemv
 ):
     """A tiny bf16 Qwen3-Next with folded shared experts, its decode kernels interpreted
-    as on a GPU: with router_gemv on, every MoE layer's router runs in its GEMV's launch
-    at each step of at most two rows (never at a longer prefill chunk), and the greedy tokens and logprobs are
+    as on a GPU: with router_gemv on (the default), every MoE layer's router runs in its
+    GEMV's launch at each one-row step (never at longer ones), and the greedy tokens and logprobs are
     those of the router launch after the GEMV (the router kernel in both runs), with the
     norm as its own launch or in the GEMV's prologue."""
     from kvloom import LLM
@@ -233,8 +233,8 @@ def test_folded_qwen3_next_decode_is_bitwise_the_same_routed_in_the_gemv(
             # One warp, as the router launch at <= 1024 experts: the epilogue can run.
             patch.setattr(gt, "default_gemv_plan", lambda n, k: GemvPlan(64, 128, 1, 1))
             patch.setattr(qwen3_next, "route_softmax_topk", triton_router)
-            fusions = ",".join(["norm_gemv"] * norm_gemv + ["router_gemv"] * fused)
-            patch.setenv("KVLOOM_FUSED", fusions)
+            patch.setenv("KVLOOM_FUSED", "norm_gemv" if norm_gemv else "")
+            patch.setenv("KVLOOM_UNFUSED", "" if fused else "router_gemv")
             routed = Counter(patch, gt, "gemv_route_triton")
             llm = LLM(str(folded_src), dtype="bfloat16", progress=False, enforce_eager=True)
             model = llm.engine.executor.worker.runner.model
@@ -250,8 +250,8 @@ def test_folded_qwen3_next_decode_is_bitwise_the_same_routed_in_the_gemv(
             results[fused] = (out, routed.calls, rows)
     (plain, plain_calls, _), (got, fused_calls, rows) = results[False], results[True]
     assert moe_layers > 0 and plain_calls == 0
-    small_steps = sum(n <= 2 for n in rows)  # the decodes (and a prefill chunk so short)
-    assert small_steps >= params.max_tokens - 1 and max(rows) > 2
-    assert fused_calls == moe_layers * small_steps
+    one_row = sum(n == 1 for n in rows)  # the decodes (and a one-token prefill chunk)
+    assert one_row >= params.max_tokens - 1 and max(rows) > 2
+    assert fused_calls == moe_layers * one_row
     assert got.token_ids == plain.token_ids
     assert got.logprobs == plain.logprobs

@@ -30,6 +30,7 @@ from kvloom.kernels.gated_delta_rule_triton import (
     fuses_norm,
     kda_decode_triton,
     recurrent_kda_triton,
+    uses_norm_tail,
 )
 from kvloom.kernels.kda_gated_norm import kda_gated_norm_ref
 from kvloom.kernels.kda_gated_norm_triton import kda_gated_norm_triton
@@ -98,7 +99,10 @@ def check_fused(args, used, block_v=None):
     got = kda_decode_triton(**got_args, use_qk_l2norm=True, _block_v_override=block_v)
     real = len(used)
     head_k, head_v = args["q"].shape[2], args["v"].shape[2]
-    one_launch = block_v >= head_v if block_v else fuses_norm(head_k, head_v)
+    # The norm in the step's launch: one program a head, or the head's last (the norm
+    # tail, on unless KVLOOM_UNFUSED names linear_norm_tail).
+    whole_head = block_v >= head_v if block_v else fuses_norm(head_k, head_v)
+    one_launch = whole_head or uses_norm_tail()
     assert got.shape == want.shape and got.dtype == args["q"].dtype
     assert torch.equal(got[:real], want[:real]), "output differs from the three launches"
     if one_launch:  # padding rows are zeros

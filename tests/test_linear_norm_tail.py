@@ -1,5 +1,5 @@
 """The linear-attention decode step's output norm in its own launch where a value head spans
-several programs (`linear_norm_tail`, kernels/gated_delta_rule_triton.py): the last of a
+several programs (`linear_norm_tail`, on by default; kernels/gated_delta_rule_triton.py): the last of a
 head's programs to store applies the norm to the whole head, read back as stored.
 
 Against the launches it replaces (the recurrence with the gates, then the norm launch:
@@ -27,8 +27,9 @@ from tests.kernel_env import gpu, needs_cuda
 
 @pytest.fixture
 def norm_tail_on(monkeypatch):
-    """The opt-in fusion on, and the norm launches it replaces made to fail if called."""
-    monkeypatch.setenv("KVLOOM_FUSED", "linear_norm_tail")
+    """The fusion on (the default), and the norm launches it replaces made to fail if
+    called."""
+    monkeypatch.delenv("KVLOOM_UNFUSED", raising=False)
 
     def no_norm_launch(*args, **kwargs):
         raise AssertionError("the norm ran as its own launch")
@@ -51,7 +52,7 @@ def check_gdn(step, block_v, monkeypatch):
     pool_got, pool_want = step.pool.clone(), step.pool.clone()
     got = gdn_cases.fused(step, pool_got, block_v)
     with monkeypatch.context() as patch:
-        patch.setenv("KVLOOM_FUSED", "")
+        patch.setenv("KVLOOM_UNFUSED", "linear_norm_tail")
         want = gdn_cases.separate(step, pool_want, block_v)
     real = step.indices >= 0
     assert not torch.isnan(got[real]).any(), "NaN in a real row"
@@ -93,7 +94,7 @@ def test_kda_tail_equals_recurrence_then_norm_bitwise(norm_tail_on, monkeypatch,
         got_args, want_args = kda_cases.clone_args(args), kda_cases.clone_args(args)
         got = gdr.kda_decode_triton(**got_args, use_qk_l2norm=True, _block_v_override=8)
         with monkeypatch.context() as patch:
-            patch.setenv("KVLOOM_FUSED", "")
+            patch.setenv("KVLOOM_UNFUSED", "linear_norm_tail")
             want = kda_cases.separate(want_args, block_v=8)
         real = len(used)
         assert torch.equal(bits(got[:real]), bits(want[:real])), "output differs"
@@ -102,9 +103,9 @@ def test_kda_tail_equals_recurrence_then_norm_bitwise(norm_tail_on, monkeypatch,
         assert_counters_zero()
 
 
-def test_off_by_default_keeps_the_norm_launch(monkeypatch):
-    """Without KVLOOM_FUSED naming it, narrow tiles keep the separate norm launch."""
-    monkeypatch.delenv("KVLOOM_FUSED", raising=False)
+def test_unfused_keeps_the_norm_launch(monkeypatch):
+    """With KVLOOM_UNFUSED naming it, narrow tiles keep the separate norm launch."""
+    monkeypatch.setenv("KVLOOM_UNFUSED", "linear_norm_tail")
     calls = []
     norm = gdr.gated_rms_norm_triton
     monkeypatch.setattr(
@@ -148,7 +149,7 @@ def test_gpu_qwen3_next_and_kimi_heads(norm_tail_on, monkeypatch, rows):
     got_args, want_args = kda_cases.clone_args(args), kda_cases.clone_args(args)
     got = gdr.kda_decode_triton(**got_args, use_qk_l2norm=True)
     with monkeypatch.context() as patch:
-        patch.setenv("KVLOOM_FUSED", "")
+        patch.setenv("KVLOOM_UNFUSED", "linear_norm_tail")
         want = kda_cases.separate(want_args)
     real = len(used)
     assert torch.equal(bits(got[:real]), bits(want[:real]))
@@ -166,7 +167,7 @@ def test_gpu_graph_replays_and_back_to_back_launches(norm_tail_on, monkeypatch):
     pool, want_pool = step.pool.clone(), step.pool.clone()
     outs = [gdn_cases.fused(step, pool) for _ in range(20)]
     with monkeypatch.context() as patch:
-        patch.setenv("KVLOOM_FUSED", "")
+        patch.setenv("KVLOOM_UNFUSED", "linear_norm_tail")
         wants = [gdn_cases.separate(step, want_pool) for _ in range(20)]
     real = step.indices >= 0
     for got, want in zip(outs, wants):
@@ -183,7 +184,7 @@ def test_gpu_graph_replays_and_back_to_back_launches(norm_tail_on, monkeypatch):
     torch.cuda.synchronize()
     want_pool = fresh.pool.clone()
     with monkeypatch.context() as patch:
-        patch.setenv("KVLOOM_FUSED", "")
+        patch.setenv("KVLOOM_UNFUSED", "linear_norm_tail")
         want = gdn_cases.separate(fresh, want_pool)
     real = fresh.indices >= 0
     assert torch.equal(bits(captured[real]), bits(want[real]))

@@ -369,6 +369,9 @@ def test_decode_is_bitwise_the_same_fused(monkeypatch, tiny_model, hybrid_model,
     for fuse in (False, True):
         with monkeypatch.context() as patch:
             _force_decode_kernels(patch, fuse)
+            # The MoE router's norm + GEMV here, not its router_gemv launch (counted in
+            # tests/test_gemv_route.py).
+            patch.setenv("KVLOOM_UNFUSED", "router_gemv")
             # Qwen3-Next's GDN in_proj at decode: the norm + GEMV with the conv update in
             # its epilogue (tests/test_gdn_conv_epilogue.py), or the GEMV with it.
             fused_kinds = [Counter(patch, gt, "rms_norm_gemv_triton")]
