@@ -74,6 +74,7 @@ from kvloom.kernels.arg_checks_triton import (
     is_interpreted,
     next_power_of_2,
 )
+from kvloom.kernels.arrival_counters import arrival_counters
 from kvloom.kernels.dispatch import batch_invariant
 from kvloom.kernels.fused_moe import check_moe_args
 
@@ -153,22 +154,10 @@ def uses_slot_sum(hidden: torch.Tensor, pairs: bool) -> bool:
     return pairs and hidden.is_cuda and not envs.unfused("moe_slot_sum")
 
 
-# Per (device, column tiles): the in-launch slot sum's arrival counters, int32 zeros
-# [tokens, tiles]. Every launch leaves them 0 (the summing program resets its counter), so
-# one buffer serves every layer, step and CUDA-graph replay in stream order. It holds
-# PAIRS_PLAN_MAX_TOKENS rows, the most the automatic plan launches, and is replaced only
-# by a forced launch of more tokens (tests), so a captured graph's pointer stays valid.
-_SLOT_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
 def slot_counters(device: torch.device, tokens: int, tiles: int) -> torch.Tensor:
-    key = (device, tiles)
-    counters = _SLOT_COUNTERS.get(key)
-    if counters is None or counters.shape[0] < tokens:
-        rows = max(tokens, PAIRS_PLAN_MAX_TOKENS)
-        counters = torch.zeros((rows, tiles), dtype=torch.int32, device=device)
-        _SLOT_COUNTERS[key] = counters
-    return counters
+    """The in-launch slot sum's arrival counters [tokens, tiles]: PAIRS_PLAN_MAX_TOKENS
+    rows, the most the automatic plan launches (a bigger buffer only for forced launches)."""
+    return arrival_counters("moe_slot_sum", device, tokens, tiles, PAIRS_PLAN_MAX_TOKENS)
 
 
 def plan_route_blocks(

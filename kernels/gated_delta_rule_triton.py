@@ -62,6 +62,7 @@ from kvloom.kernels.arg_checks_triton import (
     check_shape,
     next_power_of_2,
 )
+from kvloom.kernels.arrival_counters import arrival_counters
 from kvloom.kernels.gated_rms_norm import check_gated_rms_norm_args
 from kvloom.kernels.gated_rms_norm_triton import gated_rms_norm_rows, gated_rms_norm_triton
 from kvloom.kernels.gdn_gates import check_gdn_gates_args
@@ -347,26 +348,12 @@ def _decode_step(
     )
 
 
-# Per (device, value heads): the norm tail's arrival counters, int32 zeros [rows, heads].
-# Every launch leaves them 0 (the normalising program resets its counter), so one buffer
-# serves every layer, step and CUDA-graph replay in stream order. A launch of more rows
-# than it holds gets a bigger buffer; the old one is kept alive (`_RETIRED_COUNTERS`), so a
-# captured graph's pointer never dangles.
-_NORM_TAIL_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-_RETIRED_COUNTERS: list[torch.Tensor] = []
-_NORM_TAIL_MIN_ROWS = 512
+NORM_TAIL_MIN_ROWS = 512
 
 
 def norm_tail_counters(device: torch.device, rows: int, heads: int) -> torch.Tensor:
-    key = (device, heads)
-    counters = _NORM_TAIL_COUNTERS.get(key)
-    if counters is None or counters.shape[0] < rows:
-        if counters is not None:
-            _RETIRED_COUNTERS.append(counters)
-        size = max(rows, _NORM_TAIL_MIN_ROWS)
-        counters = torch.zeros((size, heads), dtype=torch.int32, device=device)
-        _NORM_TAIL_COUNTERS[key] = counters
-    return counters
+    """The norm tail's arrival counters [rows, heads], one per (row, value head)."""
+    return arrival_counters("linear_norm_tail", device, rows, heads, NORM_TAIL_MIN_ROWS)
 
 
 def uses_norm_tail() -> bool:

@@ -71,6 +71,7 @@ from kvloom.kernels.arg_checks_triton import (
     is_interpreted,
     next_power_of_2,
 )
+from kvloom.kernels.arrival_counters import arrival_counters
 from kvloom.kernels.causal_conv1d_triton import ACTIVATIONS as CONV_ACTIVATIONS
 from kvloom.kernels.causal_conv1d_triton import (
     causal_conv1d_update_triton,
@@ -1182,18 +1183,9 @@ class RouteEpilogue:
     picks: int
 
 
-# Per device: the route epilogue's arrival counter, one int32 zero. Every launch leaves it
-# 0 (the routing program resets it), so one counter serves every router GEMV, step and
-# CUDA-graph replay in stream order, and a captured graph's pointer stays valid.
-_ROUTE_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
 def route_counter(device: torch.device) -> torch.Tensor:
-    counter = _ROUTE_COUNTERS.get(device)
-    if counter is None:
-        counter = torch.zeros(1, dtype=torch.int32, device=device)
-        _ROUTE_COUNTERS[device] = counter
-    return counter
+    """The route epilogue's arrival counter: one int32 per device (one launch routes)."""
+    return arrival_counters("router_gemv", device, 1, 1).view(1)
 
 
 def _route_args(route: RouteEpilogue | None, x: torch.Tensor) -> dict:

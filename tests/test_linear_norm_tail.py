@@ -19,7 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvloom.kernels import arrival_counters
 from kvloom.kernels import gated_delta_rule_triton as gdr
+from kvloom.kernels.arrival_counters import counters_of
 from tests import test_gdn_decode_fusion as gdn_cases
 from tests import test_kda_decode_fusion as kda_cases
 from tests.kernel_env import gpu, needs_cuda
@@ -43,7 +45,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_counters_zero():
-    for counters in gdr._NORM_TAIL_COUNTERS.values():
+    for counters in counters_of("linear_norm_tail"):
         assert int(counters.abs().sum()) == 0, "an arrival counter was left set"
 
 
@@ -119,15 +121,16 @@ def test_unfused_keeps_the_norm_launch(monkeypatch):
 def test_counters_grow_and_keep_the_old_buffer(monkeypatch):
     """A launch of more rows than the counters hold gets a bigger buffer; the old one stays
     alive (a captured CUDA graph may hold its pointer)."""
-    monkeypatch.setattr(gdr, "_NORM_TAIL_COUNTERS", {})
-    monkeypatch.setattr(gdr, "_RETIRED_COUNTERS", [])
+    monkeypatch.setattr(arrival_counters, "_BUFFERS", {})
+    monkeypatch.setattr(arrival_counters, "_RETIRED", [])
     device = torch.device("cpu")
     small = gdr.norm_tail_counters(device, 3, 4)
-    assert small.shape == (gdr._NORM_TAIL_MIN_ROWS, 4) and int(small.sum()) == 0
+    assert small.shape == (gdr.NORM_TAIL_MIN_ROWS, 4) and int(small.sum()) == 0
     assert gdr.norm_tail_counters(device, 7, 4) is small
-    big = gdr.norm_tail_counters(device, gdr._NORM_TAIL_MIN_ROWS + 1, 4)
-    assert big.shape[0] == gdr._NORM_TAIL_MIN_ROWS + 1
-    assert len(gdr._RETIRED_COUNTERS) == 1 and gdr._RETIRED_COUNTERS[0] is small
+    big = gdr.norm_tail_counters(device, gdr.NORM_TAIL_MIN_ROWS + 1, 4)
+    assert big.shape[0] == gdr.NORM_TAIL_MIN_ROWS + 1
+    retired, (live,) = arrival_counters._RETIRED, counters_of("linear_norm_tail")
+    assert len(retired) == 1 and retired[0] is small and live is big
 
 
 # ---------------------------------------------------------------- on the GPU
