@@ -78,13 +78,14 @@ for section in "$@"; do
       # FUSION_AB: KVLOOM_UNFUSED values to run ("none": every default fusion on; "all":
       # none; or one name of contracts/envs.py's FUSIONS), or +NAME to turn on an opt-in
       # one (KVLOOM_FUSED=NAME, e.g. +pdl; its JSON is fusion_ab_SHAPE_on_NAME.json: the
-      # device tool returns no file with a + in its name); about 1-2 min per run and shape.
+      # device tool returns no file with a + or a comma in its name, so NAME,NAME's JSON is
+      # ..._NAME_NAME.json); about 1-2 min per run and shape.
       for off in ${FUSION_AB:-none all}; do
         for shape in ${FUSION_SHAPES:-qwen3-8b qwen3-next-24l}; do
           KVLOOM_FUSED=$([[ $off == +* ]] && echo "${off#+}") \
           KVLOOM_UNFUSED=$([ "$off" = none ] || [[ $off == +* ]] || echo "$off") \
             python3 -m kvloom.cluster.cli \
-            bench latency --shape "$shape" --out "$OUT/fusion_ab_${shape}_${off/+/on_}.json" 2>&1 \
+            bench latency --shape "$shape" --out "$OUT/fusion_ab_${shape}_$(tr , _ <<< "${off/+/on_}").json" 2>&1 \
             | grep "^RESULT ms_per_token" | sed "s/^RESULT /RESULT $shape unfused=$off /"
           [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
         done
