@@ -46,7 +46,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "decode fusions to turn off, comma-separated (A/B timing, or an escape hatch): "
         "norm_gemv, kv_write, mul_sigmoid, gdn_decode, moe_pairs, gdn_conv, kda_norm, "
         "kda_decode, pdl, split_merge, moe_slot_sum, router_rows, router_gemv, "
-        "linear_norm_tail, or all",
+        "linear_norm_tail, linear_add_norm, or all",
     ),
     "KVLOOM_FUSED": (
         "",
@@ -54,7 +54,8 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "(same bits, but slower on an H200), pdl (decode kernel launches overlap the "
         "launch before them on Hopper; 1.7% slower on Qwen3-8B on an H100), split_merge (the "
         "split-KV decode merges its splits in its attention launch; level with two launches "
-        "on an H100), or all; "
+        "on an H100), linear_add_norm (the residual add and RMSNorm after a one-row output "
+        "projection run in its GEMV's launch; not yet timed), or all; "
         "KVLOOM_UNFUSED wins over it",
     ),
     "KVLOOM_PDL_PREFETCH_LINES": (
@@ -239,6 +240,9 @@ def set_here() -> dict[str, str]:
 # `linear_norm_tail`: where a linear-attention decode step splits a value head over
 # programs, the last of them to store applies the output norm (kernels/
 # gated_delta_rule_triton.py), no norm launch.
+# `linear_add_norm`: the residual add and RMSNorm after a one-row projection (an attention
+# or linear-attention layer's output projection) run in its GEMV's launch, by its last
+# program to store (kernels/gemv_triton.py `gemv_add_rms_norm_triton`), no norm launch.
 FUSIONS = (
     "norm_gemv",
     "kv_write",
@@ -254,6 +258,7 @@ FUSIONS = (
     "router_rows",
     "router_gemv",
     "linear_norm_tail",
+    "linear_add_norm",
 )
 
 
@@ -267,7 +272,8 @@ FUSIONS = (
 # gained 1.0-1.4% per token on both 16-layer hybrids on an H100, twenty-first session.)
 # (`router_gemv`, now at one row only, and `linear_norm_tail` left this list after their
 # gpu tests passed and each gained about 1% at batch 1 on an H100, twenty-fourth session.)
-OPT_IN_FUSIONS = ("norm_gemv", "pdl", "split_merge")
+# `linear_add_norm` (twenty-fifth session) waits for its gpu tests and a timing.
+OPT_IN_FUSIONS = ("norm_gemv", "pdl", "split_merge", "linear_add_norm")
 
 
 @functools.lru_cache(maxsize=16)
