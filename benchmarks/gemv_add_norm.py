@@ -86,12 +86,7 @@ def main() -> int:
             # two launches too (gemv_add_rms_norm_triton): the row says so.
             one_launch = plan.split_k == 1 and m <= ADD_NORM_GEMV_MAX_M
             for form, launch in launches.items():
-                if cuda:
-                    us = graph_timing.graph_time_us(launch, LAUNCHES_PER_GRAPH, REPLAYS)
-                else:
-                    began = time.perf_counter()
-                    launch()
-                    us = (time.perf_counter() - began) * 1e6
+                us = graph_timing.launch_us(launch, LAUNCHES_PER_GRAPH, REPLAYS)
                 rows.append(
                     dict(
                         shape=name, n=n, k=k, rows=m, form=form, us=us, same_bits=same,

@@ -36,6 +36,16 @@ def graph_time_us(fn, repeats: int, replays: int = 1) -> float:
     return best
 
 
+def launch_us(fn, repeats: int, replays: int = 1) -> float:
+    """graph_time_us on a GPU; without CUDA the wall time of one call (the CPU
+    interpreter: that only exercises a benchmark, it times nothing)."""
+    if torch.cuda.is_available():
+        return graph_time_us(fn, repeats, replays)
+    began = time.perf_counter()
+    fn()
+    return (time.perf_counter() - began) * 1e6
+
+
 def write_result(out: Path | None, start: float, rows: list[dict], **fields) -> dict:
     """A kernel benchmark's result: the device, torch, how it was timed (a CUDA graph, or
     the CPU interpreter's wall clock), `fields`, the rows and the seconds since `start`

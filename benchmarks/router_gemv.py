@@ -73,12 +73,7 @@ def main() -> int:
         # the two launches too (gemv_route_triton): the row says so.
         one_launch = plan.split_k == 1 and plan.num_warps == router_num_warps(args.n - 1)
         for form, launch in launches.items():
-            if cuda:
-                us = graph_timing.graph_time_us(launch, LAUNCHES_PER_GRAPH, REPLAYS)
-            else:
-                began = time.perf_counter()
-                launch()
-                us = (time.perf_counter() - began) * 1e6
+            us = graph_timing.launch_us(launch, LAUNCHES_PER_GRAPH, REPLAYS)
             rows.append(
                 dict(
                     n=args.n, k=args.k, rows=m, form=form, us=us, same_bits=same,

@@ -68,16 +68,9 @@ def main() -> int:
                 one[0].view(torch.int8), two[0].view(torch.int8)
             )
             for picks in (1, 2):
-                if cuda:
-                    us = graph_timing.graph_time_us(
-                        lambda launch=launch, picks=picks: launch(picks),
-                        LAUNCHES_PER_GRAPH,
-                        REPLAYS,
-                    )
-                else:
-                    began = time.perf_counter()
-                    launch(picks)
-                    us = (time.perf_counter() - began) * 1e6
+                us = graph_timing.launch_us(
+                    lambda launch=launch, picks=picks: launch(picks), LAUNCHES_PER_GRAPH, REPLAYS
+                )
                 rows.append(
                     dict(router=name, tokens=tokens, picks_per_round=picks, us=us, same_bits=same)
                 )
