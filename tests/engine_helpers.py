@@ -84,6 +84,18 @@ def assert_pool_full(engine: Engine) -> None:
     assert stats["num_free_blocks"] == stats["num_blocks"], stats
 
 
+def record_steps(model) -> tuple[list, list]:
+    """(states, rows) filled as `model` (a kvloom CausalLM) runs: each step's final-norm
+    inputs (the last layer's hidden rows and residual, cloned: compared before the logits'
+    coarse rounding could hide a difference) and its row count."""
+    states, rows = [], []
+    model.model.norm.register_forward_hook(
+        lambda module, args, out: states.append([a.clone() for a in args])
+    )
+    model.model.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
+    return states, rows
+
+
 def tokens_by_mixed_step_path(monkeypatch, layer_cls, env_name: str, model: str, settings):
     """Greedy tokens of PROMPTS with a linear-attention layer's mixed steps forced through
     each path (`env_name` = chunked, serial, split), under preemption: each run must take

@@ -29,6 +29,7 @@ from kvloom.kernels.gemv_triton import (
     rms_norm_gemv_conv_triton,
     rms_norm_gemv_triton,
 )
+from tests.engine_helpers import record_steps
 from tests.kernel_env import DEVICE, gpu, needs_cuda
 from tests.test_gemv import nan_filled_empty, randn  # noqa: F401 (autouse)
 
@@ -335,13 +336,7 @@ def test_qwen3_next_decode_is_bitwise_the_same_fused(monkeypatch, hybrid_model):
                 block_size=16, enforce_eager=True,
             )  # fmt: skip
             model = llm.engine.executor.worker.runner.model
-            states, rows = [], []
-            model.model.norm.register_forward_hook(
-                lambda module, args, out, states=states: states.append([a.clone() for a in args])
-            )
-            model.model.register_forward_pre_hook(
-                lambda module, args, rows=rows: rows.append(args[0].shape[0])
-            )
+            states, rows = record_steps(model)
             out = llm.generate([5, 17, 33, 9, 61, 7], params, use_tqdm=False)[0].outputs[0]
             gdn = sum(1 for layer in model.model.layers if layer.kind == "linear_attention")
             results[fuse] = (out, states, fused.calls, conv_update.calls, gdn, rows)

@@ -21,6 +21,7 @@ from kvloom.kernels import ops
 from kvloom.kernels import rms_norm_triton as rt
 from kvloom.kernels.gemv_triton import GemvPlan, gemv_add_rms_norm_triton, gemv_triton
 from kvloom.kernels.rms_norm_triton import rms_norm_triton
+from tests.engine_helpers import record_steps
 from tests.kernel_env import DEVICE, gpu, needs_cuda
 from tests.test_gemv import nan_filled_empty, randn  # noqa: F401 (autouse)
 from tests.test_rms_norm_gemv import Counter, _force_decode_kernels
@@ -170,13 +171,7 @@ def test_decode_is_bitwise_the_same_normed_in_the_projection(
             norms = Counter(patch, rt, "rms_norm_triton")
             llm = LLM(str(path), dtype="bfloat16", progress=False, enforce_eager=True)
             model = llm.engine.executor.worker.runner.model
-            states, rows = [], []
-            model.model.norm.register_forward_hook(
-                lambda module, args, out, states=states: states.append([a.clone() for a in args])
-            )
-            model.model.register_forward_pre_hook(
-                lambda module, args, rows=rows: rows.append(args[0].shape[0])
-            )
+            states, rows = record_steps(model)
             out = llm.generate([5, 17, 33, 9, 61, 7], params, use_tqdm=False)[0].outputs[0]
             layers = len(model.model.layers)
             results[fused] = (out, states, calls.calls, norms.calls, rows, layers)

@@ -22,6 +22,7 @@ import torch
 from kvloom.kernels import gemv_triton as gt
 from kvloom.kernels import rms_norm_triton as rt
 from kvloom.kernels.gemv import NORM_GEMV_MAX_M
+from tests.engine_helpers import record_steps
 from tests.test_gemv import randn
 from tests.test_oracle_kimi_linear import KIMI_Q_LORA, build_kimi
 from tests.test_rms_norm_gemv import GATED, Counter, _force_decode_kernels
@@ -136,13 +137,7 @@ def test_decode_is_bitwise_the_same_with_kda_decode_fused(monkeypatch, hybrid_mo
                 str(path), dtype="bfloat16", progress=False, block_size=16, enforce_eager=True
             )
             model = llm.engine.executor.worker.runner.model
-            states, rows = [], []
-            model.model.norm.register_forward_hook(
-                lambda module, args, out, states=states: states.append([a.clone() for a in args])
-            )
-            model.model.register_forward_pre_hook(
-                lambda module, args, rows=rows: rows.append(args[0].shape[0])
-            )
+            states, rows = record_steps(model)
             out = llm.generate([5, 17, 33, 9, 61, 7], params, use_tqdm=False)[0].outputs[0]
             kda_layers = sum(isinstance(m, KimiDeltaAttention) for m in model.modules())
             small = sum(1 for n in rows if n <= NORM_GEMV_MAX_M)  # the decode steps

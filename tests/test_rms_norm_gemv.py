@@ -27,6 +27,7 @@ from kvloom.kernels.gemv_triton import (
     rms_norm_gemv_triton,
 )
 from kvloom.kernels.rms_norm_triton import rms_norm_triton
+from tests.engine_helpers import record_steps
 from tests.kernel_env import CUDA, DEVICE, gpu, needs_cuda
 from tests.test_gemv import nan_filled_empty, randn  # noqa: F401 (autouse)
 
@@ -388,13 +389,7 @@ def test_decode_is_bitwise_the_same_fused(monkeypatch, tiny_model, hybrid_model,
                     weight = module.weight
                     weight.copy_(randn(*weight.shape, seed=seed, dtype=weight.dtype, scale=0.3))
                     weight += 1 - module.weight_offset
-            states, rows = [], []
-            model.model.norm.register_forward_hook(
-                lambda module, args, out, states=states: states.append([a.clone() for a in args])
-            )
-            model.model.register_forward_pre_hook(
-                lambda module, args, rows=rows: rows.append(args[0].shape[0])
-            )
+            states, rows = record_steps(model)
             out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
             small_steps = sum(1 for n in rows if n <= NORM_GEMV_MAX_M)
             total = sum(c.calls for c in launches)
