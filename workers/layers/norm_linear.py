@@ -23,6 +23,12 @@ from kvloom.kernels.ops import (
 from kvloom.workers.layers.norm import RMSNorm
 
 
+def _from_weight(proj: torch.nn.Module) -> bool:
+    """A projection the fused ops can run from its weight and bias: unquantized, its output
+    not gathered across ranks (a column-parallel shard or a replicated layer)."""
+    return proj.quant_method is None and not getattr(proj, "gather_output", False)
+
+
 def norm_linear(
     norm: RMSNorm,
     hidden: torch.Tensor,
@@ -38,8 +44,7 @@ def norm_linear(
     `bias`, `quant_method` (ColumnParallelLinear, ReplicatedLinear ...); with
     `silu_and_mul_out` it is a gated MLP's [gate; up] projection and the result is
     silu(gate) * up, as GatedMLP computes it before its down projection."""
-    plain = proj.quant_method is None and not getattr(proj, "gather_output", False)
-    if plain:
+    if _from_weight(proj):
         y, new_residual, normed = rms_norm_linear(
             hidden,
             residual,
@@ -76,9 +81,8 @@ def norm_linear_route(
     softmax top-k routes (weights, ids) where the GEMV's launch also runs the router
     (ops.rms_norm_linear_route; the router's arguments as `route_softmax_topk` takes
     them); else None, and the layer routes the logits itself."""
-    plain = proj.quant_method is None and not getattr(proj, "gather_output", False)
     fused = None
-    if plain:
+    if _from_weight(proj):
         fused = rms_norm_linear_route(
             hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias,
             top_k=top_k, renormalize=renormalize, shared_expert_weight=shared_expert_weight,
@@ -92,15 +96,10 @@ def norm_linear_route(
 
 
 def _plain(proj: torch.nn.Module) -> bool:
-    """A projection the fused ops can run from its weight alone: unquantized, no gathered
-    output, no all-reduce after it (one rank) and no bias added after it."""
+    """`_from_weight`, and nothing after the GEMV: one rank (no all-reduce) and no bias
+    (a row-parallel layer adds it after the reduction)."""
     tp = getattr(proj, "tp", None)
-    return (
-        proj.quant_method is None
-        and not getattr(proj, "gather_output", False)
-        and (tp is None or tp.world_size == 1)
-        and proj.bias is None
-    )
+    return _from_weight(proj) and (tp is None or tp.world_size == 1) and proj.bias is None
 
 
 def linear_norm(
@@ -133,8 +132,7 @@ def project(proj: torch.nn.Module, normed: torch.Tensor, *, silu_and_mul_out: bo
     silu(gate) * up (the activation in the GEMV's epilogue where norm_linear would)."""
     if not silu_and_mul_out:
         return proj(normed)
-    plain = proj.quant_method is None and not getattr(proj, "gather_output", False)
-    if plain:
+    if _from_weight(proj):
         return linear_silu_and_mul(normed, proj.weight, proj.bias)
     return silu_and_mul(proj(normed))
 
@@ -150,9 +148,8 @@ def route_normed(
     """(logits, routes) of a MoE layer's router GEMV on rows a fused norm produced: the
     routes (weights, ids) where the router runs in the GEMV's launch (ops.linear_route),
     else None and the layer routes the logits itself, as `norm_linear_route`."""
-    plain = proj.quant_method is None and not getattr(proj, "gather_output", False)
     fused = None
-    if plain:
+    if _from_weight(proj):
         fused = linear_route(
             normed, proj.weight, proj.bias, top_k=top_k, renormalize=renormalize,
             shared_expert_weight=shared_expert_weight,
