@@ -72,8 +72,8 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "KVLOOM_MOE_DECODE_STAGES": (
         "",
         "software-pipelining depth of the fused MoE's decode (pairs) plan: one integer for "
-        "its gate_up and down launches, or two, 'GATE_UP,DOWN' (empty: the plan's own); "
-        "the same bits at any depth (A/B timing)",
+        "its gate_up and down launches, or two, 'GATE_UP,DOWN' (empty: the plan's own, 4 at "
+        "one token and 3 above); the same bits at any depth (A/B timing)",
     ),
     "KVLOOM_DECODE_KEYS_PER_SPLIT": (
         "",
@@ -101,15 +101,14 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "auto",
         "how Gated DeltaNet serves mixed prefill + decode steps: serial (token by token, in "
         "place), chunked (the chunked kernels), split (rows over 64 tokens chunked, the rest "
-        "serial) or auto (serial on CUDA for many short rows and a float32 state)",
+        "serial) or auto (serial on CUDA for many short rows)",
     ),
     "KVLOOM_KDA_MIXED_STEPS": (
-        "chunked",
+        "auto",
         "how KDA (Kimi-Linear) serves mixed prefill + decode steps: chunked (fla's or the "
         "reference's chunked kernels), serial (token by token, in place), split (rows over "
-        "64 tokens chunked, the rest serial) or auto (serial on CUDA for many short rows and "
-        "a float32 state, Gated DeltaNet's rule); not yet timed on a GPU, so chunked stays "
-        "the default",
+        "64 tokens chunked, the rest serial) or auto (serial on CUDA for many short rows, "
+        "Gated DeltaNet's rule)",
     ),
     "KVLOOM_GC_YOUNG_THRESHOLD": (
         "20000",

@@ -93,29 +93,41 @@ def serial_causal_conv1d_ref(
 
 def _serial_recurrence_ref(
     step, q, k, v, g, beta, state, cu_seqlens, state_indices, has_initial_state, scale,
-    use_qk_l2norm,
+    use_qk_l2norm, round_every_token=True,
 ):  # fmt: skip
-    """Token by token through the single-step reference `step`, in place on the pool."""
+    """Token by token through the single-step reference `step`, in place on the pool
+    (without `round_every_token`, on float32 copies of the rows' pages, stored once)."""
     _zero_fresh_slots(state, state_indices, has_initial_state, cu_seqlens)
+    pool, rows_of = state, state_indices
+    if not round_every_token and state.dtype != torch.float32:
+        pages = state_indices.clamp(min=0).to(torch.int64)
+        pool = state[pages].float()  # row i's state at index i
+        ids = torch.arange(len(pages), device=state_indices.device)
+        rows_of = torch.where(state_indices >= 0, ids, -1)
     out = v.new_zeros(v.shape)
     for tokens, rows in _steps(cu_seqlens):
         out[tokens] = step(
-            q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens], state,
-            state_indices[rows], scale=scale, use_qk_l2norm=use_qk_l2norm,
+            q[tokens], k[tokens], v[tokens], g[tokens], beta[tokens], pool,
+            rows_of[rows], scale=scale, use_qk_l2norm=use_qk_l2norm,
         )  # fmt: skip
+    if pool is not state:
+        used = (state_indices >= 0) & (cu_seqlens[1:] > cu_seqlens[:-1]).to(pages.device)
+        state[pages[used]] = pool[used].to(state.dtype)
     return out
 
 
-def serial_gated_delta_rule_ref(*args):
+def serial_gated_delta_rule_ref(*args, round_every_token=True):
     """Token by token through `recurrent_gated_delta_rule` (arguments as
     `serial_gated_delta_rule`'s, scale and use_qk_l2norm positional), in place on the pool."""
-    return _serial_recurrence_ref(gdn_ref.recurrent_gated_delta_rule, *args)
+    return _serial_recurrence_ref(
+        gdn_ref.recurrent_gated_delta_rule, *args, round_every_token=round_every_token
+    )
 
 
-def serial_kda_ref(*args):
+def serial_kda_ref(*args, round_every_token=True):
     """Token by token through `kda.recurrent_kda` (arguments as `serial_kda`'s, scale and
     use_qk_l2norm positional), in place on the pool."""
-    return _serial_recurrence_ref(kda_ref.recurrent_kda, *args)
+    return _serial_recurrence_ref(kda_ref.recurrent_kda, *args, round_every_token=round_every_token)
 
 
 def serial_causal_conv1d(
@@ -141,22 +153,26 @@ def serial_causal_conv1d(
 
 def serial_gated_delta_rule(
     q, k, v, g, beta, state, cu_seqlens, state_indices, has_initial_state, *, scale=None,
-    use_qk_l2norm=False,
+    use_qk_l2norm=False, round_every_token=True,
 ):  # fmt: skip
     """The gated delta rule over packed rows, token by token, in place on the pool.
 
     q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; state [slots, Hv, Dk, Dv];
     cu_seqlens, state_indices, has_initial_state as `serial_causal_conv1d`. Returns out
-    [T, Hv, Dv] in q's dtype. The state is rounded to the pool's dtype after every token."""
+    [T, Hv, Dv] in q's dtype. With `round_every_token` (the deterministic mode) the state
+    is rounded to the pool's dtype after every token, so chunking a prompt changes no
+    bits; without it a row's state stays float32 through its tokens and is rounded once,
+    when stored (as the chunked kernels store it once a call: a narrow pool then loses
+    less)."""
     return _serial_recurrence(
-        False, q, k, v, g, beta, state, cu_seqlens, state_indices, has_initial_state, scale,
-        use_qk_l2norm,
+        False, round_every_token, q, k, v, g, beta, state, cu_seqlens, state_indices,
+        has_initial_state, scale, use_qk_l2norm,
     )  # fmt: skip
 
 
 def serial_kda(
     q, k, v, g, beta, state, cu_seqlens, state_indices, has_initial_state, *, scale=None,
-    use_qk_l2norm=False,
+    use_qk_l2norm=False, round_every_token=True,
 ):  # fmt: skip
     """Kimi Delta Attention over packed rows, token by token, in place on the pool: as
     `serial_gated_delta_rule` with one log-decay per key channel, g [T, Hv, Dk] (float32).
@@ -168,16 +184,19 @@ def serial_kda(
             f"g: expected [{q.shape[0]}, {num_v_heads}, {head_k}], got {list(g.shape)}"
         )
     return _serial_recurrence(
-        True, q, k, v, g.contiguous(), beta, state, cu_seqlens, state_indices,
-        has_initial_state, scale, use_qk_l2norm,
+        True, round_every_token, q, k, v, g.contiguous(), beta, state, cu_seqlens,
+        state_indices, has_initial_state, scale, use_qk_l2norm,
     )  # fmt: skip
 
 
-def _serial_recurrence(per_channel_decay, q, *args):
+def _serial_recurrence(per_channel_decay, round_every_token, q, *args):
     """The serial Triton kernel on CUDA (for a float pool), else the matching reference."""
     state = args[4]
     if use_triton(q) and state.dtype in (torch.float16, torch.bfloat16, torch.float32):
         from kvloom.kernels.batch_invariant_triton import serial_gated_delta_rule_triton
 
-        return serial_gated_delta_rule_triton(q, *args, per_channel_decay=per_channel_decay)
-    return (serial_kda_ref if per_channel_decay else serial_gated_delta_rule_ref)(q, *args)
+        return serial_gated_delta_rule_triton(
+            q, *args, per_channel_decay=per_channel_decay, round_every_token=round_every_token
+        )
+    reference = serial_kda_ref if per_channel_decay else serial_gated_delta_rule_ref
+    return reference(q, *args, round_every_token=round_every_token)

@@ -547,6 +547,7 @@ def _serial_delta_rule_kernel(
     BV: tl.constexpr,
     L2NORM: tl.constexpr,
     PER_CHANNEL_DECAY: tl.constexpr = False,
+    ROUND_EVERY_TOKEN: tl.constexpr = True,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -587,14 +588,14 @@ def _serial_delta_rule_kernel(
             out = tl.sum(q[:, None] * s, axis=0)
             out_ptrs = out_ptr + t * stride_ot + head * stride_oh + cols
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=col_ok)
-            # As if stored after every token: chunking then changes no rounding point.
-            s = s.to(state_ptr.dtype.element_ty).to(tl.float32)
+            if ROUND_EVERY_TOKEN:  # as if stored after every token: chunking changes no bits
+                s = s.to(state_ptr.dtype.element_ty).to(tl.float32)
         tl.store(s_ptrs, s.to(state_ptr.dtype.element_ty), mask=tile_ok)
 
 
 def serial_gated_delta_rule_triton(
     q, k, v, g, beta, state, cu_seqlens, state_indices, has_initial_state, scale, use_qk_l2norm,
-    per_channel_decay: bool = False,
+    per_channel_decay: bool = False, round_every_token: bool = True,
 ):  # fmt: skip
     """See `batch_invariant.serial_gated_delta_rule`; `per_channel_decay`: g [T, Hv, Dk],
     KDA's gate (`batch_invariant.serial_kda`)."""
@@ -642,6 +643,7 @@ def serial_gated_delta_rule_triton(
         BV=block_v,
         L2NORM=bool(use_qk_l2norm),
         PER_CHANNEL_DECAY=per_channel_decay,
+        ROUND_EVERY_TOKEN=bool(round_every_token) and state.dtype != torch.float32,
         num_warps=4,
     )
     return out

@@ -104,16 +104,23 @@ PAIRS_BLOCK_M = BLOCK_M_CHOICES[0]  # the sorted plan's block at decode sizes
 # The pairs plan's software-pipelining depths (gate_up, down). At one token its gate_up
 # launch is only T * k * (I / BLOCK_N) programs (Qwen3-Next: 80, 88 with the shared expert
 # folded in: fewer than the SMs), each streaming K = H columns. The depth schedules the
-# same dots over the same K tiles: the same bits at any depth. On an H100 deeper pipelines
-# gained at most 6% per layer at one token and lost at two (docs/benchmarks/
-# gpu_fast_path.md, seventeenth session), so the sorted plan's depth stays.
-# KVLOOM_MOE_DECODE_STAGES overrides it (benchmarks/moe_layer_launches.py --pairs-stages).
+# same dots over the same K tiles: the same bits at any depth. On an H100 (twenty-sixth
+# session, docs/benchmarks/data/moe_pairs_stages_h100_2026-12-07s26.json) depth 4 at one
+# token took a layer from 47.21 to 45.34 us (Qwen3-Next, shared expert folded), 54.23 to
+# 51.96 (two branches), 67.48 to 66.64 and 75.10 to 73.46 (Kimi-Linear); 6 gained more on
+# Qwen3-Next (44.37) but lost on Kimi-Linear (69.40). At two and four tokens depth 3 was
+# the fastest or within 2%, so deeper pipelines stay at one token.
+# KVLOOM_MOE_DECODE_STAGES overrides both (benchmarks/moe_layer_launches.py --pairs-stages).
+PAIRS_STAGES_ONE_TOKEN = (4, 4)
 PAIRS_STAGES = (NUM_STAGES, NUM_STAGES)
 
 
-def pairs_stages() -> tuple[int, int]:
-    """(gate_up, down) num_stages of a pairs-plan launch."""
-    return envs.moe_decode_stages() or PAIRS_STAGES
+def pairs_stages(num_tokens: int) -> tuple[int, int]:
+    """(gate_up, down) num_stages of a pairs-plan launch over `num_tokens` tokens."""
+    chosen = envs.moe_decode_stages()
+    if chosen:
+        return chosen
+    return PAIRS_STAGES_ONE_TOKEN if num_tokens == 1 else PAIRS_STAGES
 
 
 def choose_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
@@ -656,7 +663,7 @@ def fused_moe_triton(
         PAIRS=pairs,
         num_warps=NUM_WARPS,
     )
-    gate_up_stages, down_stages = pairs_stages() if pairs else (NUM_STAGES, NUM_STAGES)
+    gate_up_stages, down_stages = pairs_stages(num_tokens) if pairs else (NUM_STAGES, NUM_STAGES)
     id_strides = (topk_ids.stride(0), topk_ids.stride(1))
     tiles = triton.cdiv(hidden_size, BLOCK_N)
     # Without the in-launch sum the kernel never reads its counters: topk_ids stands in.

@@ -304,13 +304,16 @@ def test_pairs_plan_launches_three_kernels_where_the_sorted_plan_launches_five()
 
 
 @pytest.mark.parametrize(
-    "setting,want", [("", (3, 3)), ("6", (6, 6)), ("8,4", (8, 4)), (" 5 , 2 ", (5, 2))]
-)
+    "setting,tokens,want",
+    [("", 1, (4, 4)), ("", 2, (3, 3)), ("", 4, (3, 3)), ("6", 1, (6, 6)), ("8,4", 2, (8, 4)),
+     (" 5 , 2 ", 1, (5, 2))],
+)  # fmt: skip
 def test_pairs_plan_pipelines_at_the_depths_asked_and_the_sorted_plan_keeps_its_own(
-    monkeypatch, setting, want
+    monkeypatch, setting, tokens, want
 ):
-    """KVLOOM_MOE_DECODE_STAGES sets the pairs plan's gate_up and down num_stages (same
-    bits: the interpreter ignores depth; the gpu test compares compiled depths)."""
+    """The pairs plan pipelines deeper at one token than at more (PAIRS_STAGES_ONE_TOKEN);
+    KVLOOM_MOE_DECODE_STAGES sets its gate_up and down num_stages at any count (same bits:
+    the interpreter ignores depth; the gpu test compares compiled depths)."""
     if CUDA:
         pytest.skip("reads interpreted launches' arguments")
     from triton.runtime.interpreter import InterpretedFunction
@@ -330,8 +333,8 @@ def test_pairs_plan_pipelines_at_the_depths_asked_and_the_sorted_plan_keeps_its_
 
     monkeypatch.setattr(InterpretedFunction, "__getitem__", recording)
     w13, w2 = make_weights(5, 40, 24, torch.bfloat16, seed=12)
-    weights, ids = make_routing(2, 4, 2, seed=13)
-    x = torch.randn(2, 40).to(torch.bfloat16)
+    weights, ids = make_routing(tokens, 4, 2, seed=13)
+    x = torch.randn(tokens, 40).to(torch.bfloat16)
     pairs = fused_moe_triton(x, w13, w2, weights, ids, pairs=True)
     stages = dict(seen)
     assert (stages["_gate_up_kernel"], stages["_down_kernel"]) == want
@@ -344,7 +347,7 @@ def test_pairs_plan_pipelines_at_the_depths_asked_and_the_sorted_plan_keeps_its_
 def test_a_bad_decode_depth_names_the_variable(monkeypatch, bad):
     monkeypatch.setenv("KVLOOM_MOE_DECODE_STAGES", bad)
     with pytest.raises(ValueError, match="KVLOOM_MOE_DECODE_STAGES: expected one or two"):
-        pairs_stages()
+        pairs_stages(1)
 
 
 # ---------------------------------------------------------------- CUDA

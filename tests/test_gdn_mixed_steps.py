@@ -8,10 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvloom import Engine
+from kvloom.kernels import batch_invariant as bi
 from kvloom.workers.layers import gated_deltanet as gdn
 from kvloom.workers.layers import linear_state_pages as pages
 from kvloom.workers.row_kinds import RowClasses, classify_rows
-from tests.engine_helpers import tokens_by_mixed_step_path
+from tests.engine_helpers import PROMPTS, greedy, run_to_completion, tokens_by_mixed_step_path
 
 CUDA = torch.device("cuda")  # a device object only: nothing is allocated on it
 CPU = torch.device("cpu")
@@ -24,20 +26,18 @@ def rows(computed: list[int], scheduled: list[int]) -> RowClasses:
 def test_mixed_step_path_policy(monkeypatch):
     monkeypatch.delenv("KVLOOM_GDN_MIXED_STEPS", raising=False)
     many_short = rows([0] * 4 + [40] * 4, [512, 300, 7, 1, 1, 1, 1, 2048])
-    f32 = torch.float32
-    assert gdn.mixed_step_path(many_short, CUDA, f32) == "serial"
-    assert gdn.mixed_step_path(many_short, CPU, f32) == "chunked"  # the CPU keeps chunked
-    assert gdn.mixed_step_path(many_short, CUDA, torch.bfloat16) == "chunked"  # rounded per token
+    assert gdn.mixed_step_path(many_short, CUDA) == "serial"
+    assert gdn.mixed_step_path(many_short, CPU) == "chunked"  # the CPU keeps chunked
     too_few = rows([0] * 7, [64] * 7)
-    assert pages.SERIAL_MIN_ROWS == 8 and gdn.mixed_step_path(too_few, CUDA, f32) == "chunked"
+    assert pages.SERIAL_MIN_ROWS == 8 and gdn.mixed_step_path(too_few, CUDA) == "chunked"
     one_long = rows([0] + [40] * 9, [pages.SERIAL_MAX_ROW_TOKENS + 1] + [1] * 9)
-    assert gdn.mixed_step_path(one_long, CUDA, f32) == "chunked"
+    assert gdn.mixed_step_path(one_long, CUDA) == "chunked"
     for forced in ("serial", "split", "chunked"):  # forced paths ignore device and rows
         monkeypatch.setenv("KVLOOM_GDN_MIXED_STEPS", forced)
-        assert gdn.mixed_step_path(too_few, CPU, torch.bfloat16) == forced
+        assert gdn.mixed_step_path(too_few, CPU) == forced
     monkeypatch.setenv("KVLOOM_GDN_MIXED_STEPS", "fast")
     with pytest.raises(ValueError, match="KVLOOM_GDN_MIXED_STEPS"):
-        gdn.mixed_step_path(many_short, CUDA, f32)
+        gdn.mixed_step_path(many_short, CUDA)
 
 
 def test_serial_split_and_chunked_mixed_steps_give_the_same_tokens(hybrid_model, monkeypatch):
@@ -53,3 +53,25 @@ def test_serial_split_and_chunked_mixed_steps_give_the_same_tokens(hybrid_model,
     )
     assert outs["serial"] == outs["chunked"]
     assert outs["split"] == outs["chunked"]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_serial_steps_round_the_state_every_token_only_in_the_deterministic_mode(
+    hybrid_model, monkeypatch, deterministic
+):
+    """The deterministic mode asks the serial kernels to round the state after every token
+    (chunking a prompt then changes no bits); the default mode's mixed steps ask for one
+    rounding a step, as the chunked kernels round (kernels/batch_invariant.py)."""
+    asked = []
+    serial = bi.serial_gated_delta_rule
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["round_every_token"])
+        return serial(*args, **kwargs)
+
+    monkeypatch.setattr(bi, "serial_gated_delta_rule", spy)
+    monkeypatch.setenv("KVLOOM_GDN_MIXED_STEPS", "serial")
+    eng = Engine(model=str(hybrid_model("qwen3_next")), dtype="float32", device="cpu",
+                 max_num_batched_tokens=16, deterministic=deterministic, progress=False)  # fmt: skip
+    run_to_completion(eng, PROMPTS[:3], greedy(4))
+    assert asked and set(asked) == {deterministic}

@@ -254,6 +254,48 @@ def test_serial_delta_rule_is_chunking_and_batch_invariant(dtype, state_dtype, k
     torch.testing.assert_close(pool[1:].float(), ref_pool[1:].float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("kda", [False, True])
+def test_serial_delta_rule_rounds_a_narrow_state_once_outside_the_deterministic_mode(kda):
+    """round_every_token=False (the default mode's mixed steps): a bf16 pool's rows keep
+    float32 states through their tokens, so the outputs are a float32 pool's bit for bit
+    and each stored state is the float32 one rounded once; rounding after every token
+    (the deterministic mode) gives other bits. The reference does the same."""
+    tensors = _gdn_case(40, 9, dtype=torch.bfloat16, kda=kda)
+    other = _gdn_case(50, 5, dtype=torch.bfloat16, kda=kda)
+    batch = [torch.cat([a, b]) for a, b in zip(other, tensors)]
+    hv, dk, dv = tensors[2].shape[1], tensors[0].shape[2], tensors[2].shape[2]
+    start = rand(hv, dk, dv, seed=60, dtype=torch.bfloat16, scale=0.1)
+    cu = torch.tensor([0, 5, 14, 14], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([2, 1, -1], dtype=torch.int32, device=DEVICE)
+    has = torch.tensor([True, False, False], device=DEVICE)
+
+    def run(state_dtype, every, reference=False):
+        pool = torch.full((3, hv, dk, dv), float("nan"), dtype=state_dtype, device=DEVICE)
+        pool[2] = start.to(state_dtype)
+        if reference:
+            rule = serial_kda_ref if kda else serial_gated_delta_rule_ref
+            out = rule(*batch, pool, cu, slots.long(), has, None, True, round_every_token=every)
+        else:
+            out = serial_gated_delta_rule_triton(
+                *batch, pool, cu, slots, has, None, True, per_channel_decay=kda,
+                round_every_token=every,
+            )  # fmt: skip
+        return out, pool[1:]
+
+    wide_out, wide_states = run(torch.float32, True)
+    once_out, once_states = run(torch.bfloat16, False)
+    assert torch.equal(once_out, wide_out)
+    assert torch.equal(once_states, wide_states.to(torch.bfloat16))
+    every_out, every_states = run(torch.bfloat16, True)
+    assert not torch.equal(every_out, once_out) and not torch.equal(every_states, once_states)
+    ref_wide_out, ref_wide_states = run(torch.float32, True, reference=True)
+    ref_out, ref_states = run(torch.bfloat16, False, reference=True)
+    assert torch.equal(ref_out, ref_wide_out)
+    assert torch.equal(ref_states, ref_wide_states.to(torch.bfloat16))
+    torch.testing.assert_close(once_out.float(), ref_out.float(), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(once_states.float(), ref_states.float(), atol=3e-2, rtol=3e-2)
+
+
 def _paged_cache(ctx, kv_heads, dim, block, seed, dtype):
     blocks = -(-ctx // block)
     cache = torch.full((2, blocks + 2, block, kv_heads, dim), float("nan"), dtype=dtype)

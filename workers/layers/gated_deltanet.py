@@ -86,16 +86,14 @@ from kvloom.workers.row_kinds import RowClasses
 SPLIT_ROW_TOKENS = 64
 
 
-def mixed_step_path(rows: RowClasses, device: torch.device, state_dtype: torch.dtype) -> str:
+def mixed_step_path(rows: RowClasses, device: torch.device) -> str:
     """How a step that is neither decode-only nor a uniform resume runs: "serial" (every
     row through the serial kernels), "split" (rows of more than SPLIT_ROW_TOKENS tokens
     through the chunked kernels, the others through the serial ones) or "chunked".
     KVLOOM_GDN_MIXED_STEPS=serial|split|chunked forces one; auto (the default) takes serial
-    on CUDA, for a float32 state (a narrower one would be rounded after every prompt
-    token, as decodes round it, where the chunked kernels round once a chunk), for steps of
-    at least SERIAL_MIN_ROWS rows of at most SERIAL_MAX_ROW_TOKENS tokens, else chunked
-    (`serial_suits`)."""
-    return mixed_step_choice("KVLOOM_GDN_MIXED_STEPS", rows, device, state_dtype)
+    on CUDA for steps of at least SERIAL_MIN_ROWS rows of at most SERIAL_MAX_ROW_TOKENS
+    tokens, else chunked (`serial_suits`)."""
+    return mixed_step_choice("KVLOOM_GDN_MIXED_STEPS", rows, device)
 
 
 class GatedRMSNorm(nn.Module):
@@ -359,7 +357,7 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
         if resume is not None:
             core = self.resume_token_by_token(mixed, g, beta, slots, resume)
             return self.norm(core, z).flatten(1)
-        path = mixed_step_path(batch.rows, hidden.device, self.recurrent_state.dtype)
+        path = mixed_step_path(batch.rows, hidden.device)
         if path == "serial":
             core = self._serial_all(mixed, g, beta, slots, batch)
             return self.norm(core, z).flatten(1)
@@ -446,9 +444,12 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
             cu, slots, has_state = serial_rows(batch, slots, mixed.device)
         x = self.serial_conv(mixed, cu, slots, has_state)
         q, k, v = self._split_heads(x)
+        # The deterministic mode rounds a narrow state after every token (chunking then
+        # changes no bits); elsewhere once a step, as the chunked kernels do.
         return bi.serial_gated_delta_rule(
-            q, k, v, g, beta, self.recurrent_state, cu, slots, has_state, use_qk_l2norm=True
-        )
+            q, k, v, g, beta, self.recurrent_state, cu, slots, has_state, use_qk_l2norm=True,
+            round_every_token=batch_invariant(),
+        )  # fmt: skip
 
     @staticmethod
     def _pages(slots: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from kvloom.kernels import batch_invariant as bi
+from kvloom.kernels.dispatch import batch_invariant
 from kvloom.kernels.ops import (
     causal_conv1d_update,
     causal_conv1d_varlen,
@@ -61,14 +62,15 @@ from kvloom.workers.row_kinds import RowClasses
 SPLIT_ROW_TOKENS = 64
 
 
-def mixed_step_path(rows: RowClasses, device: torch.device, state_dtype: torch.dtype) -> str:
+def mixed_step_path(rows: RowClasses, device: torch.device) -> str:
     """How a KDA layer serves a step that is neither decode-only nor a uniform resume:
     "chunked" (prefill rows through the chunked kernels, decode rows through the single-step
     ones), "serial" (every row token by token through the serial kernels, in place on the
     pool: no state gathers, no host-side chunk layout) or "split" (rows of more than
     SPLIT_ROW_TOKENS tokens chunked, the rest serial). KVLOOM_KDA_MIXED_STEPS picks one;
-    auto takes serial where Gated DeltaNet's rule does (`serial_suits`), else chunked."""
-    return mixed_step_choice("KVLOOM_KDA_MIXED_STEPS", rows, device, state_dtype)
+    auto (the default) takes serial where Gated DeltaNet's rule does (`serial_suits`),
+    else chunked."""
+    return mixed_step_choice("KVLOOM_KDA_MIXED_STEPS", rows, device)
 
 
 class GatedRMSNorm(nn.Module):
@@ -253,7 +255,7 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
         """A step of prefill and decode rows -> the core output [T, H, D], by
         `mixed_step_path`: chunked (prefill rows chunked, decode rows single-step), serial
         or split (long rows chunked, the rest serial)."""
-        path = mixed_step_path(batch.rows, mixed.device, self.recurrent_state.dtype)
+        path = mixed_step_path(batch.rows, mixed.device)
         if path == "serial":
             return self._serial_all(mixed, g, beta, slots, batch)
         if path == "split":
@@ -268,13 +270,15 @@ class KimiDeltaAttention(LinearStatePages, nn.Module):
 
     def _serial_all(self, mixed, g, beta, slots, batch: ForwardBatch) -> torch.Tensor:
         """Every row, prefill chunk or decode step, through one token-by-token conv and
-        recurrence (kernels/batch_invariant.py), in place on the pool."""
+        recurrence (kernels/batch_invariant.py), in place on the pool; the state is
+        rounded to the pool's dtype once a step (every token in the deterministic mode)."""
         cu, slots, has_state = serial_rows(batch, slots, mixed.device)
         x = self.serial_conv(mixed, cu, slots, has_state)
         q, k, v = self._split_heads(x)
         out = bi.serial_kda(
-            q, k, v, g, beta, self.recurrent_state, cu, slots, has_state, use_qk_l2norm=True
-        )
+            q, k, v, g, beta, self.recurrent_state, cu, slots, has_state, use_qk_l2norm=True,
+            round_every_token=batch_invariant(),
+        )  # fmt: skip
         return out.to(mixed.dtype)
 
     def _decode_all(self, mixed, g, beta, slots: torch.Tensor) -> torch.Tensor:

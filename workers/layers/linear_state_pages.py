@@ -32,21 +32,22 @@ SERIAL_MIN_ROWS = 8
 SERIAL_MAX_ROW_TOKENS = 2048
 
 
-def serial_suits(rows, device: torch.device, state_dtype: torch.dtype) -> bool:
-    """Whether a mixed step (RowClasses `rows`) suits the serial kernels: on CUDA, for a
-    float32 state (a narrower one would be rounded after every prompt token, as decodes
-    round it, where the chunked kernels round once a chunk), for at least SERIAL_MIN_ROWS
-    rows of at most SERIAL_MAX_ROW_TOKENS tokens."""
+def serial_suits(rows, device: torch.device) -> bool:
+    """Whether a mixed step (RowClasses `rows`) suits the serial kernels: on CUDA, for at
+    least SERIAL_MIN_ROWS rows of at most SERIAL_MAX_ROW_TOKENS tokens. Any state dtype:
+    outside the deterministic mode the serial kernels keep a row's state in float32
+    through its tokens and round it once, when stored, as the chunked kernels do (a bf16
+    state: Qwen3-Next-16l offline 27.79 s serial against 40.71 chunked on an H100,
+    docs/benchmarks/gpu_fast_path.md, twenty-sixth session)."""
     lens = rows.num_scheduled_tokens
     return (
         device.type == "cuda"
-        and state_dtype == torch.float32
         and len(lens) >= SERIAL_MIN_ROWS
         and max(lens, default=0) <= SERIAL_MAX_ROW_TOKENS
     )
 
 
-def mixed_step_choice(env_name: str, rows, device: torch.device, state_dtype: torch.dtype) -> str:
+def mixed_step_choice(env_name: str, rows, device: torch.device) -> str:
     """The mixed-step path a linear-attention layer takes (serial, split or chunked) as the
     environment variable `env_name` picks it; auto takes serial where `serial_suits`."""
     choice = envs.get(env_name).strip().lower()
@@ -54,7 +55,7 @@ def mixed_step_choice(env_name: str, rows, device: torch.device, state_dtype: to
         raise ValueError(f"{env_name} must be auto, serial, split or chunked, got {choice!r}")
     if choice != "auto":
         return choice
-    return "serial" if serial_suits(rows, device, state_dtype) else "chunked"
+    return "serial" if serial_suits(rows, device) else "chunked"
 
 
 def serial_rows(batch: ForwardBatch, slots: torch.Tensor | None, device: torch.device):
