@@ -9,6 +9,11 @@ float32 state): the conv update, then
   one     gates, recurrence and norm in one launch (block_v 128: a program per value head)
 
     python3 benchmarks/gdn_decode_fusion.py --out $OUT/gdn_decode_fusion.json
+    python3 benchmarks/gdn_decode_fusion.py --state-dtype bfloat16 --rows 1 128 512
+
+`--state-dtype bfloat16` keeps the recurrent state as `--linear-state-dtype auto` does
+(vLLM's default): half the bytes, which at about 600 decode rows the production tile read
+at half the float32 state's rate (gpu_fast_path.md, twenty-sixth session).
 
 Timing as benchmarks/gemv_plans.py: each (rows, variant) is captured LAUNCHES_PER_GRAPH
 times back to back in one CUDA graph, rotating over copies of the state pools so every
@@ -67,6 +72,8 @@ VARIANTS = {
     # bv8 no faster at one row and slower past it. Production keeps 32.
     "two_bv16": (16, True, False),
     "two_bv8": (8, True, False),
+    # Wider: twice the state bytes a program holds, which a bf16 state may need.
+    "two_bv64": (64, True, False),
     "one_bv128": (128, True, True),
 }
 TINY_VARIANTS = {"three": (8, False, False), "two": (8, True, False), "one": (None, True, True)}
@@ -141,21 +148,27 @@ def same_bits(layer: Layer, variant, block_v) -> bool:
     return bool(ok)
 
 
-def bench(shapes, rows_list, variants, device, timer, log, layer_cls=Layer) -> list[dict]:
+def bench(
+    shapes, rows_list, variants, device, timer, log, layer_cls=Layer, state_dtype=torch.float32
+) -> list[dict]:
     """`layer_cls`: this Layer or one with its constructor, step, state, state_snapshot and
-    restore (benchmarks/kda_decode_fusion.py's KDA layer)."""
+    restore (benchmarks/kda_decode_fusion.py's KDA layer); its float32 state pools are
+    narrowed to `state_dtype`."""
     results = []
+    itemsize = torch.tensor([], dtype=state_dtype).element_size()
     for shape_name, (hk, hv, dk, dv, width) in shapes.items():
         for rows in rows_list:
-            state_bytes = rows * hv * dk * dv * 4
+            state_bytes = rows * hv * dk * dv * itemsize
             copies = weight_copies(state_bytes) if device.type == "cuda" else 1
             layer = layer_cls(rows, hk, hv, dk, dv, width, copies, device, seed=rows * 131 + hv)
+            layer.state = [pool.to(state_dtype) for pool in layer.state]
             times = {}
             for name, variant in variants.items():
                 bits_ok = same_bits(layer, variant, variant[0])
                 us = timer(lambda i, v=variant, layer=layer: layer.step(i, *v), copies)
                 times[name] = us
                 row = dict(shape=shape_name, rows=rows, variant=name, us=us)
+                row.update(state_dtype=str(layer.state[0].dtype).removeprefix("torch."))
                 row.update(block_v=variant[0] or "plan", same_bits_as_three_launches=bits_ok)
                 results.append(row)
                 flag = "" if bits_ok else " WARN"
@@ -187,6 +200,11 @@ def main(
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--out", type=Path, help="JSON results")
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU interpreter)")
+    parser.add_argument(
+        "--state-dtype", choices=("float32", "bfloat16"), default="float32",
+        help="the recurrent state pools' dtype (bfloat16: --linear-state-dtype auto)",
+    )  # fmt: skip
+    parser.add_argument("--rows", type=int, nargs="+", help="decode rows (default: ROWS)")
     args = parser.parse_args(argv)
     start = time.monotonic()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -194,12 +212,13 @@ def main(
     timer = time_graph_us if device.type == "cuda" else time_wall_us
     results = bench(
         tiny_shapes if tiny else shapes,
-        tiny_rows if tiny else rows,
+        args.rows or (tiny_rows if tiny else rows),
         tiny_variants if tiny else variants,
         device,
         timer,
         print,
         layer_cls,
+        getattr(torch, args.state_dtype),
     )
     return graph_timing.write_result(
         args.out,

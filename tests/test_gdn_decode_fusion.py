@@ -289,6 +289,21 @@ def test_layer_decode_step_through_the_kernel(fuse_projections, monkeypatch):
     assert torch.equal(layer.recurrent_state[[0, 2, 3, 5]], pools[1][[0, 2, 3, 5]])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the real run is the GPU benchmark itself")
+def test_benchmark_tiny_run_with_a_bf16_state(tmp_path):
+    """benchmarks/gdn_decode_fusion.py --tiny --state-dtype bfloat16 --rows 2 (CPU
+    interpreter): the pools are narrowed, the rows asked for are the rows run, and every
+    variant gives its three launches' bits."""
+    from benchmarks import gdn_decode_fusion as bench
+
+    out = tmp_path / "gdn.json"
+    result = bench.main(["--tiny", "--state-dtype", "bfloat16", "--rows", "2", "--out", str(out)])
+    rows = result["rows"]
+    assert out.exists() and len(rows) == len(bench.TINY_SHAPES) * len(bench.TINY_VARIANTS)
+    assert {(r["rows"], r["state_dtype"]) for r in rows} == {(2, "bfloat16")}
+    assert all(r["same_bits_as_three_launches"] for r in rows), rows
+
+
 # ------------------------------------------------------------------------------------- gpu
 
 
