@@ -13,8 +13,10 @@ summation order whatever else is in the launch:
   conv and recurrence token by token, one program per (sequence, channel or state-column
   block) looping over that sequence's tokens with the same per-token arithmetic. Prefill
   chunks and decode steps run this one loop body, so a token's numbers do not depend on how
-  its request was chunked, cached or preempted. The recurrent state is rounded to the pool's
-  dtype after every token, exactly as if it had been stored each step.
+  its request was chunked, cached or preempted. In the deterministic mode the recurrent
+  state is rounded to the pool's dtype after every token, exactly as if it had been stored
+  each step; the default mode's mixed steps (`round_every_token=False`) round it once, when
+  stored, as the chunked kernels do.
 
 No host synchronisation and grids from shapes only: CUDA graphs capture them.
 """

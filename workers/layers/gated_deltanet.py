@@ -25,7 +25,8 @@ linear_state_pages.py, shared with KDA): the recurrence a plain decode would com
 with no host-side sequence bounds, so CUDA graphs can capture it.
 
 On CUDA a mixed step of many short rows (`mixed_step_path`) also goes token by token,
-through the serial kernels the deterministic mode uses (kernels/batch_invariant.py): in
+through the serial kernels the deterministic mode uses (kernels/batch_invariant.py), but
+rounding a narrow (bf16) state once a step rather than after every token: in
 place on the pool, no state gathers and no host-side chunk bookkeeping. On the H200 that
 made offline Qwen3-Next-shape throughput 34% higher at 256 requests of 128-512 prompt
 tokens and 28% higher at 64 requests of 1,500-2,000 (docs/benchmarks/deterministic.md).
