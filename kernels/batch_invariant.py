@@ -96,10 +96,11 @@ def _serial_recurrence_ref(
     use_qk_l2norm, round_every_token=True,
 ):  # fmt: skip
     """Token by token through the single-step reference `step`, in place on the pool
-    (without `round_every_token`, on float32 copies of the rows' pages, stored once)."""
+    (without `round_every_token`, a half-precision pool's rows on float32 copies of their
+    pages, stored once; a float32 or float64 pool needs no copy)."""
     _zero_fresh_slots(state, state_indices, has_initial_state, cu_seqlens)
     pool, rows_of = state, state_indices
-    if not round_every_token and state.dtype != torch.float32:
+    if not round_every_token and state.dtype in (torch.float16, torch.bfloat16):
         pages = state_indices.clamp(min=0).to(torch.int64)
         pool = state[pages].float()  # row i's state at index i
         ids = torch.arange(len(pages), device=state_indices.device)

@@ -296,6 +296,25 @@ def test_serial_delta_rule_rounds_a_narrow_state_once_outside_the_deterministic_
     torch.testing.assert_close(once_states.float(), ref_states.float(), atol=3e-2, rtol=3e-2)
 
 
+def test_serial_reference_keeps_a_float64_pool_in_float64():
+    """The CPU's float64 runs: without per-token rounding the reference still computes in
+    the pool's float64 (no float32 copy), so both settings give the same bits."""
+    tensors = _gdn_case(40, 9, dtype=torch.float64)
+    hv, dk, dv = tensors[2].shape[1], tensors[0].shape[2], tensors[2].shape[2]
+    cu = torch.tensor([0, 9], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([1], dtype=torch.int64, device=DEVICE)
+    has = torch.tensor([True], device=DEVICE)
+    runs = []
+    for every in (True, False):
+        pool = torch.zeros((2, hv, dk, dv), dtype=torch.float64, device=DEVICE)
+        pool[1] = rand(hv, dk, dv, seed=60, dtype=torch.float64, scale=0.1)
+        out = serial_gated_delta_rule_ref(
+            *tensors, pool, cu, slots, has, None, True, round_every_token=every
+        )
+        runs.append((out, pool))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
 def _paged_cache(ctx, kv_heads, dim, block, seed, dtype):
     blocks = -(-ctx // block)
     cache = torch.full((2, blocks + 2, block, kv_heads, dim), float("nan"), dtype=dtype)
