@@ -37,8 +37,8 @@ def serial_suits(rows, device: torch.device) -> bool:
     least SERIAL_MIN_ROWS rows of at most SERIAL_MAX_ROW_TOKENS tokens. Any state dtype:
     outside the deterministic mode the serial kernels keep a row's state in float32
     through its tokens and round it once, when stored, as the chunked kernels do (a bf16
-    state: Qwen3-Next-16l offline 27.79 s serial against 40.71 chunked on an H100,
-    docs/benchmarks/gpu_fast_path.md, twenty-sixth session)."""
+    state: Qwen3-Next-16l offline 27.79 s serial on an H100, against 40.71 chunked in an
+    earlier H100 lease; docs/benchmarks/gpu_fast_path.md, twenty-sixth session)."""
     lens = rows.num_scheduled_tokens
     return (
         device.type == "cuda"
