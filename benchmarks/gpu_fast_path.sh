@@ -395,8 +395,8 @@ print(min(ok, key=lambda r: r['us_per_layer'])['pairs_stages'])")
         --out "$OUT/kvloom_kimi-linear-16l_latency_gemv.json" 2>&1 | grep "^RESULT ms_per" \
         || status=1
       ;;
-    kda-mixed-ab)  # Kimi-Linear-16l offline at 128 sequences: KDA's mixed steps chunked,
-      # serial (KVLOOM_KDA_MIXED_STEPS=auto, the default), split, and chunked with fla's
+    kda-mixed-ab)  # Kimi-Linear-16l offline at 128 sequences: KDA's mixed steps chunked
+      # (default), serial (KVLOOM_KDA_MIXED_STEPS=auto), split, and chunked with fla's
       # device-built chunk layout (KVLOOM_FLA_KDA_DEVICE_LAYOUT=1); first the serial
       # kernels' tests, compiled. KDA_VARIANTS narrows the runs (about 2 min each)
       timeout 240 python3 -m pytest -q -p no:cacheprovider -k serial \

@@ -1,7 +1,7 @@
 """KDA's paths for mixed prefill + decode steps (workers/layers/kda_layer.py): the chunked
-kernels; every row token by token in place through the serial kernels
-(KVLOOM_KDA_MIXED_STEPS=serial; auto, the default, takes Gated DeltaNet's rule); or split,
-long rows chunked and the rest serial. All give the same tokens."""
+kernels (the default); every row token by token in place through the serial kernels
+(KVLOOM_KDA_MIXED_STEPS=serial; auto takes Gated DeltaNet's rule); or split, long rows
+chunked and the rest serial. All give the same tokens."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ CPU = torch.device("cpu")
 def test_mixed_step_path_policy(monkeypatch):
     many_short = RowClasses(classify_rows([0] * 4 + [40] * 4, [512, 300, 7, 1, 1, 1, 1, 9]),
                             [512, 300, 7, 1, 1, 1, 1, 9])  # fmt: skip
-    monkeypatch.delenv("KVLOOM_KDA_MIXED_STEPS", raising=False)  # the default: auto
-    assert kda_layer.mixed_step_path(many_short, CUDA) == "serial"
+    monkeypatch.delenv("KVLOOM_KDA_MIXED_STEPS", raising=False)
+    assert kda_layer.mixed_step_path(many_short, CUDA) == "chunked"  # the default
+    monkeypatch.setenv("KVLOOM_KDA_MIXED_STEPS", "auto")
+    assert kda_layer.mixed_step_path(many_short, CUDA) == "serial"  # any state dtype
     assert kda_layer.mixed_step_path(many_short, CPU) == "chunked"
     too_few = RowClasses(classify_rows([0] * 7, [64] * 7), [64] * 7)
     assert kda_layer.mixed_step_path(too_few, CUDA) == "chunked"
-    monkeypatch.setenv("KVLOOM_KDA_MIXED_STEPS", "chunked")
-    assert kda_layer.mixed_step_path(many_short, CUDA) == "chunked"
     monkeypatch.setenv("KVLOOM_KDA_MIXED_STEPS", "serial")
     assert kda_layer.mixed_step_path(many_short, CPU) == "serial"
     monkeypatch.setenv("KVLOOM_KDA_MIXED_STEPS", "split")

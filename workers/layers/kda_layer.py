@@ -68,8 +68,7 @@ def mixed_step_path(rows: RowClasses, device: torch.device) -> str:
     ones), "serial" (every row token by token through the serial kernels, in place on the
     pool: no state gathers, no host-side chunk layout) or "split" (rows of more than
     SPLIT_ROW_TOKENS tokens chunked, the rest serial). KVLOOM_KDA_MIXED_STEPS picks one;
-    auto (the default) takes serial where Gated DeltaNet's rule does (`serial_suits`),
-    else chunked."""
+    auto takes serial where Gated DeltaNet's rule does (`serial_suits`), else chunked."""
     return mixed_step_choice("KVLOOM_KDA_MIXED_STEPS", rows, device)
 
 
