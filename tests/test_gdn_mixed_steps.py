@@ -10,6 +10,7 @@ import torch
 
 from kvloom import Engine
 from kvloom.kernels import batch_invariant as bi
+from kvloom.kernels import dispatch
 from kvloom.workers.layers import gated_deltanet as gdn
 from kvloom.workers.layers import linear_state_pages as pages
 from kvloom.workers.row_kinds import RowClasses, classify_rows
@@ -70,6 +71,8 @@ def test_serial_steps_round_the_state_every_token_only_in_the_deterministic_mode
         return serial(*args, **kwargs)
 
     monkeypatch.setattr(bi, "serial_gated_delta_rule", spy)
+    # The engine sets the process-wide mode; put it back after the test.
+    monkeypatch.setattr(dispatch, "_batch_invariant", dispatch.batch_invariant())
     monkeypatch.setenv("KVLOOM_GDN_MIXED_STEPS", "serial")
     eng = Engine(model=str(hybrid_model("qwen3_next")), dtype="float32", device="cpu",
                  max_num_batched_tokens=16, deterministic=deterministic, progress=False)  # fmt: skip
