@@ -342,7 +342,7 @@ print(min(ok, key=lambda r: r['us_per_layer'])['pairs_stages'])")
       done
       ;;
     moe-halves)  # gate and up in two programs (opt-in): gpu tests, µs per layer, batch-1 A/B
-      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -k halves \
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu \
         tests/test_fused_moe_pairs_plan.py 2>&1 | tail -3 || status=1
       timeout 300 python3 benchmarks/moe_layer_launches.py --plans pairs_sum pairs_sum_halves \
         --tokens 1 2 4 --out "$OUT/moe_halves_layers.json" 2>&1 | cut -c1-80 | tail -12 \
