@@ -106,12 +106,12 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "serial) or auto (serial on CUDA for many short rows)",
     ),
     "KVLOOM_KDA_MIXED_STEPS": (
-        "chunked",
+        "auto",
         "how KDA (Kimi-Linear) serves mixed prefill + decode steps: chunked (fla's or the "
         "reference's chunked kernels), serial (token by token, in place), split (rows over "
         "64 tokens chunked, the rest serial) or auto (serial on CUDA for many short rows, "
-        "Gated DeltaNet's rule); serial was 6% faster offline on an H100 (bf16 state), but "
-        "its compiled kernel test has not yet run on a GPU, so chunked stays the default",
+        "Gated DeltaNet's rule; Kimi-Linear-16l offline on an H100: 76.52 s against 101.92 "
+        "chunked, float32 state)",
     ),
     "KVLOOM_GC_YOUNG_THRESHOLD": (
         "20000",

@@ -1,7 +1,7 @@
 """KDA's paths for mixed prefill + decode steps (workers/layers/kda_layer.py): the chunked
-kernels (the default); every row token by token in place through the serial kernels
-(KVLOOM_KDA_MIXED_STEPS=serial; auto takes Gated DeltaNet's rule); or split, long rows
-chunked and the rest serial. All give the same tokens."""
+kernels; every row token by token in place through the serial kernels
+(KVLOOM_KDA_MIXED_STEPS=serial; the default, auto, takes Gated DeltaNet's rule); or split,
+long rows chunked and the rest serial. All give the same tokens."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ def test_mixed_step_path_policy(monkeypatch):
     many_short = RowClasses(classify_rows([0] * 4 + [40] * 4, [512, 300, 7, 1, 1, 1, 1, 9]),
                             [512, 300, 7, 1, 1, 1, 1, 9])  # fmt: skip
     monkeypatch.delenv("KVLOOM_KDA_MIXED_STEPS", raising=False)
-    assert kda_layer.mixed_step_path(many_short, CUDA) == "chunked"  # the default
+    assert kda_layer.mixed_step_path(many_short, CUDA) == "serial"  # the default: auto
+    monkeypatch.setenv("KVLOOM_KDA_MIXED_STEPS", "chunked")
+    assert kda_layer.mixed_step_path(many_short, CUDA) == "chunked"
     monkeypatch.setenv("KVLOOM_KDA_MIXED_STEPS", "auto")
     assert kda_layer.mixed_step_path(many_short, CUDA) == "serial"  # any state dtype
     assert kda_layer.mixed_step_path(many_short, CPU) == "chunked"
