@@ -12,7 +12,7 @@
 #     [moe-pairs] [fusion-ab] [bench-int4] [bench-fp8] [int4-gemv] [det-plans]
 #     [det-cost-tables] [moe-stages] [decode-timeline] [split-merge] [qk-rope-plans]
 #     [moe-slot-sum] [router-picks] [split-keys-next] [mixed-steps] [gemv-kimi]
-#     [kda-mixed-ab] [moe-halves]
+#     [kda-mixed-ab]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -338,20 +338,6 @@ print(min(ok, key=lambda r: r['us_per_layer'])['pairs_stages'])")
             --shape $shape --out "$OUT/moe_slot_sum_ab_${shape}_${unfused:-default}_$RANDOM.json" \
             2>&1 | grep "^RESULT ms_per" | sed "s/^/$shape unfused=${unfused:-none} /" \
             || status=1
-        done
-      done
-      ;;
-    moe-halves)  # gate and up in two programs (opt-in): gpu tests, µs per layer, batch-1 A/B
-      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu \
-        tests/test_fused_moe_pairs_plan.py 2>&1 | tail -3 || status=1
-      timeout 300 python3 benchmarks/moe_layer_launches.py --plans pairs_sum pairs_sum_halves \
-        --tokens 1 2 4 --out "$OUT/moe_halves_layers.json" 2>&1 | cut -c1-80 | tail -12 \
-        || status=1
-      for shape in ${HALVES_SHAPES:-qwen3-next-16l kimi-linear-16l}; do
-        for fused in "" moe_gate_up_halves "" moe_gate_up_halves; do
-          KVLOOM_FUSED=$fused timeout 200 python3 -m kvloom.cluster.cli bench latency \
-            --shape $shape --out "$OUT/moe_halves_ab_${shape}_${fused:-default}_$RANDOM.json" \
-            2>&1 | grep "^RESULT ms_per" | sed "s/^/$shape fused=${fused:-none} /" || status=1
         done
       done
       ;;

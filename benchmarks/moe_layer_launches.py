@@ -6,9 +6,8 @@ bfloat16, random weights. The all-reduce of TP > 1 is not in it (TP = 1).
 
 Each layer runs with the fused-MoE plans (`--plans`): "sorted" (route sort: count and
 place launches, then gate_up, down, slot sum), "pairs" (the decode plan: each route its
-own block, no sort; kernels/fused_moe_triton.py), "pairs_sum" (the pairs plan summing
-each token's slots in its down launch, the default `moe_slot_sum`) and "pairs_sum_halves"
-(that with gate and up in separate programs, `moe_gate_up_halves`), forced whatever
+own block, no sort; kernels/fused_moe_triton.py) and "pairs_sum" (the pairs plan summing
+each token's slots in its down launch, the default `moe_slot_sum`), forced whatever
 `uses_pairs_plan` / `uses_slot_sum` would pick, at each of `--tokens` (default 1 2 4 8: the pairs plan serves T <= 4 by default, so
 T = 8 shows what it would cost past its constant). The plans' outputs must be equal bit
 for bit; each row records it.
@@ -23,7 +22,7 @@ How launches are counted:
     kernel (aten ops other than views and allocations, seen by a TorchDispatchMode outside
     the Triton launches).
 
-    python benchmarks/moe_layer_launches.py [--tokens 1 2 4 8] [--plans sorted pairs_sum ...]
+    python benchmarks/moe_layer_launches.py [--tokens 1 2 4 8] [--plans sorted pairs pairs_sum]
         [--repeats 200] [--pairs-stages 3 4,3 6 8,4] [--shapes qwen3-next] [--out FILE.json]
 
 `--pairs-stages` times the pairs plan once per pipelining depth (KVLOOM_MOE_DECODE_STAGES
@@ -64,9 +63,7 @@ SHAPES = {
 TINY = dict(hidden=64, experts=8, top_k=2, inter=32)
 # "pairs_sum": the pairs plan with each token's slots summed in its down launch
 # (the default; KVLOOM_UNFUSED=moe_slot_sum turns it off), one launch fewer.
-# "pairs_sum_halves": that, with each gate_up column tile's gate and up in two programs
-# (opt-in: KVLOOM_FUSED=moe_gate_up_halves).
-PLANS = ("sorted", "pairs", "pairs_sum", "pairs_sum_halves")
+PLANS = ("sorted", "pairs", "pairs_sum")
 # aten ops that launch nothing on a GPU (views, metadata, allocations).
 NO_KERNEL = {
     "empty",
@@ -171,18 +168,16 @@ def env_set(name: str, value: str | None):
 @contextmanager
 def moe_plan(plan: str, stages: str | None = None):
     """Forces the fused MoE's plan: "pairs" (no route sort), "pairs_sum" (and the slot sum
-    in the down launch), "pairs_sum_halves" (and gate and up in two programs) or "sorted";
-    `stages`, the pairs plans' pipelining depths (a KVLOOM_MOE_DECODE_STAGES value)."""
-    module = fused_moe_triton
-    original = module.uses_pairs_plan, module.uses_slot_sum, module.uses_gate_up_halves
-    module.uses_pairs_plan = lambda hidden, sorted_block_m: plan != "sorted"
-    module.uses_slot_sum = lambda hidden, pairs: pairs and plan.startswith("pairs_sum")
-    module.uses_gate_up_halves = lambda hidden, pairs: pairs and plan == "pairs_sum_halves"
+    in the down launch) or "sorted"; `stages`, the pairs plans' pipelining depths (a
+    KVLOOM_MOE_DECODE_STAGES value)."""
+    original = fused_moe_triton.uses_pairs_plan, fused_moe_triton.uses_slot_sum
+    fused_moe_triton.uses_pairs_plan = lambda hidden, sorted_block_m: plan != "sorted"
+    fused_moe_triton.uses_slot_sum = lambda hidden, pairs: pairs and plan == "pairs_sum"
     try:
         with env_set("KVLOOM_MOE_DECODE_STAGES", stages):
             yield
     finally:
-        module.uses_pairs_plan, module.uses_slot_sum, module.uses_gate_up_halves = original
+        fused_moe_triton.uses_pairs_plan, fused_moe_triton.uses_slot_sum = original
 
 
 def interpreted_launches(layer, x) -> list[str]:

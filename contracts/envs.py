@@ -46,7 +46,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "decode fusions to turn off, comma-separated (A/B timing, or an escape hatch): "
         "norm_gemv, kv_write, mul_sigmoid, gdn_decode, moe_pairs, gdn_conv, kda_norm, "
         "kda_decode, pdl, split_merge, moe_slot_sum, router_rows, router_gemv, "
-        "linear_norm_tail, linear_add_norm, moe_gate_up_halves, or all",
+        "linear_norm_tail, linear_add_norm, or all",
     ),
     "KVLOOM_FUSED": (
         "",
@@ -55,9 +55,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "launch before them on Hopper; 1.7% slower on Qwen3-8B on an H100), split_merge (the "
         "split-KV decode merges its splits in its attention launch; level with two launches "
         "on an H100), linear_add_norm (the residual add and RMSNorm after a one-row output "
-        "projection run in its GEMV's launch; slower on an H100), moe_gate_up_halves (the "
-        "MoE decode plan runs gate and up in separate programs, twice the programs; not yet "
-        "timed), or all; "
+        "projection run in its GEMV's launch; slower on an H100), or all; "
         "KVLOOM_UNFUSED wins over it",
     ),
     "KVLOOM_PDL_PREFETCH_LINES": (
@@ -261,7 +259,6 @@ FUSIONS = (
     "router_gemv",
     "linear_norm_tail",
     "linear_add_norm",
-    "moe_gate_up_halves",
 )
 
 
@@ -276,9 +273,9 @@ FUSIONS = (
 # (`router_gemv`, now at one row only, and `linear_norm_tail` left this list after their
 # gpu tests passed and each gained about 1% at batch 1 on an H100, twenty-fourth session.)
 # `linear_add_norm` passed its gpu tests and lost on an H100 (twenty-sixth session: 8.27
-# against 7.27 us at one row). `moe_gate_up_halves` (twenty-sixth) waits for its gpu tests
-# and a timing.
-OPT_IN_FUSIONS = ("norm_gemv", "pdl", "split_merge", "linear_add_norm", "moe_gate_up_halves")
+# against 7.27 us at one row). (`moe_gate_up_halves`, gate and up of the MoE decode plan
+# in two programs, was removed after it gained nothing on an H100, twenty-seventh.)
+OPT_IN_FUSIONS = ("norm_gemv", "pdl", "split_merge", "linear_add_norm")
 
 
 @functools.lru_cache(maxsize=16)

@@ -161,21 +161,6 @@ def uses_slot_sum(hidden: torch.Tensor, pairs: bool) -> bool:
     return pairs and hidden.is_cuda and not envs.unfused("moe_slot_sum")
 
 
-def uses_gate_up_halves(hidden: torch.Tensor, pairs: bool) -> bool:
-    """Whether a pairs-plan launch runs each column tile's gate and up in two programs
-    (`_gate_up_half`): on a GPU where KVLOOM_FUSED names `moe_gate_up_halves` (opt-in until
-    timed). At one token Qwen3-Next's gate_up launch is 88 programs for an H100's 132 SMs
-    and read its 46 MB at 2.0 TB/s (gpu_fast_path.md, twenty-second session); twice the
-    programs over the same tiles may keep every SM streaming. Never chosen interpreted
-    (CPU tests pass halves=True)."""
-    return pairs and hidden.is_cuda and not envs.unfused("moe_gate_up_halves")
-
-
-def gate_up_counters(device: torch.device, blocks: int, tiles: int) -> torch.Tensor:
-    """The gate/up halves' arrival counters [route blocks, column tiles]."""
-    return arrival_counters("moe_gate_up_halves", device, blocks, tiles, 64)
-
-
 def slot_counters(device: torch.device, tokens: int, tiles: int) -> torch.Tensor:
     """The in-launch slot sum's arrival counters [tokens, tiles]: PAIRS_PLAN_MAX_TOKENS
     rows, the most the automatic plan launches (a bigger buffer only for forced launches)."""
@@ -351,26 +336,13 @@ def _gate_up_kernel(
     stride_act,
     stride_it,
     stride_ij,
-    halves_ptr,
-    counters_ptr,
-    stride_halves,
-    stride_ct,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,
     PAIRS: tl.constexpr,
-    HALVES: tl.constexpr = False,
 ):
-    if HALVES:
-        _gate_up_half(
-            x_ptr, w13_ptr, sorted_ptr, block_expert_ptr, ids_ptr, act_ptr, num_routes, top_k,
-            num_experts, hidden_size, inter, stride_xt, stride_we, stride_wn, stride_act,
-            stride_it, stride_ij, halves_ptr, counters_ptr, stride_halves, stride_ct,
-            BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, INTERPRETED, PAIRS,
-        )  # fmt: skip
-        return
     expert, routes = _route_block(
         tl.program_id(0),
         sorted_ptr,
@@ -415,63 +387,6 @@ def _gate_up_kernel(
             act.to(act_ptr.dtype.element_ty),
             mask=col_ok[:, None] & valid[None, :],
         )
-
-
-@triton.jit
-def _gate_up_half(
-    x_ptr, w13_ptr, sorted_ptr, block_expert_ptr, ids_ptr, act_ptr, num_routes, top_k,
-    num_experts, hidden_size, inter, stride_xt, stride_we, stride_wn, stride_act, stride_it,
-    stride_ij, halves_ptr, counters_ptr, stride_halves, stride_ct,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, PAIRS: tl.constexpr,
-):  # fmt: skip
-    """`_gate_up_kernel` with gate and up in two programs (`uses_gate_up_halves`): twice
-    the programs over the same weight tiles, for launches with fewer tiles than SMs. Column
-    program 2c + h runs half h (0 gate, 1 up) of column tile c: the same dots over the same
-    K tiles as the one-program form, stored in float32 (exact); the second of the pair to
-    arrive at its counter reads both halves back, applies the activation as the one-program
-    form does, stores the row and sets the counter back to 0 for the next launch."""
-    block = tl.program_id(0)
-    half = tl.program_id(1) % 2
-    tile = tl.program_id(1) // 2
-    expert, routes = _route_block(
-        block, sorted_ptr, block_expert_ptr, ids_ptr, num_routes, top_k, stride_it, stride_ij,
-        BLOCK_M, PAIRS,
-    )  # fmt: skip
-    placed = (expert >= 0) & (expert < num_experts)
-    valid = routes < num_routes
-    routes64 = routes.to(tl.int64)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
-    half_ptrs = halves_ptr + routes64[None, :] * stride_halves + cols[:, None]
-    if placed:
-        tokens = (routes // top_k).to(tl.int64)
-        ks = tl.arange(0, BLOCK_K)
-        w_ptrs = w13_ptr + expert.to(tl.int64) * stride_we + (half * inter) * stride_wn
-        w_ptrs = w_ptrs + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
-        x_ptrs = x_ptr + tokens[:, None] * stride_xt + ks[None, :]
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, hidden_size, BLOCK_K):
-            k_ok = (k0 + ks) < hidden_size
-            x = tl.load(x_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = _dot(w, tl.trans(x), acc, DOT_PRECISION, INTERPRETED)
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        tl.store(half_ptrs + half * inter, acc, mask=col_ok[:, None] & valid[None, :])
-    # Every thread's stores before the release; the acquire before reading the other half.
-    count_ptr = counters_ptr + block.to(tl.int64) * stride_ct + tile
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == 1:
-        if placed:
-            mask = col_ok[:, None] & valid[None, :]
-            acc_gate = tl.load(half_ptrs, mask=mask, other=0.0)
-            acc_up = tl.load(half_ptrs + inter, mask=mask, other=0.0)
-            act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
-            out_ptrs = act_ptr + routes64[None, :] * stride_act + cols[:, None]
-            tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["num_routes"])
@@ -705,7 +620,6 @@ def fused_moe_triton(
     block_m: int | None = None,
     pairs: bool | None = None,
     slot_sum: bool | None = None,
-    halves: bool | None = None,
     _fill: float | None = None,
 ) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] (float32, or a
@@ -715,9 +629,7 @@ def fused_moe_triton(
     answer is bitwise the same for each. `pairs` forces (True) or forbids (False) the
     decode plan without the route sort (`uses_pairs_plan` decides when None; it takes
     block_m 16 or None). `slot_sum` forces or forbids the pairs plan's slot sum inside its
-    down launch (`uses_slot_sum` decides when None; the same bits). `halves` forces or
-    forbids the pairs plan's gate and up in separate programs (`uses_gate_up_halves`
-    decides when None; the same bits). No host sync
+    down launch (`uses_slot_sum` decides when None; the same bits). No host sync
     (CUDA-graph capturable). Ids out of [0, E) are not checked: such routes contribute
     nothing. `_fill` pre-fills the workspaces (tests: NaN shows any read of an unwritten
     element)."""
@@ -730,10 +642,6 @@ def fused_moe_triton(
         slot_sum = uses_slot_sum(hidden, pairs)
     elif slot_sum and not pairs:
         raise ValueError("slot_sum: the in-launch slot sum needs the pairs plan (pairs=True)")
-    if halves is None:
-        halves = uses_gate_up_halves(hidden, pairs)
-    elif halves and not pairs:
-        raise ValueError("halves: gate and up in two programs needs the pairs plan (pairs=True)")
     out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
     if num_tokens == 0 or hidden_size == 0:
         return out
@@ -760,16 +668,7 @@ def fused_moe_triton(
     tiles = triton.cdiv(hidden_size, BLOCK_N)
     # Without the in-launch sum the kernel never reads its counters: topk_ids stands in.
     counters = slot_counters(hidden.device, num_tokens, tiles) if slot_sum else topk_ids
-    inter_tiles = triton.cdiv(inter, BLOCK_N)
-    # Gate and up in two programs: their float32 halves and the pairs' arrival counters
-    # (else never read: act and topk_ids stand in).
-    halves_buf, pair_counters = act, topk_ids
-    if halves:
-        halves_buf = torch.empty((num_routes, 2 * inter), dtype=torch.float32, device=hidden.device)
-        if _fill is not None:
-            halves_buf.fill_(_fill)
-        pair_counters = gate_up_counters(hidden.device, num_blocks, inter_tiles)
-    _gate_up_kernel[(num_blocks, inter_tiles * (2 if halves else 1))](
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, BLOCK_N))](
         hidden,
         w13,
         sorted_routes,
@@ -786,12 +685,7 @@ def fused_moe_triton(
         w13.stride(1),
         act.stride(0),
         *id_strides,
-        halves_buf,
-        pair_counters,
-        halves_buf.stride(0),
-        pair_counters.stride(0),
         **dot_args,
-        HALVES=bool(halves),
         num_stages=gate_up_stages,
     )
     _down_kernel[(num_blocks, triton.cdiv(hidden_size, BLOCK_N))](

@@ -20,7 +20,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvloom.kernels import dispatch
-from kvloom.kernels.arrival_counters import counters_of
 from kvloom.kernels.fused_moe import fused_moe_ref
 from kvloom.kernels.fused_moe_triton import (
     BLOCK_M_CHOICES,
@@ -30,7 +29,6 @@ from kvloom.kernels.fused_moe_triton import (
     fused_moe_triton,
     pairs_stages,
     slot_counters,
-    uses_gate_up_halves,
     uses_pairs_plan,
     uses_slot_sum,
 )
@@ -208,68 +206,6 @@ def test_slot_sum_is_the_default_on_a_gpu(monkeypatch):
     assert not uses_slot_sum(fake_hidden(1, is_cuda=False), pairs=True)
     monkeypatch.setenv("KVLOOM_UNFUSED", "moe_slot_sum")
     assert not uses_slot_sum(fake_hidden(1), pairs=True)
-
-
-def assert_halves_counters_reset():
-    buffers = counters_of("moe_gate_up_halves")
-    assert buffers and not any(c.any() for c in buffers), "a gate/up pair left its counter set"
-
-
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("top_k", [1, 3])
-@pytest.mark.parametrize("shared", [False, True])
-def test_gate_up_halves_are_bitwise_the_one_program_gate_up(dtype, top_k, shared):
-    """Gate and up of a column tile in two programs, the second to arrive applying the
-    activation: the one-program launch's bits, with the slot sum on and off, twice in a
-    row on the same counters (the second of each pair resets its counter)."""
-    num_routed, hidden, inter = 5, 80, 72  # I = 72: two 64-wide tiles, the second partial
-    w13, w2 = make_weights(num_routed + shared, hidden, inter, dtype, seed=1)
-    for num_tokens in range(1, PAIRS_PLAN_MAX_TOKENS + 1):
-        weights, ids = make_routing(num_tokens, num_routed, top_k, seed=num_tokens, shared=shared)
-        x = torch.randn(num_tokens, hidden, generator=gen(100 + num_tokens)).to(DEVICE, dtype)
-        for slot_sum in (False, True):
-            args = dict(pairs=True, slot_sum=slot_sum, _fill=NAN)
-            want = fused_moe_triton(x, w13, w2, weights, ids, halves=False, **args)
-            for attempt in range(2):
-                got = fused_moe_triton(x, w13, w2, weights, ids, halves=True, **args)
-                label = f"T={num_tokens} k={top_k} shared={shared} sum={slot_sum} #{attempt}"
-                assert not torch.isnan(got).any(), label
-                assert torch.equal(got, want), label
-                assert_halves_counters_reset()
-
-
-def test_gate_up_halves_drop_out_of_range_ids_and_need_the_pairs_plan():
-    """A route whose expert is out of range computes nothing but both its programs still
-    arrive, so the counter is reset; the halves run in the one gate_up launch."""
-    num_tokens, num_experts, top_k, hidden, inter = 3, 4, 3, 40, 24
-    w13, w2 = make_weights(num_experts, hidden, inter, torch.bfloat16, seed=5)
-    weights, ids = make_routing(num_tokens, num_experts, top_k, seed=6)
-    ids[0, 1], ids[1, 0], ids[2, 2] = -1, num_experts, 1000
-    x = torch.randn(num_tokens, hidden, generator=gen(7)).to(DEVICE, torch.bfloat16)
-    want = fused_moe_triton(x, w13, w2, weights, ids, pairs=True, halves=False, _fill=NAN)
-    got = fused_moe_triton(x, w13, w2, weights, ids, pairs=True, halves=True, _fill=NAN)
-    assert not torch.isnan(got).any() and torch.equal(got, want)
-    assert_halves_counters_reset()
-    if not CUDA:  # counts interpreted launches (after a call that makes every counter)
-        args = dict(pairs=True, slot_sum=True, halves=True)
-        fused_moe_triton(x, w13, w2, weights, ids, **args)
-        with recorded_launches() as ops:
-            fused_moe_triton(x, w13, w2, weights, ids, **args)
-        assert ops == ["_gate_up_kernel", "_down_kernel"]
-    with pytest.raises(ValueError, match="halves"):
-        fused_moe_triton(x, w13, w2, weights, ids, pairs=False, halves=True)
-
-
-def test_gate_up_halves_are_opt_in_and_only_on_a_gpu(monkeypatch):
-    monkeypatch.delenv("KVLOOM_FUSED", raising=False)
-    monkeypatch.delenv("KVLOOM_UNFUSED", raising=False)
-    assert not uses_gate_up_halves(fake_hidden(1), pairs=True)
-    monkeypatch.setenv("KVLOOM_FUSED", "moe_gate_up_halves")
-    assert uses_gate_up_halves(fake_hidden(1), pairs=True)
-    assert not uses_gate_up_halves(fake_hidden(1), pairs=False)
-    assert not uses_gate_up_halves(fake_hidden(1, is_cuda=False), pairs=True)
-    monkeypatch.setenv("KVLOOM_UNFUSED", "moe_gate_up_halves")
-    assert not uses_gate_up_halves(fake_hidden(1), pairs=True)
 
 
 # ---------------------------------------------------------------- the plan choice
@@ -495,64 +431,43 @@ def test_gpu_pairs_plan_repeated_experts_and_top1():
             assert_bitwise(f"gpu k={top_k} T={num_tokens}", pairs, sorted_plans)
 
 
-def race_and_replay(fused: dict, plain: dict, assert_reset) -> None:
-    """Compiled, at Qwen3-Next's widths: 30 calls of fused_moe_triton(**fused) at each
-    token count, then 30 replays of a captured graph of it on new routing, each bitwise
-    the call with `plain` instead; `assert_reset()` after each run (counters at 0)."""
+@pytest.mark.gpu
+def test_gpu_slot_sum_is_bitwise_the_sum_launch_racing_and_replayed():
+    """Compiled, the k down programs of a token race to its counter: 30 calls at each
+    token count (Qwen3-Next's widths), then 30 replays of a captured graph on new routing,
+    each the slot-sum launch's bits, the counters back at 0 after each."""
+    if not CUDA:
+        pytest.skip("needs a CUDA GPU")
     w13, w2 = qwen3_next_experts(torch.bfloat16)
     for num_tokens in range(1, PAIRS_PLAN_MAX_TOKENS + 1):
         weights, ids = qwen3_next_routing(num_tokens, seed=50 + num_tokens)
         x = torch.randn(num_tokens, 2048, generator=gen(num_tokens)).to("cuda", torch.bfloat16)
-        want = fused_moe_triton(x, w13, w2, weights, ids, **plain)
+        want = fused_moe_triton(x, w13, w2, weights, ids, pairs=True, slot_sum=False)
         for attempt in range(30):
-            got = fused_moe_triton(x, w13, w2, weights, ids, **fused)
+            got = fused_moe_triton(x, w13, w2, weights, ids, pairs=True, slot_sum=True)
             assert torch.equal(got, want), f"T={num_tokens} call {attempt}"
-        assert_reset()
+        assert_counters_reset(2048, "cuda")
 
         static = [t.clone() for t in (x, weights, ids)]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            fused_moe_triton(static[0], w13, w2, static[1], static[2], **fused)
+            fused_moe_triton(*static[:1], w13, w2, *static[1:], pairs=True, slot_sum=True)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            graph_out = fused_moe_triton(static[0], w13, w2, static[1], static[2], **fused)
+            graph_out = fused_moe_triton(
+                static[0], w13, w2, static[1], static[2], pairs=True, slot_sum=True
+            )
         for replay in range(30):
             new_w, new_ids = qwen3_next_routing(num_tokens, seed=2000 + replay)
             new_x = torch.randn(num_tokens, 2048, generator=gen(3000 + replay))
             for dst, src in zip(static, (new_x.to("cuda", torch.bfloat16), new_w, new_ids)):
                 dst.copy_(src)
             graph.replay()
-            want = fused_moe_triton(static[0], w13, w2, static[1], static[2], **plain)
+            want = fused_moe_triton(*static[:1], w13, w2, *static[1:], pairs=True, slot_sum=False)
             assert torch.equal(graph_out, want), f"T={num_tokens} replay {replay}"
-        assert_reset()
-
-
-@pytest.mark.gpu
-def test_gpu_slot_sum_is_bitwise_the_sum_launch_racing_and_replayed():
-    """Compiled, the k down programs of a token race to its counter: each call and graph
-    replay the slot-sum launch's bits, the counters back at 0 after each run."""
-    if not CUDA:
-        pytest.skip("needs a CUDA GPU")
-    race_and_replay(
-        dict(pairs=True, slot_sum=True),
-        dict(pairs=True, slot_sum=False),
-        lambda: assert_counters_reset(2048, "cuda"),
-    )
-
-
-@pytest.mark.gpu
-def test_gpu_gate_up_halves_are_bitwise_racing_and_replayed():
-    """Compiled, a column tile's gate and up programs race to their counter: each call and
-    graph replay the one-program gate_up's bits (slot sum on), the counters back at 0."""
-    if not CUDA:
-        pytest.skip("needs a CUDA GPU")
-    race_and_replay(
-        dict(pairs=True, slot_sum=True, halves=True),
-        dict(pairs=True, slot_sum=True, halves=False),
-        assert_halves_counters_reset,
-    )
+        assert_counters_reset(2048, "cuda")
 
 
 @pytest.mark.gpu
