@@ -3,13 +3,15 @@ Qwen3-Next shape (16 key heads, 32 value heads, 128 x 128 heads, conv width 4, b
 float32 state): the conv update, then
 
   three   gdn_gates, recurrence, gated RMSNorm: three launches (block_v 32, or 128 as `one`)
-  two     gates computed in the recurrence (block_v 32), the norm separate: the production
-          plan since an H100 timed it fastest at every row count (gpu_fast_path.md);
-          two_bv16 / two_bv8 the same with narrower tiles
+  two     gates computed in the recurrence (block_v 32), the norm in that launch by each
+          head's last program (the norm tail) at up to NORM_TAIL_MAX_ROWS rows, else
+          separate: the production plan (gpu_fast_path.md); `--norm-tail on|off` forces the
+          tail either way; two_bv16 / two_bv8 / two_bv64 the same with other tiles
   one     gates, recurrence and norm in one launch (block_v 128: a program per value head)
 
     python3 benchmarks/gdn_decode_fusion.py --out $OUT/gdn_decode_fusion.json
     python3 benchmarks/gdn_decode_fusion.py --state-dtype bfloat16 --rows 1 128 512
+    python3 benchmarks/gdn_decode_fusion.py --norm-tail off --rows 1 8 32 128
 
 `--state-dtype bfloat16` keeps the recurrent state as `--linear-state-dtype auto` does
 (vLLM's default): half the bytes, which at about 600 decode rows the production tile read
@@ -80,7 +82,10 @@ TINY_VARIANTS = {"three": (8, False, False), "two": (8, True, False), "one": (No
 
 
 class Layer:
-    """One layer's decode inputs and `copies` state pools (conv + recurrent)."""
+    """One layer's decode inputs and `copies` state pools (conv + recurrent). `norm_tail`:
+    the fused steps' norm tail forced on or off, or None (`uses_norm_tail`'s rule)."""
+
+    norm_tail: bool | None = None
 
     def __init__(self, rows, hk, hv, dk, dv, width, copies, device, seed):
         gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -118,7 +123,7 @@ class Layer:
             assert fused_norm == (block_v is None or block_v >= dv)
             return gdn_decode_triton(
                 q, k, v, *gates, self.state[i], self.slots, self.z, self.norm_weight, EPS,
-                use_qk_l2norm=True, _block_v_override=block_v,
+                use_qk_l2norm=True, norm_tail=self.norm_tail, _block_v_override=block_v,
             )  # fmt: skip
         g, beta = gdn_gates_triton(*gates)
         core = recurrent_gated_delta_rule_triton(
@@ -149,11 +154,19 @@ def same_bits(layer: Layer, variant, block_v) -> bool:
 
 
 def bench(
-    shapes, rows_list, variants, device, timer, log, layer_cls=Layer, state_dtype=torch.float32
+    shapes,
+    rows_list,
+    variants,
+    device,
+    timer,
+    log,
+    layer_cls=Layer,
+    state_dtype=torch.float32,
+    norm_tail=None,
 ) -> list[dict]:
-    """`layer_cls`: this Layer or one with its constructor, step, state, state_snapshot and
-    restore (benchmarks/kda_decode_fusion.py's KDA layer); its float32 state pools are
-    narrowed to `state_dtype`."""
+    """`layer_cls`: this Layer or one with its constructor, step, state, state_snapshot,
+    restore and norm_tail (benchmarks/kda_decode_fusion.py's KDA layer); its float32 state
+    pools are narrowed to `state_dtype`; `norm_tail` goes to its fused steps."""
     results = []
     itemsize = torch.tensor([], dtype=state_dtype).element_size()
     for shape_name, (hk, hv, dk, dv, width) in shapes.items():
@@ -162,6 +175,7 @@ def bench(
             copies = weight_copies(state_bytes) if device.type == "cuda" else 1
             layer = layer_cls(rows, hk, hv, dk, dv, width, copies, device, seed=rows * 131 + hv)
             layer.state = [pool.to(state_dtype) for pool in layer.state]
+            layer.norm_tail = norm_tail
             times = {}
             for name, variant in variants.items():
                 bits_ok = same_bits(layer, variant, variant[0])
@@ -170,6 +184,7 @@ def bench(
                 row = dict(shape=shape_name, rows=rows, variant=name, us=us)
                 row.update(state_dtype=str(layer.state[0].dtype).removeprefix("torch."))
                 row.update(block_v=variant[0] or "plan", same_bits_as_three_launches=bits_ok)
+                row.update(norm_tail={None: "rule", True: "on", False: "off"}[norm_tail])
                 results.append(row)
                 flag = "" if bits_ok else " WARN"
                 log(f"RESULT {shape_name} rows={rows} {name} us={us:.2f} same_bits={bits_ok}{flag}")
@@ -205,6 +220,10 @@ def main(
         help="the recurrent state pools' dtype (bfloat16: --linear-state-dtype auto)",
     )  # fmt: skip
     parser.add_argument("--rows", type=int, nargs="+", help="decode rows (default: ROWS)")
+    parser.add_argument(
+        "--norm-tail", choices=("rule", "on", "off"), default="rule",
+        help="the fused steps' norm tail: the production rule (uses_norm_tail), or forced",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     start = time.monotonic()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -219,6 +238,7 @@ def main(
         print,
         layer_cls,
         getattr(torch, args.state_dtype),
+        {"rule": None, "on": True, "off": False}[args.norm_tail],
     )
     return graph_timing.write_result(
         args.out,

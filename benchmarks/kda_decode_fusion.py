@@ -122,7 +122,7 @@ class Layer(gdn_decode_fusion.Layer):
             assert fused_norm == ((block_v or production_block_v(dk, dv)) >= dv)
             return kda_decode_triton(
                 q, k, v, *gates, self.state[i], self.slots, *norm, use_qk_l2norm=True,
-                _block_v_override=block_v,
+                norm_tail=self.norm_tail, _block_v_override=block_v,
             )  # fmt: skip
         # The three launches, as tests/test_kda_decode_fusion.py's `separate`.
         g, beta = kda_gates_triton(*gates)

@@ -239,7 +239,7 @@ def set_here() -> dict[str, str]:
 # program to store (kernels/gemv_triton.py `gemv_route_triton`), no router launch.
 # `linear_norm_tail`: where a linear-attention decode step splits a value head over
 # programs, the last of them to store applies the output norm (kernels/
-# gated_delta_rule_triton.py), no norm launch.
+# gated_delta_rule_triton.py), no norm launch, at steps of up to NORM_TAIL_MAX_ROWS rows.
 # `linear_add_norm`: the residual add and RMSNorm after a one-row projection (an attention
 # or linear-attention layer's output projection) run in its GEMV's launch, by its last
 # program to store (kernels/gemv_triton.py `gemv_add_rms_norm_triton`), no norm launch.

@@ -356,12 +356,24 @@ def norm_tail_counters(device: torch.device, rows: int, heads: int) -> torch.Ten
     return arrival_counters("linear_norm_tail", device, rows, heads, NORM_TAIL_MIN_ROWS)
 
 
-def uses_norm_tail() -> bool:
-    """Whether a decode step whose value heads span several programs applies the output
-    norm in its launch (NORM_TAIL), not in a norm launch after it: unless KVLOOM_UNFUSED
-    names linear_norm_tail (on an H100 it took Qwen3-Next-16l's batch-1 decode from 1.659
-    to 1.648 ms/token)."""
-    return not envs.unfused("linear_norm_tail")
+# The norm tail saves a launch but makes a head's last program re-read its row and
+# normalise it alone: on an H100 (twenty-seventh session, Qwen3-Next's heads, bitwise) it
+# took one row from 10.1 to 9.0 us but 128 rows from 235 to 248 us and 512 rows 8% slower,
+# so larger steps keep the separate norm launch (the same bits).
+NORM_TAIL_MAX_ROWS = 8
+
+
+def uses_norm_tail(num_rows: int) -> bool:
+    """Whether a decode step of `num_rows` rows whose value heads span several programs
+    applies the output norm in its launch (NORM_TAIL), not in a norm launch after it: at
+    most NORM_TAIL_MAX_ROWS rows, unless KVLOOM_UNFUSED names linear_norm_tail (on an H100
+    it took Qwen3-Next-16l's batch-1 decode from 1.659 to 1.648 ms/token)."""
+    return num_rows <= NORM_TAIL_MAX_ROWS and not envs.unfused("linear_norm_tail")
+
+
+def _norm_tail(forced: bool | None, q: torch.Tensor) -> bool:
+    """`norm_tail` of the fused decode steps: forced on or off, or `uses_norm_tail`."""
+    return uses_norm_tail(q.shape[0]) if forced is None else forced
 
 
 def _launch(
@@ -521,16 +533,19 @@ def gdn_decode_triton(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
+    norm_tail: bool | None = None,
     _block_v_override: int | None = None,
 ) -> torch.Tensor:
     """A Gated DeltaNet decode step after the conv: gates, recurrence and gated RMSNorm,
     bit for bit `gdn_gates_triton(ba, A_log, dt_bias, ba_group)`, then
     `recurrent_gated_delta_rule_triton` with those g and beta, then
     `gated_rms_norm_triton(out, z, norm_weight, norm_eps)`, in one launch where a program
-    holds a whole value head (`fuses_norm`: heads up to 64 x 64), else in two (the norm
-    separate; Qwen3-Next's 128 x 128 heads, where the narrow tiles are faster). Padding rows
-    (negative index) give zeros in one launch (the separate norm gives 0 * silu(z): -0.0
-    for z < 0, NaN for a NaN z); their q, k, v, ba and z are never read there.
+    holds a whole value head (`fuses_norm`: heads up to 64 x 64); else (Qwen3-Next's
+    128 x 128 heads, where the narrow tiles are faster) in one launch with the norm applied
+    by each head's last program (the norm tail: `norm_tail`, or `uses_norm_tail` when None)
+    or in two (the norm separate). Padding rows (negative index) give zeros in one launch
+    (the separate norm gives 0 * silu(z): -0.0 for z < 0, NaN for a NaN z); their q, k, v,
+    ba and z are never read there.
 
     ba [N, Hk' * 2r] (b then a per group of r = ba_group value heads, rows strided), A_log
     and dt_bias [Hv], z [N, Hv, Dv] or [N, Hk', r', Dv] (strided), norm_weight [Dv]; the
@@ -541,7 +556,7 @@ def gdn_decode_triton(
     block_v = _block_v_override or _block_v(head_k, head_v)
     gates = (ba, A_log, dt_bias, ba_group)
     args = (q, k, v, state, state_indices, scale, use_qk_l2norm, block_v, False)
-    if block_v >= head_v or uses_norm_tail():
+    if block_v >= head_v or _norm_tail(norm_tail, q):
         return _launch(*args, gates=gates, norm=(z, norm_weight, norm_eps))
     return gated_rms_norm_triton(_launch(*args, gates=gates), z, norm_weight, norm_eps)
 
@@ -581,15 +596,16 @@ def kda_decode_triton(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
+    norm_tail: bool | None = None,
     _block_v_override: int | None = None,
 ) -> torch.Tensor:
     """A KDA decode step after the conv: gates, recurrence and output norm, bit for bit
     `kda_gates_triton(raw_gate, A_log, dt_bias, beta_logits)`, then `recurrent_kda_triton`
     with those g and beta, then `kda_gated_norm_triton(out, gate, norm_weight, norm_eps)`,
     in one launch where a program holds a whole value head (`fuses_norm`: heads up to
-    64 x 64), else in two (the norm separate; Kimi-Linear's 128 x 128 heads, where the
-    narrow tiles are faster). Padding rows (negative index) give
-    zeros in one launch (the separate norm gives w * 0 * sigmoid(gate): -0.0 where w < 0,
+    64 x 64); else (Kimi-Linear's 128 x 128 heads, where the narrow tiles are faster) in
+    one launch with the norm tail (`norm_tail`, or `uses_norm_tail` when None) or in two
+    (the norm separate). Padding rows (negative index) give zeros in one launch (the separate norm gives w * 0 * sigmoid(gate): -0.0 where w < 0,
     NaN for a NaN gate); their inputs are never read there.
 
     raw_gate [N, Hv, Dk] (f_b_proj's output), A_log [Hv], dt_bias [Hv * Dk], beta_logits
@@ -601,6 +617,6 @@ def kda_decode_triton(
     block_v = _block_v_override or _block_v(head_k, head_v)
     gates = (raw_gate, A_log, dt_bias, beta_logits)
     args = (q, k, v, state, state_indices, scale, use_qk_l2norm, block_v, True)
-    if block_v >= head_v or uses_norm_tail():
+    if block_v >= head_v or _norm_tail(norm_tail, q):
         return _launch(*args, gates=gates, norm=(gate, norm_weight, norm_eps))
     return kda_gated_norm_triton(_launch(*args, gates=gates), gate, norm_weight, norm_eps)

@@ -134,7 +134,7 @@ def check_bitwise(name, step: Step, block_v=None) -> torch.Tensor:
     # The norm in the step's launch: one program a head, or the head's last (the norm
     # tail, on unless KVLOOM_UNFUSED names linear_norm_tail).
     whole_head = block_v >= head_v if block_v else fuses_norm(head_k, head_v)
-    if whole_head or uses_norm_tail():  # padding rows zero
+    if whole_head or uses_norm_tail(step.q.shape[0]):  # padding rows zero
         assert torch.equal(got[~real], torch.zeros_like(got[~real])), f"{name}: padding row"
     else:  # two: the separate norm's, of the recurrence's zeros
         real = torch.ones_like(real)
@@ -304,6 +304,24 @@ def test_benchmark_tiny_run_with_a_bf16_state(tmp_path):
     assert all(r["same_bits_as_three_launches"] for r in rows), rows
 
 
+@pytest.mark.parametrize("flag, forced", [("rule", None), ("on", True), ("off", False)])
+def test_benchmark_norm_tail_flag_reaches_the_fused_steps(flag, forced, monkeypatch):
+    """--norm-tail forces the fused steps' norm tail (or leaves `uses_norm_tail`'s rule),
+    recorded in each row."""
+    from benchmarks import gdn_decode_fusion as bench
+
+    seen = []
+
+    def recording(*args, norm_tail=None, **kwargs):
+        seen.append(norm_tail)
+        return gdn_decode_triton(*args, norm_tail=norm_tail, **kwargs)
+
+    monkeypatch.setattr(bench, "gdn_decode_triton", recording)
+    result = bench.main(["--tiny", "--rows", "1", "--norm-tail", flag])
+    assert seen and set(seen) == {forced}
+    assert {r["norm_tail"] for r in result["rows"]} == {flag}
+
+
 # ------------------------------------------------------------------------------------- gpu
 
 
@@ -313,8 +331,9 @@ def test_benchmark_tiny_run_with_a_bf16_state(tmp_path):
 @pytest.mark.parametrize("rows", [1, 8, 33])
 @pytest.mark.parametrize("hk", [16, 8])  # Qwen3-Next at TP 1 and 2
 def test_gpu_qwen3_next_shape(hk, rows, state_dtype):
-    """Compiled: the production plan (narrow tiles, the norm a second launch) and a whole
-    head per program (one launch), each bit for bit its separate launches."""
+    """Compiled: the production plan (narrow tiles, the norm tail at up to 8 rows, else a
+    second norm launch) and a whole head per program (one launch), each bit for bit its
+    separate launches."""
     case = (rows, hk, 2 * hk, 128, 128, torch.bfloat16)
     options = dict(num_pad=rows // 4, state_dtype=state_dtype, num_slots=2 * rows + 3)
     step = make_step(*case, seed=seed_of("gpu", *case, state_dtype), **options)
@@ -354,7 +373,7 @@ def test_gpu_cuda_graph_replay_and_launches(block_v):
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
     names = [n for n in names if not n.startswith(("Memcpy", "Memset"))]
-    separate_norm = not block_v and not uses_norm_tail()
+    separate_norm = not block_v and not uses_norm_tail(fresh.q.shape[0])
     kernels = ["_delta_rule_decode_kernel"] + (["_gated_rms_norm_kernel"] if separate_norm else [])
     assert len(names) == len(kernels), names
     assert all(kernel in name for kernel, name in zip(kernels, names)), names

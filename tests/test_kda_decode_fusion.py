@@ -102,7 +102,7 @@ def check_fused(args, used, block_v=None):
     # The norm in the step's launch: one program a head, or the head's last (the norm
     # tail, on unless KVLOOM_UNFUSED names linear_norm_tail).
     whole_head = block_v >= head_v if block_v else fuses_norm(head_k, head_v)
-    one_launch = whole_head or uses_norm_tail()
+    one_launch = whole_head or uses_norm_tail(args["q"].shape[0])
     assert got.shape == want.shape and got.dtype == args["q"].dtype
     assert torch.equal(got[:real], want[:real]), "output differs from the three launches"
     if one_launch:  # padding rows are zeros

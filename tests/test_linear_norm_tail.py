@@ -29,9 +29,10 @@ from tests.kernel_env import gpu, needs_cuda
 
 @pytest.fixture
 def norm_tail_on(monkeypatch):
-    """The fusion on (the default), and the norm launches it replaces made to fail if
-    called."""
+    """The fusion on (the default) at every row count, and the norm launches it replaces
+    made to fail if called."""
     monkeypatch.delenv("KVLOOM_UNFUSED", raising=False)
+    monkeypatch.setattr(gdr, "NORM_TAIL_MAX_ROWS", 1 << 30)
 
     def no_norm_launch(*args, **kwargs):
         raise AssertionError("the norm ran as its own launch")
@@ -116,6 +117,36 @@ def test_unfused_keeps_the_norm_launch(monkeypatch):
     step = gdn_cases.make_step(2, 1, 2, 16, 16, torch.bfloat16, seed=31)
     gdn_cases.fused(step, step.pool.clone(), 8)
     assert calls == [1]
+
+
+def test_steps_past_the_row_bound_keep_the_norm_launch_unless_forced(monkeypatch):
+    """Past NORM_TAIL_MAX_ROWS rows the step runs the separate norm launch (the tail lost
+    there on an H100), at or under it the tail; `norm_tail=` forces either way; every
+    choice the same bits on the real rows."""
+    monkeypatch.delenv("KVLOOM_UNFUSED", raising=False)
+    monkeypatch.setattr(gdr, "NORM_TAIL_MAX_ROWS", 3)
+    calls = []
+    norm = gdr.gated_rms_norm_triton
+    monkeypatch.setattr(
+        gdr, "gated_rms_norm_triton", lambda *a, **k: (calls.append(1), norm(*a, **k))[1]
+    )
+    assert gdr.uses_norm_tail(3) and not gdr.uses_norm_tail(4)
+    for rows, norm_launches in ((3, []), (4, [1])):
+        step = gdn_cases.make_step(rows, 1, 2, 16, 16, torch.bfloat16, seed=40 + rows)
+        real = step.indices >= 0
+        outs = {}
+        for forced in (None, True, False):
+            calls.clear()
+            outs[forced] = gdr.gdn_decode_triton(
+                step.q, step.k, step.v, step.ba, step.A_log, step.dt_bias, step.ba_group,
+                step.pool.clone(), step.indices, step.z, step.weight, gdn_cases.EPS,
+                use_qk_l2norm=True, norm_tail=forced, _block_v_override=8,
+            )  # fmt: skip
+            want_calls = norm_launches if forced is None else ([] if forced else [1])
+            assert calls == want_calls, (rows, forced)
+        for forced in (True, False):
+            assert torch.equal(bits(outs[forced][real]), bits(outs[None][real])), (rows, forced)
+    assert_counters_zero()
 
 
 def test_counters_grow_and_keep_the_old_buffer(monkeypatch):
