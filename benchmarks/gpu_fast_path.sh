@@ -12,7 +12,7 @@
 #     [moe-pairs] [fusion-ab] [bench-int4] [bench-fp8] [int4-gemv] [det-plans]
 #     [det-cost-tables] [moe-stages] [decode-timeline] [split-merge] [qk-rope-plans]
 #     [moe-slot-sum] [router-picks] [split-keys-next] [mixed-steps] [gemv-kimi]
-#     [kda-mixed-ab]
+#     [kda-mixed-ab] [norm-tail-rows]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -380,6 +380,29 @@ print(min(ok, key=lambda r: r['us_per_layer'])['pairs_stages'])")
       timeout 200 python3 -m kvloom.cluster.cli bench latency --shape kimi-linear-16l \
         --out "$OUT/kvloom_kimi-linear-16l_latency_gemv.json" 2>&1 | grep "^RESULT ms_per" \
         || status=1
+      ;;
+    norm-tail-rows)  # the linear-attention norm tail's row bound (NORM_TAIL_MAX_ROWS):
+      # gpu tests, the decode step forced on / off at each row count for both state dtypes,
+      # then Qwen3-Next-16l offline with the bound and with the tail at every row count
+      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_linear_norm_tail.py \
+        tests/test_gdn_decode_fusion.py tests/test_kda_decode_fusion.py 2>&1 | tail -3 || status=1
+      for dtype in float32 bfloat16; do
+        for tail in on off; do
+          timeout 150 python3 benchmarks/gdn_decode_fusion.py --state-dtype $dtype \
+            --norm-tail $tail --rows 1 8 16 32 128 512 \
+            --out "$OUT/gdn_decode_tail_${dtype}_$tail.json" 2>&1 | grep "^RESULT.*two_bv" \
+            | sed "s/^/$dtype tail=$tail /" || status=1
+        done
+      done
+      for bound in default always default always; do
+        timeout 200 python3 -c "import sys
+from kvloom.kernels import gated_delta_rule_triton as gdr
+from kvloom.cluster.cli import main
+gdr.NORM_TAIL_MAX_ROWS = 1 << 30 if '$bound' == 'always' else gdr.NORM_TAIL_MAX_ROWS
+sys.exit(main())" bench throughput --shape ${TAIL_SHAPE:-qwen3-next-16l} \
+          --out "$OUT/norm_tail_throughput_${bound}_$RANDOM.json" 2>&1 \
+          | grep "^RESULT seconds" | sed "s/^/tail=$bound /" || status=1
+      done
       ;;
     kda-mixed-ab)  # Kimi-Linear-16l offline at 128 sequences: KDA's mixed steps chunked
       # (default), serial (KVLOOM_KDA_MIXED_STEPS=auto), split, and chunked with fla's
