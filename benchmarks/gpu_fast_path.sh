@@ -146,7 +146,7 @@ for section in "$@"; do
         tests/test_moe_router.py tests/test_moe_router_sigmoid.py \
         tests/test_moe_router_shared_expert.py tests/test_token_bitmask.py \
         tests/test_gemv_silu_and_mul.py tests/test_rms_norm_gemv.py tests/test_gemv_pdl.py \
-        tests/test_gemv_route.py tests/test_gemv_add_norm.py
+        tests/test_gemv_route.py
       run_group G3c -m gpu tests/test_fused_moe.py tests/test_fused_moe_pairs_plan.py \
         tests/test_moe_shared_expert_fold.py tests/test_qk_norm_rope.py \
         tests/test_gdn_decode_fusion.py tests/test_kda_decode_fusion.py \

@@ -46,7 +46,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "decode fusions to turn off, comma-separated (A/B timing, or an escape hatch): "
         "norm_gemv, kv_write, mul_sigmoid, gdn_decode, moe_pairs, gdn_conv, kda_norm, "
         "kda_decode, pdl, split_merge, moe_slot_sum, router_rows, router_gemv, "
-        "linear_norm_tail, linear_add_norm, or all",
+        "linear_norm_tail, or all",
     ),
     "KVLOOM_FUSED": (
         "",
@@ -54,8 +54,7 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "(same bits, but slower on an H200), pdl (decode kernel launches overlap the "
         "launch before them on Hopper; 1.7% slower on Qwen3-8B on an H100), split_merge (the "
         "split-KV decode merges its splits in its attention launch; level with two launches "
-        "on an H100), linear_add_norm (the residual add and RMSNorm after a one-row output "
-        "projection run in its GEMV's launch; slower on an H100), or all; "
+        "on an H100), or all; "
         "KVLOOM_UNFUSED wins over it",
     ),
     "KVLOOM_PDL_PREFETCH_LINES": (
@@ -240,9 +239,6 @@ def set_here() -> dict[str, str]:
 # `linear_norm_tail`: where a linear-attention decode step splits a value head over
 # programs, the last of them to store applies the output norm (kernels/
 # gated_delta_rule_triton.py), no norm launch, at steps of up to NORM_TAIL_MAX_ROWS rows.
-# `linear_add_norm`: the residual add and RMSNorm after a one-row projection (an attention
-# or linear-attention layer's output projection) run in its GEMV's launch, by its last
-# program to store (kernels/gemv_triton.py `gemv_add_rms_norm_triton`), no norm launch.
 FUSIONS = (
     "norm_gemv",
     "kv_write",
@@ -258,7 +254,6 @@ FUSIONS = (
     "router_rows",
     "router_gemv",
     "linear_norm_tail",
-    "linear_add_norm",
 )
 
 
@@ -272,10 +267,11 @@ FUSIONS = (
 # gained 1.0-1.4% per token on both 16-layer hybrids on an H100, twenty-first session.)
 # (`router_gemv`, now at one row only, and `linear_norm_tail` left this list after their
 # gpu tests passed and each gained about 1% at batch 1 on an H100, twenty-fourth session.)
-# `linear_add_norm` passed its gpu tests and lost on an H100 (twenty-sixth session: 8.27
-# against 7.27 us at one row). (`moe_gate_up_halves`, gate and up of the MoE decode plan
-# in two programs, was removed after it gained nothing on an H100, twenty-seventh.)
-OPT_IN_FUSIONS = ("norm_gemv", "pdl", "split_merge", "linear_add_norm")
+# (`linear_add_norm`, the residual add and RMSNorm in a one-row output projection's GEMV
+# launch, and `moe_gate_up_halves`, gate and up of the MoE decode plan in two programs,
+# were removed in the twenty-seventh session: on an H100 the first lost, 8.27 against
+# 7.27 us at one row, and the second gained nothing end to end.)
+OPT_IN_FUSIONS = ("norm_gemv", "pdl", "split_merge")
 
 
 @functools.lru_cache(maxsize=16)

@@ -31,9 +31,6 @@ NORM_GEMV_MAX_K = 16384
 # Most rows of the GEMV with a conv decode step in its epilogue (Gated DeltaNet's in_proj:
 # rows unrolled by hand, as the norm's); the dispatch range above.
 CONV_GEMV_MAX_M = 2
-# Most rows the residual add + RMSNorm epilogue serves (its last program normalises the rows
-# one after another); more take the GEMV and the norm launch.
-ADD_NORM_GEMV_MAX_M = 2
 
 
 def gemv_ref(

@@ -78,13 +78,7 @@ from kvloom.kernels.causal_conv1d_triton import (
     check_conv_update_args,
     conv1d_update_channels,
 )
-from kvloom.kernels.gemv import (
-    ADD_NORM_GEMV_MAX_M,
-    CONV_GEMV_MAX_M,
-    GEMV_MAX_M,
-    NORM_GEMV_MAX_K,
-    NORM_GEMV_MAX_M,
-)
+from kvloom.kernels.gemv import CONV_GEMV_MAX_M, GEMV_MAX_M, NORM_GEMV_MAX_K, NORM_GEMV_MAX_M
 from kvloom.kernels.int4_nibbles_triton import nibble_q_16bit, nibble_q_fp32, word_nibbles
 from kvloom.kernels.moe_router import check_router_args
 from kvloom.kernels.moe_router_triton import (
@@ -100,7 +94,6 @@ from kvloom.kernels.moe_router_triton import (
 )
 from kvloom.kernels.pdl_triton import pdl_launch, prefetch_l2, uses_pdl
 from kvloom.kernels.rms_norm_triton import (
-    rms_norm_triton,
     rms_row_rstd,
     rms_scale,
     rms_sum,
@@ -622,50 +615,6 @@ def _route_epilogue(
 
 
 @triton.jit
-def _add_norm_epilogue(
-    out0,
-    stride_om,
-    counter_ptr,
-    r_ptr,
-    stride_rm,
-    nw_ptr,
-    ro_ptr,
-    no_ptr,
-    eps,
-    weight_offset,
-    ROWS: tl.constexpr,
-    N: tl.constexpr,
-    LANES: tl.constexpr,
-    HAS_OFFSET: tl.constexpr,
-):
-    """The residual add and RMSNorm after the GEMV (NORM_OUT): every program arrives at the
-    launch's counter after its stores (as _route_epilogue does); the last to arrive runs
-    rms_norm_triton's arithmetic on each stored row y: the new residual y + residual to
-    ro_ptr and the normed rows to no_ptr ([ROWS, N], contiguous), then sets the counter
-    back to 0. The same shared helpers in the same order as the norm kernel, so the same
-    bits as its launch on the stored rows."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
-        dtype = out0.dtype.element_ty
-        for row in tl.static_range(ROWS):
-            y_row = out0 + row * stride_om
-            res_row = r_ptr + row * stride_rm
-            rstd = rms_row_rstd(y_row, res_row, eps, N, LANES, True, dtype)
-            for step in tl.static_range((N + LANES - 1) // LANES):
-                cols = step * LANES + tl.arange(0, LANES)
-                mask = cols < N
-                y = tl.load(y_row + cols, mask=mask, other=0.0)
-                res = tl.load(res_row + cols, mask=mask, other=0.0)
-                total = rms_sum(y, res, True, dtype)
-                tl.store(ro_ptr + row * N + cols, total, mask=mask)
-                w = tl.load(nw_ptr + cols, mask=mask, other=0.0)
-                normed = rms_scale(total, w, rstd, weight_offset, HAS_OFFSET, dtype)
-                tl.store(no_ptr + row * N + cols, normed.to(dtype), mask=mask)
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -728,7 +677,6 @@ def _gemv_kernel(
     ROUTE_RENORMALIZE: tl.constexpr = False,
     ROUTE_SHARED: tl.constexpr = 0,
     ROUTE_PICKS: tl.constexpr = 2,
-    NORM_OUT: tl.constexpr = False,
     GDC: tl.constexpr = 0,
     PREFETCH_LINES: tl.constexpr = 1,
     LINE: tl.constexpr = 64,
@@ -751,9 +699,6 @@ def _gemv_kernel(
     depthwise causal conv's decode step (_conv_epilogue), run on each row's stored y.
     ROUTE (split_k = 1, not GATED): the outputs are router logits, and the launch's last
     program runs the softmax top-k router on them (_route_epilogue).
-    NORM_OUT (split_k = 1, not GATED, no NORM): the norm arguments (r_ptr ... WRITE_NORMED,
-    NORM_K = N) describe the residual add and RMSNorm the launch's last program applies to
-    the output rows (_add_norm_epilogue); counter_ptr is its arrival counter.
     GDC (programmatic dependent launch, kernels/pdl_triton.py): the program may start
     before the launch it follows has finished. It lets the next launch stage (at its
     start with GDC 1, after its main loop with GDC 2, at exit with 3), asks for
@@ -765,7 +710,6 @@ def _gemv_kernel(
     tl.static_assert(not NORM or (ROWS <= 2 and WFMT == FMT_PLAIN))
     tl.static_assert(not CONV or (ROWS <= 2 and not GATED))  # CONV_GEMV_MAX_M
     tl.static_assert(not ROUTE or not GATED)
-    tl.static_assert(not NORM_OUT or not (NORM or GATED or CONV or ROUTE))
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     if GATED:
@@ -919,11 +863,6 @@ def _gemv_kernel(
             out0, stride_om, counter_ptr, rw_ptr, stride_rwm, rid_ptr, stride_ridm, route_experts,
             ROWS, ROUTE_TOP_K, ROUTE_K_PAD, ROUTE_E_PAD, ROUTE_RENORMALIZE, ROUTE_SHARED,
             ROUTE_PICKS,
-        )  # fmt: skip
-    if NORM_OUT:
-        _add_norm_epilogue(
-            out0, stride_om, counter_ptr, r_ptr, stride_rm, nw_ptr, ro_ptr, no_ptr, eps,
-            weight_offset, ROWS, NORM_K, NORM_LANES, HAS_OFFSET,
         )  # fmt: skip
 
 
@@ -1249,103 +1188,6 @@ def route_counter(device: torch.device) -> torch.Tensor:
     return arrival_counters("router_gemv", device, 1, 1).view(1)
 
 
-@dataclasses.dataclass(frozen=True)
-class AddNormEpilogue:
-    """The residual add and RMSNorm on the GEMV's output rows y (`launch_gemv(add_norm=
-    ...)`): residual_out receives y + residual and normed_out RMSNorm(y + residual) *
-    (weight_offset + weight), fresh contiguous [M, N] tensors; counter: the launch's
-    arrival counter (`add_norm_counter`)."""
-
-    weight: torch.Tensor
-    eps: float
-    weight_offset: float
-    residual: torch.Tensor
-    residual_out: torch.Tensor
-    normed_out: torch.Tensor
-    counter: torch.Tensor
-
-
-def add_norm_counter(device: torch.device) -> torch.Tensor:
-    """The add-norm epilogue's arrival counter: one int32 per device (one launch norms)."""
-    return arrival_counters("linear_add_norm", device, 1, 1).view(1)
-
-
-def _add_norm_args(add_norm: AddNormEpilogue, n: int) -> dict:
-    """The kernel's norm arguments describing the epilogue (NORM_OUT) instead of a
-    prologue; the counter goes in the route epilogue's slot (the two never meet)."""
-    return dict(
-        r_ptr=add_norm.residual,
-        nw_ptr=add_norm.weight,
-        ro_ptr=add_norm.residual_out,
-        no_ptr=add_norm.normed_out,
-        stride_rm=add_norm.residual.stride(0),
-        eps=float(add_norm.eps),
-        weight_offset=float(add_norm.weight_offset),
-        NORM=False,
-        NORM_K=n,
-        NORM_LANES=sq_lanes(n),
-        HAS_RESIDUAL=True,
-        HAS_OFFSET=bool(add_norm.weight_offset),
-        WRITE_NORMED=True,
-        NORM_OUT=True,
-    )
-
-
-def gemv_add_rms_norm_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    *,
-    weight_offset: float = 0.0,
-    plan: GemvPlan | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A projection, the residual add and the RMSNorm after it: returns (normed, y +
-    residual) for y = x @ weight^T (+ bias), bitwise gemv_triton followed by
-    rms_norm_triton(y, norm_weight, eps, residual, weight_offset). One launch where the
-    plan has one K range and M <= ADD_NORM_GEMV_MAX_M (the last program to store its
-    features normalises the rows: _add_norm_epilogue); else the two launches.
-
-    x: [M, K]; weight, bias as gemv_triton's; residual: [M, N] of x's dtype, last dim
-    contiguous; norm_weight: contiguous [N] of x's dtype.
-    """
-    _check_args(x, weight, bias)
-    m, k = x.shape
-    if m > GEMV_MAX_M:
-        raise ValueError(f"x: {m} rows exceed GEMV_MAX_M={GEMV_MAX_M}; use F.linear")
-    n = weight.shape[0]
-    if not isinstance(residual, torch.Tensor) or tuple(residual.shape) != (m, n):
-        raise ValueError(f"residual: expected a tensor of the output's shape {(m, n)}")
-    if residual.dtype != x.dtype or (n > 1 and residual.stride(1) != 1):
-        raise ValueError(f"residual: expected {x.dtype} with a contiguous last dim")
-    if not isinstance(norm_weight, torch.Tensor) or tuple(norm_weight.shape) != (n,):
-        raise ValueError(f"norm_weight: expected shape ({n},) matching the output's N")
-    if norm_weight.dtype != x.dtype or (n > 1 and norm_weight.stride(0) != 1):
-        raise ValueError(f"norm_weight: expected a contiguous {x.dtype} tensor")
-    if n > NORM_GEMV_MAX_K:
-        raise ValueError(f"weight: N={n} exceeds the fused norm's {NORM_GEMV_MAX_K}")
-    check_same_device(x=x, residual=residual, norm_weight=norm_weight)
-    if plan is None:
-        plan = choose_gemv_plan(max(m, 1), n, k, x.dtype)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if plan.split_k > 1 or m > ADD_NORM_GEMV_MAX_M or m == 0:
-        launch_gemv(x, weight, bias, y, plan)
-        return rms_norm_triton(y, norm_weight, eps, residual, weight_offset)
-    add_norm = AddNormEpilogue(
-        weight=norm_weight,
-        eps=eps,
-        weight_offset=weight_offset,
-        residual=residual,
-        residual_out=torch.empty_like(y),
-        normed_out=torch.empty_like(y),
-        counter=add_norm_counter(x.device),
-    )
-    launch_gemv(x, weight, bias, y, plan, add_norm=add_norm)
-    return add_norm.normed_out, add_norm.residual_out
-
-
 def _route_args(route: RouteEpilogue | None, x: torch.Tensor) -> dict:
     """The kernel's route arguments (placeholder pointers when there is no epilogue)."""
     if route is None:
@@ -1513,7 +1355,6 @@ def launch_gemv(
     norm: NormPrologue | None = None,
     conv: ConvEpilogue | None = None,
     route: RouteEpilogue | None = None,
-    add_norm: AddNormEpilogue | None = None,
     pdl: bool | None = None,
 ) -> torch.Tensor:
     """Fills out [M, N] (any float dtype) with x @ W^T (+ bias) and returns it; W is
@@ -1522,8 +1363,7 @@ def launch_gemv(
     silu(gate) * up. With `norm`, x is first RMS-normalized (NormPrologue). With `conv`
     (split_k = 1, at most 2 rows, not gated), the first C features also go through a
     conv decode step (ConvEpilogue); with `route` (split_k = 1, not gated), the last
-    program routes the rows (RouteEpilogue); with `add_norm` (split_k = 1, alone), it
-    adds the residual and normalises them (AddNormEpilogue). `pdl`: launch the GEMV (the split-K partial sums;
+    program routes the rows (RouteEpilogue). `pdl`: launch the GEMV (the split-K partial sums;
     not their reduce) with programmatic dependent launch; None: `uses_pdl(x)`. Callers
     check the arguments; this only launches."""
     if not isinstance(plan, GemvPlan):
@@ -1534,13 +1374,6 @@ def launch_gemv(
         )
     if route is not None and (plan.split_k > 1 or silu_and_mul):
         raise ValueError("route: the epilogue needs split_k = 1 and no silu_and_mul")
-    if add_norm is not None and (
-        plan.split_k > 1
-        or silu_and_mul
-        or any(f is not None for f in (norm, conv, route))
-        or x.shape[0] > ADD_NORM_GEMV_MAX_M
-    ):
-        raise ValueError("add_norm: the epilogue needs split_k = 1 and no other fusion")
     m, k = x.shape
     n = out.shape[1]
     if m == 0 or n == 0:
@@ -1553,7 +1386,7 @@ def launch_gemv(
     norm_options = dict(enable_fp_fusion=False) if norm is not None else {}
     # The conv and route epilogues compile as their own launches do (causal_conv1d_triton,
     # moe_router_triton).
-    if conv is not None or route is not None or add_norm is not None:
+    if conv is not None or route is not None:
         norm_options = dict(enable_fp_fusion=False)
     split_len = split_k_len(k, plan.split_k)
     gdc = uses_pdl(x) if pdl is None else pdl
@@ -1578,12 +1411,10 @@ def launch_gemv(
         HALF_DEQUANT=_half_dequant(x, fmt, scales, group),
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
-        **(_norm_args(x, norm) if add_norm is None else _add_norm_args(add_norm, n)),
+        **_norm_args(x, norm),
         **_conv_args(conv, x),
         **_route_args(route, x),
     )
-    if add_norm is not None:
-        common["counter_ptr"] = add_norm.counter
     s = scales if scales is not None else weight  # placeholder pointers when absent
     b = bias if bias is not None else weight
     stride_sn = scales.stride(0) if scales is not None else 0

@@ -477,56 +477,6 @@ def rms_norm_linear_route(
     return logits, new_residual, normed, weights, ids
 
 
-def linear_route(x, weight, bias, *, top_k: int, renormalize: bool, shared_expert_weight=None):
-    """A MoE layer's router GEMV on already normed rows with the softmax top-k router in
-    its launch: (logits, weights, ids) where `_takes_gemv_route` (gemv_triton.
-    gemv_route_triton, bitwise the GEMV and router launches); None elsewhere (the caller
-    runs `linear` and its router)."""
-    if not _takes_gemv_route(x, weight):
-        return None
-    from kvloom.kernels import gemv_triton
-
-    return gemv_triton.gemv_route_triton(
-        x, weight, bias, top_k=top_k, renormalize=renormalize,
-        shared_expert_weight=shared_expert_weight,
-    )  # fmt: skip
-
-
-def _takes_gemv_add_norm(x, residual, norm_weight, weight) -> bool:
-    """Whether `linear_add_rms_norm` runs the residual add and RMSNorm in the GEMV's launch:
-    where `linear` would run the GEMV on one row (the last program normalises the rows in
-    turn, as the router epilogue routes them: one row, as that one), with a residual and
-    norm weight of x's dtype, unless KVLOOM_UNFUSED names linear_add_norm (opt-in:
-    KVLOOM_FUSED)."""
-    return (
-        not batch_invariant()
-        and x.dim() == 2
-        and x.shape[0] == 1
-        and _takes_gemv(x, weight)
-        and residual is not None
-        and residual.dtype == x.dtype
-        and residual.stride(-1) == 1
-        and norm_weight.dtype == x.dtype
-        and norm_weight.is_contiguous()
-        and weight.shape[0] <= NORM_GEMV_MAX_K
-        and not envs.unfused("linear_add_norm")
-    )
-
-
-def linear_add_rms_norm(x, weight, bias, residual, norm_weight, eps, weight_offset: float = 0.0):
-    """(normed, new_residual) of `rms_norm(linear(x, weight, bias), norm_weight, eps,
-    residual, weight_offset)` with the residual add and RMSNorm in the GEMV's launch where
-    `_takes_gemv_add_norm` (gemv_triton.gemv_add_rms_norm_triton, bitwise the two
-    launches); None elsewhere (the caller runs the projection and the norm)."""
-    if not _takes_gemv_add_norm(x, residual, norm_weight, weight):
-        return None
-    from kvloom.kernels.gemv_triton import gemv_add_rms_norm_triton
-
-    return gemv_add_rms_norm_triton(
-        x, weight, bias, residual, norm_weight, eps, weight_offset=weight_offset
-    )
-
-
 def _takes_gemv_conv(x, weight, conv_weight, conv_state_pool) -> bool:
     """Whether `rms_norm_linear_conv` runs the conv in the GEMV's epilogue: where `linear`
     would run the GEMV on [T, K] rows, at most CONV_GEMV_MAX_M of them, for conv weights

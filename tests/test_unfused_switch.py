@@ -43,20 +43,20 @@ def test_names_are_checked_and_all_means_every_fusion(monkeypatch):
 
 def test_the_opt_in_fusions_are_off_unless_named_and_unfused_wins(monkeypatch):
     """An H200 measured the norm + GEMV launch slower than its two launches, an H100 PDL
-    and linear_add_norm slower than none and the in-launch split merge level: off unless
-    KVLOOM_FUSED names them; KVLOOM_UNFUSED beats KVLOOM_FUSED; names are checked."""
+    slower than none and the in-launch split merge level: off unless KVLOOM_FUSED names
+    them; KVLOOM_UNFUSED beats KVLOOM_FUSED; names are checked."""
     monkeypatch.delenv("KVLOOM_UNFUSED", raising=False)
     monkeypatch.delenv("KVLOOM_FUSED", raising=False)
-    opt_in = ("norm_gemv", "pdl", "split_merge", "linear_add_norm")
+    opt_in = ("norm_gemv", "pdl", "split_merge")
     assert opt_in == envs.OPT_IN_FUSIONS
     assert [envs.unfused(name) for name in envs.FUSIONS] == [
         name in opt_in for name in envs.FUSIONS
     ]
     monkeypatch.setenv("KVLOOM_FUSED", "norm_gemv")
     assert [envs.unfused(name) for name in envs.FUSIONS] == [
-        name in ("pdl", "split_merge", "linear_add_norm") for name in envs.FUSIONS
+        name in ("pdl", "split_merge") for name in envs.FUSIONS
     ]
-    monkeypatch.setenv("KVLOOM_FUSED", "pdl, norm_gemv, split_merge, linear_add_norm")
+    monkeypatch.setenv("KVLOOM_FUSED", "pdl, norm_gemv, split_merge")
     assert not any(envs.unfused(name) for name in envs.FUSIONS)
     monkeypatch.setenv("KVLOOM_FUSED", "all")
     assert not any(envs.unfused(name) for name in envs.FUSIONS)

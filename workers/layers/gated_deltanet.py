@@ -332,39 +332,28 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
         (fused only): in_proj's output, computed by the caller (the decoder layer fuses it
         with its norm); hidden's values are then unused, only its rows, dtype and device.
         `convolved`: the decode step's conv output, computed with it (`norm_project`)."""
-        return self.out_proj(self.mix(hidden, batch, projected, convolved))
-
-    def mix(
-        self,
-        hidden: torch.Tensor,
-        batch: ForwardBatch,
-        projected: torch.Tensor | None = None,
-        convolved: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """`forward` before out_proj: the normed heads [T, value_dim] (the decoder layer may
-        run out_proj fused with the norm after it: linear_norm)."""
         mixed, z, ba = self._split_projections(hidden, projected)
         slots = batch.group_for(self.layer_index).state_indices
         if batch.decode_only and not batch_invariant():
             core = self._decode_step(mixed, z, ba, slots, convolved)
-            return core.flatten(1)
+            return self.out_proj(core.flatten(1))
         if convolved is not None:
             raise ValueError("convolved: given only for a decode-only step (norm_project)")
         g, beta = self._gates(ba)
         if batch_invariant():
             core = self._serial_all(mixed, g, beta, slots, batch)
-            return self.norm(core, z).flatten(1)
+            return self.out_proj(self.norm(core, z).flatten(1))
         resume = uniform_resume_len(batch, hidden.shape[0])
         if resume is not None:
             core = self.resume_token_by_token(mixed, g, beta, slots, resume)
-            return self.norm(core, z).flatten(1)
+            return self.out_proj(self.norm(core, z).flatten(1))
         path = mixed_step_path(batch.rows, hidden.device)
         if path == "serial":
             core = self._serial_all(mixed, g, beta, slots, batch)
-            return self.norm(core, z).flatten(1)
+            return self.out_proj(self.norm(core, z).flatten(1))
         if path == "split":
             core = self._split_step(mixed, g, beta, slots, batch, SPLIT_ROW_TOKENS)
-            return self.norm(core, z).flatten(1)
+            return self.out_proj(self.norm(core, z).flatten(1))
         core = hidden.new_zeros(hidden.shape[0], self.num_v_heads, self.head_v_dim)
         split = batch.linear_rows(hidden.device)
         self._chunked_rows(mixed, g, beta, slots, split, core)
@@ -379,7 +368,7 @@ class GatedDeltaNet(LinearStatePages, nn.Module):
                 q, k, v, g[index], beta[index], self.recurrent_state, pages, use_qk_l2norm=True
             )
         normed = self.norm(core, z)
-        return normed.flatten(1)
+        return self.out_proj(normed.flatten(1))
 
     def _chunked_rows(self, mixed, g, beta, slots, rows: LinearRows, core) -> None:
         """`rows`' prefill rows through the chunked conv and delta rule (their state pages

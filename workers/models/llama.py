@@ -15,7 +15,7 @@ from kvloom.workers.layers.attention import PagedAttention
 from kvloom.workers.layers.linear import QKVParallelLinear, RowParallelLinear
 from kvloom.workers.layers.mlp import GatedMLP
 from kvloom.workers.layers.norm import RMSNorm
-from kvloom.workers.layers.norm_linear import linear_norm, norm_linear, project
+from kvloom.workers.layers.norm_linear import norm_linear
 from kvloom.workers.layers.rotary import RotaryEmbedding, rope_parameters
 from kvloom.workers.layers.tp_group import LocalGroup, TPGroup
 from kvloom.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -89,11 +89,6 @@ class LlamaAttention(nn.Module):
     def attend(self, positions, qkv, batch: ForwardBatch):
         """forward after the projection: the decoder layer computes `qkv` fused with its
         input norm (norm_linear)."""
-        return self.o_proj(self.attend_heads(positions, qkv, batch))
-
-    def attend_heads(self, positions, qkv, batch: ForwardBatch):
-        """`attend` before o_proj: the heads' outputs [T, heads * head_dim] (the decoder
-        layer may run o_proj fused with the norm after it: linear_norm)."""
         q, k, v = self.qkv_proj.split(qkv)
         q = q.view(q.shape[0], -1, self.head_dim)
         k = k.view(k.shape[0], -1, self.head_dim)
@@ -102,7 +97,8 @@ class LlamaAttention(nn.Module):
         q, k, written = self.rotary.norm_rotate_try_cache(
             positions, q, k, v.view(k.shape), cache, self.q_norm, self.k_norm
         )
-        return self.attn(q.flatten(1), k.flatten(1), v, batch, cache_written=written)
+        out = self.attn(q.flatten(1), k.flatten(1), v, batch, cache_written=written)
+        return self.o_proj(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -125,18 +121,10 @@ class LlamaDecoderLayer(nn.Module):
         # Each norm and the projection after it: one launch at decode sizes (norm_linear).
         attn, mlp = self.self_attn, self.mlp
         qkv, residual, _ = norm_linear(self.input_layernorm, hidden, residual, attn.qkv_proj)
-        heads = attn.attend_heads(positions, qkv, batch)
-        # o_proj with the residual add and post norm in its launch where that fuses, else
-        # the norm with gate_up.
-        post = self.post_attention_layernorm
-        fused = linear_norm(attn.o_proj, heads, residual, post)
-        if fused is None:
-            act, residual, _ = norm_linear(
-                post, attn.o_proj(heads), residual, mlp.gate_up_proj, silu_and_mul_out=True
-            )
-        else:
-            normed, residual = fused
-            act = project(mlp.gate_up_proj, normed, silu_and_mul_out=True)
+        hidden = attn.attend(positions, qkv, batch)
+        act, residual, _ = norm_linear(
+            self.post_attention_layernorm, hidden, residual, mlp.gate_up_proj, silu_and_mul_out=True
+        )
         return mlp.down_proj(act), residual
 
 

@@ -47,13 +47,7 @@ from kvloom.workers.layers.moe import (
     route_softmax_topk,
 )
 from kvloom.workers.layers.norm import RMSNorm
-from kvloom.workers.layers.norm_linear import (
-    linear_norm,
-    norm_linear,
-    norm_linear_route,
-    project,
-    route_normed,
-)
+from kvloom.workers.layers.norm_linear import norm_linear, norm_linear_route
 from kvloom.workers.layers.quantization.config import (
     QuantizationConfig,
     parse_quantization_config,
@@ -219,11 +213,6 @@ class Qwen3NextAttention(nn.Module):
     def attend(self, positions, qkv, batch: ForwardBatch):
         """forward after the projection: the decoder layer computes `qkv` fused with its
         input norm (norm_linear)."""
-        return self.o_proj(self.attend_heads(positions, qkv, batch))
-
-    def attend_heads(self, positions, qkv, batch: ForwardBatch):
-        """`attend` before o_proj: the gated heads' outputs (the decoder layer may run
-        o_proj fused with the norm after it: linear_norm)."""
         tokens = qkv.shape[0]
         q_gate, k, v = self.qkv_proj.split(qkv)
         q_gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim)
@@ -236,7 +225,7 @@ class Qwen3NextAttention(nn.Module):
         )
         out = self.attn(q.flatten(1), k.flatten(1), v, batch, cache_written=written)
         # out * sigmoid(gate), the gate read in place: one launch at decode on CUDA.
-        return mul_sigmoid(out, gate)
+        return self.o_proj(mul_sigmoid(out, gate))
 
 
 class Qwen3NextSparseMoe(nn.Module):
@@ -394,27 +383,18 @@ class Qwen3NextDecoderLayer(nn.Module):
         if self.kind != "linear_attention":
             attn = self.self_attn
             qkv, residual, _ = norm_linear(norm, hidden, residual, attn.qkv_proj)
-            heads, out_proj = attn.attend_heads(positions, qkv, batch), attn.o_proj
+            hidden = attn.attend(positions, qkv, batch)
         elif self.linear_attn.fused:
             gdn = self.linear_attn
             # The norm, in_proj and (decode-only) the conv update: one launch at decode.
             projected, residual, convolved = gdn.norm_project(norm, hidden, residual, batch)
-            heads = gdn.mix(hidden, batch, projected=projected, convolved=convolved)
-            out_proj = gdn.out_proj
+            hidden = gdn(hidden, batch, projected=projected, convolved=convolved)
         else:  # the unfused GDN projections (a quantized checkpoint): norm, two linears
             if residual is None:
                 residual, hidden = hidden, norm(hidden)
             else:
                 hidden, residual = norm(hidden, residual)
-            heads, out_proj = self.linear_attn.mix(hidden, batch), self.linear_attn.out_proj
-        # The output projection with the residual add and post norm in its launch where
-        # that fuses (linear_norm); else the norm goes with the next projection.
-        fused = linear_norm(out_proj, heads, residual, self.post_attention_layernorm)
-        if fused is not None:
-            return self._feed_forward_normed(*fused)
-        return self._feed_forward(out_proj(heads), residual)
-
-    def _feed_forward(self, hidden, residual):
+            hidden = self.linear_attn(hidden, batch)
         post, mlp = self.post_attention_layernorm, self.mlp
         if isinstance(mlp, GatedMLP):
             act, residual, _ = norm_linear(
@@ -430,16 +410,6 @@ class Qwen3NextDecoderLayer(nn.Module):
             return mlp(normed, logits, routes), residual
         logits, residual, normed = norm_linear(post, hidden, residual, mlp.gate, keep_normed=True)
         return mlp(normed, logits), residual
-
-    def _feed_forward_normed(self, normed, residual):
-        """_feed_forward on rows the output projection's launch already normed."""
-        mlp = self.mlp
-        if isinstance(mlp, GatedMLP):
-            return mlp.down_proj(project(mlp.gate_up_proj, normed, silu_and_mul_out=True)), residual
-        if mlp.folded_shared_expert:
-            logits, routes = route_normed(mlp.gate, normed, **mlp.router_args)
-            return mlp(normed, logits, routes), residual
-        return mlp(normed, mlp.gate(normed)), residual
 
 
 class Qwen3NextModel(nn.Module):
