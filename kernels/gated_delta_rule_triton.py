@@ -605,8 +605,9 @@ def kda_decode_triton(
     in one launch where a program holds a whole value head (`fuses_norm`: heads up to
     64 x 64); else (Kimi-Linear's 128 x 128 heads, where the narrow tiles are faster) in
     one launch with the norm tail (`norm_tail`, or `uses_norm_tail` when None) or in two
-    (the norm separate). Padding rows (negative index) give zeros in one launch (the separate norm gives w * 0 * sigmoid(gate): -0.0 where w < 0,
-    NaN for a NaN gate); their inputs are never read there.
+    (the norm separate). Padding rows (negative index) give zeros in one launch (the
+    separate norm gives w * 0 * sigmoid(gate): -0.0 where w < 0, NaN for a NaN gate);
+    their inputs are never read there.
 
     raw_gate [N, Hv, Dk] (f_b_proj's output), A_log [Hv], dt_bias [Hv * Dk], beta_logits
     [N, Hv], gate [N, Hv, Dv] (g_b_proj's output), norm_weight [Dv], all strided with the
