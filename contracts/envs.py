@@ -71,8 +71,9 @@ VARIABLES: dict[str, tuple[str, str]] = {
     "KVLOOM_MOE_DECODE_STAGES": (
         "",
         "software-pipelining depth of the fused MoE's decode (pairs) plan: one integer for "
-        "its gate_up and down launches, or two, 'GATE_UP,DOWN' (empty: the plan's own, 4 at "
-        "one token and 3 above); the same bits at any depth (A/B timing)",
+        "its gate_up and down launches, or two, 'GATE_UP,DOWN' (empty: the plan's own: at one "
+        "token 6 where its gate_up grid has no more programs than the GPU has SMs, else 4; "
+        "3 above); the same bits at any depth (A/B timing)",
     ),
     "KVLOOM_DECODE_KEYS_PER_SPLIT": (
         "",

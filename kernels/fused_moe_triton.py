@@ -75,6 +75,7 @@ from kvloom.kernels.arg_checks_triton import (
     next_power_of_2,
 )
 from kvloom.kernels.arrival_counters import arrival_counters
+from kvloom.kernels.device_sms import sm_count
 from kvloom.kernels.dispatch import batch_invariant
 from kvloom.kernels.fused_moe import check_moe_args
 
@@ -109,18 +110,26 @@ PAIRS_BLOCK_M = BLOCK_M_CHOICES[0]  # the sorted plan's block at decode sizes
 # token took a layer from 47.21 to 45.34 us (Qwen3-Next, shared expert folded), 54.23 to
 # 51.96 (two branches), 67.48 to 66.64 and 75.10 to 73.46 (Kimi-Linear); 6 gained more on
 # Qwen3-Next (44.37) but lost on Kimi-Linear (69.40). At two and four tokens depth 3 was
-# the fastest or within 2%, so deeper pipelines stay at one token.
+# the fastest or within 2%, so deeper pipelines stay at one token. What sets 6 apart is
+# the gate_up grid: Qwen3-Next's 88 programs leave SMs idle (each program streams more
+# when it keeps more loads in flight), Kimi-Linear's 144 (9 routes x 16 tiles) and every
+# two-token grid do not. End to end on an H100, depth 6 took Qwen3-Next-16l batch-1 from
+# 1.618 to 1.608 ms/token (twenty-sixth) and 1.587 to 1.576 (twenty-seventh).
 # KVLOOM_MOE_DECODE_STAGES overrides both (benchmarks/moe_layer_launches.py --pairs-stages).
+PAIRS_STAGES_FEW_PROGRAMS = (6, 6)
 PAIRS_STAGES_ONE_TOKEN = (4, 4)
 PAIRS_STAGES = (NUM_STAGES, NUM_STAGES)
 
 
-def pairs_stages(num_tokens: int) -> tuple[int, int]:
-    """(gate_up, down) num_stages of a pairs-plan launch over `num_tokens` tokens."""
+def pairs_stages(num_tokens: int, idle_sms: bool) -> tuple[int, int]:
+    """(gate_up, down) num_stages of a pairs-plan launch over `num_tokens` tokens;
+    `idle_sms`: its gate_up grid has no more programs than the device has SMs."""
     chosen = envs.moe_decode_stages()
     if chosen:
         return chosen
-    return PAIRS_STAGES_ONE_TOKEN if num_tokens == 1 else PAIRS_STAGES
+    if num_tokens > 1:
+        return PAIRS_STAGES
+    return PAIRS_STAGES_FEW_PROGRAMS if idle_sms else PAIRS_STAGES_ONE_TOKEN
 
 
 def choose_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
@@ -663,12 +672,19 @@ def fused_moe_triton(
         PAIRS=pairs,
         num_warps=NUM_WARPS,
     )
-    gate_up_stages, down_stages = pairs_stages(num_tokens) if pairs else (NUM_STAGES, NUM_STAGES)
+    gate_up_grid = (num_blocks, triton.cdiv(inter, BLOCK_N))
+    gate_up_stages, down_stages = (NUM_STAGES, NUM_STAGES)
+    if pairs:
+        # Half precision only: float32 tiles (forced pairs=True) at depth 6 would ask for
+        # about 216 KB of shared memory.
+        programs = gate_up_grid[0] * gate_up_grid[1]
+        idle_sms = hidden.element_size() == 2 and programs <= sm_count(hidden.device)
+        gate_up_stages, down_stages = pairs_stages(num_tokens, idle_sms)
     id_strides = (topk_ids.stride(0), topk_ids.stride(1))
     tiles = triton.cdiv(hidden_size, BLOCK_N)
     # Without the in-launch sum the kernel never reads its counters: topk_ids stands in.
     counters = slot_counters(hidden.device, num_tokens, tiles) if slot_sum else topk_ids
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, BLOCK_N))](
+    _gate_up_kernel[gate_up_grid](
         hidden,
         w13,
         sorted_routes,

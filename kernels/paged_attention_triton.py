@@ -76,6 +76,7 @@ from kvloom.kernels.arg_checks_triton import (
     is_interpreted,
     next_power_of_2,
 )
+from kvloom.kernels.device_sms import sm_count
 from kvloom.kernels.kv_cache_write import check_scale, is_fp8
 from kvloom.kernels.merge_attention_states_triton import (
     merge_attention_states_triton,
@@ -1082,12 +1083,9 @@ def paged_attention_split_kv_triton(
     (`kv_stride` > 1) holds about max_seq_len / kv_stride keys and is sized by that.
     """
     if num_kv_splits is None:
-        num_sms = (
-            torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
-        )
         local_len = -(-max_seq_len // kv_stride)
         num_kv_splits = choose_num_kv_splits(
-            seq_lens.shape[0], kv_cache.shape[3], local_len, num_sms
+            seq_lens.shape[0], kv_cache.shape[3], local_len, sm_count(q.device)
         )
     return paged_attention_triton(
         q,
@@ -1155,12 +1153,6 @@ def decode_split_grid(num_rows: int, num_kv_heads: int, max_splits: int, num_sms
     the splits a row may have. It sets how the work is spread, never a result."""
     want = -(-DECODE_PROGRAMS_PER_SM * num_sms // max(1, num_rows * num_kv_heads))
     return max(1, min(want, max_splits))
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # the interpreter: small grids, several splits per program still tested
 
 
 def uses_split_merge(q: torch.Tensor) -> bool:
@@ -1311,7 +1303,7 @@ def paged_attention_decode_split_triton(
         if max_seq_len is not None:
             local_len = -(-max_seq_len // kv_stride)
             most = min(most, -(-local_len // keys_per_split))
-        grid_splits = decode_split_grid(num_rows, num_kv_heads, most, _num_sms(q.device))
+        grid_splits = decode_split_grid(num_rows, num_kv_heads, most, sm_count(q.device))
     _launch(
         ROWS_SHORT,
         short["BLOCK_Q"],

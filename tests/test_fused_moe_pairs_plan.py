@@ -20,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvloom.kernels import dispatch
+from kvloom.kernels import fused_moe_triton as fused_moe_triton_module
 from kvloom.kernels.fused_moe import fused_moe_ref
 from kvloom.kernels.fused_moe_triton import (
     BLOCK_M_CHOICES,
@@ -305,15 +306,16 @@ def test_pairs_plan_launches_three_kernels_where_the_sorted_plan_launches_five()
 
 @pytest.mark.parametrize(
     "setting,tokens,want",
-    [("", 1, (4, 4)), ("", 2, (3, 3)), ("", 4, (3, 3)), ("6", 1, (6, 6)), ("8,4", 2, (8, 4)),
+    [("", 1, (6, 6)), ("", 2, (3, 3)), ("", 4, (3, 3)), ("4", 1, (4, 4)), ("8,4", 2, (8, 4)),
      (" 5 , 2 ", 1, (5, 2))],
 )  # fmt: skip
 def test_pairs_plan_pipelines_at_the_depths_asked_and_the_sorted_plan_keeps_its_own(
     monkeypatch, setting, tokens, want
 ):
-    """The pairs plan pipelines deeper at one token than at more (PAIRS_STAGES_ONE_TOKEN);
-    KVLOOM_MOE_DECODE_STAGES sets its gate_up and down num_stages at any count (same bits:
-    the interpreter ignores depth; the gpu test compares compiled depths)."""
+    """The pairs plan pipelines deeper at one token than at more (here a grid of fewer
+    programs than the interpreter's SMs: PAIRS_STAGES_FEW_PROGRAMS); KVLOOM_MOE_DECODE_STAGES
+    sets its gate_up and down num_stages at any count (same bits: the interpreter ignores
+    depth; the gpu test compares compiled depths)."""
     if CUDA:
         pytest.skip("reads interpreted launches' arguments")
     from triton.runtime.interpreter import InterpretedFunction
@@ -343,11 +345,41 @@ def test_pairs_plan_pipelines_at_the_depths_asked_and_the_sorted_plan_keeps_its_
     assert dict(seen)["_gate_up_kernel"] == dict(seen)["_down_kernel"] == 3
 
 
+def test_one_token_depth_follows_the_gate_up_grid_against_the_sms(monkeypatch):
+    """At one token a gate_up grid that leaves SMs idle pipelines at depth 6 (Qwen3-Next:
+    88 programs on an H100's 132 SMs), a fuller one at 4 (Kimi-Linear: 144); more tokens
+    at 3; the variable overrides every case. The launch counts the grid against the SMs
+    (the interpreter's 8) for half precision only."""
+    monkeypatch.delenv("KVLOOM_MOE_DECODE_STAGES", raising=False)
+    assert pairs_stages(1, idle_sms=True) == (6, 6)
+    assert pairs_stages(1, idle_sms=False) == (4, 4)
+    assert pairs_stages(2, idle_sms=True) == pairs_stages(4, idle_sms=False) == (3, 3)
+    monkeypatch.setenv("KVLOOM_MOE_DECODE_STAGES", "5")
+    assert pairs_stages(1, True) == pairs_stages(1, False) == (5, 5)
+    monkeypatch.delenv("KVLOOM_MOE_DECODE_STAGES")
+    seen = []
+    monkeypatch.setattr(
+        fused_moe_triton_module, "pairs_stages",
+        lambda tokens, idle: (seen.append(idle), pairs_stages(tokens, idle))[1],
+    )  # fmt: skip
+    w13, w2 = make_weights(9, 40, 200, torch.bfloat16, seed=14)
+    for top_k, want in ((2, True), (3, False)):  # 2 x 4 = 8 programs: 8 SMs; 3 x 4 = 12
+        weights, ids = make_routing(1, 9, top_k, seed=15)
+        x = torch.randn(1, 40).to(DEVICE, torch.bfloat16)
+        fused_moe_triton(x, w13, w2, weights, ids, pairs=True)
+        if CUDA:
+            want = top_k * 4 <= fused_moe_triton_module.sm_count(x.device)
+        assert seen[-1] == want, top_k
+    x32 = torch.randn(1, 40).to(DEVICE)
+    fused_moe_triton(x32, w13.float(), w2.float(), weights[:, :2], ids[:, :2], pairs=True)
+    assert seen[-1] is False  # float32 tiles never go to depth 6
+
+
 @pytest.mark.parametrize("bad", ["0", "6,4,2", "x", "17"])
 def test_a_bad_decode_depth_names_the_variable(monkeypatch, bad):
     monkeypatch.setenv("KVLOOM_MOE_DECODE_STAGES", bad)
     with pytest.raises(ValueError, match="KVLOOM_MOE_DECODE_STAGES: expected one or two"):
-        pairs_stages(1)
+        pairs_stages(1, True)
 
 
 # ---------------------------------------------------------------- CUDA
