@@ -77,6 +77,9 @@ VARIANTS = {
     # Wider: twice the state bytes a program holds, which a bf16 state may need.
     "two_bv64": (64, True, False),
     "one_bv128": (128, True, True),
+    # The production plan: the width rule (a half state's tiles wider at 32 rows or more)
+    # and the norm tail's row bound, unless --norm-tail forces it.
+    "plan": (None, True, True),
 }
 TINY_VARIANTS = {"three": (8, False, False), "two": (8, True, False), "one": (None, True, True)}
 
