@@ -12,7 +12,7 @@
 #     [moe-pairs] [fusion-ab] [bench-int4] [bench-fp8] [int4-gemv] [det-plans]
 #     [det-cost-tables] [moe-stages] [decode-timeline] [split-merge] [qk-rope-plans]
 #     [moe-slot-sum] [router-picks] [split-keys-next] [mixed-steps] [gemv-kimi]
-#     [kda-mixed-ab] [norm-tail-rows]
+#     [kda-mixed-ab] [norm-tail-rows] [serial-mixed]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -418,6 +418,21 @@ sys.exit(main())" bench throughput --shape ${TAIL_SHAPE:-qwen3-next-16l} \
           --max-num-seqs 128 --out "$OUT/kvloom_kimi-linear-16l_throughput_kda_$variant.json" \
           2>&1 | grep "^RESULT \(seconds\|steps\)" | sed "s/^/$variant /" || status=1
       done
+      ;;
+    serial-mixed)  # the serial conv and recurrence at a mixed step's rows (126 decodes, 2
+      # prompt chunks): us a layer and an output digest; with SERIAL_OLD=FILE (another
+      # tree's kernels/batch_invariant_triton.py, from `git show REV:...` before the call)
+      # the same runs on that file too, for an A/B in one call (same digests = same bits)
+      timeout 200 python3 benchmarks/serial_mixed_step.py --shape kimi-linear qwen3-next \
+        --out "$OUT/serial_mixed_step.json" 2>&1 | grep RESULT || status=1
+      if [ -n "${SERIAL_OLD:-}" ]; then
+        cp kernels/batch_invariant_triton.py /tmp/serial_kernels_this_tree.py
+        cp "$SERIAL_OLD" kernels/batch_invariant_triton.py
+        timeout 200 python3 benchmarks/serial_mixed_step.py --shape kimi-linear qwen3-next \
+          --out "$OUT/serial_mixed_step_old.json" 2>&1 | grep RESULT | sed "s/^/old /" \
+          || status=1
+        cp /tmp/serial_kernels_this_tree.py kernels/batch_invariant_triton.py
+      fi
       ;;
     qk-rope-plans)  # q/k norm + rotary + KV write: tokens a program, bitwise and timed
       timeout 200 python3 benchmarks/qk_norm_rope_plans.py --tokens 64 128 512 2048 16384 \

@@ -387,6 +387,29 @@ def matmul_triton(
 
 
 @triton.jit
+def _conv_taps(x_ptr, state_row, start, pos, chans, chan_ok, taps, has_state, stride_xt,
+               WIDTH: tl.constexpr):  # fmt: skip
+    """The inputs of the sequence's token `pos` (from its start) over the taps: tap j reads
+    input pos - (WIDTH - 1) + j, this sequence's token, or the carried state before it
+    (column WIDTH - 1 + offset), or zero for a fresh sequence. -> (tokens' values, state
+    values, which taps read tokens), float32 [BLOCK_C, WIDTH_PAD]."""
+    offset = pos - (WIDTH - 1) + taps
+    in_x = (offset >= 0) & (taps < WIDTH)
+    in_s = (offset < 0) & (taps < WIDTH) & has_state
+    xs = tl.load(
+        x_ptr + (start + offset)[None, :] * stride_xt + chans[:, None],
+        mask=chan_ok[:, None] & in_x[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    ss = tl.load(
+        state_row + (WIDTH - 1 + offset)[None, :],
+        mask=chan_ok[:, None] & in_s[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    return xs, ss, in_x
+
+
+@triton.jit
 def _serial_conv_kernel(
     x_ptr,
     weight_ptr,
@@ -428,22 +451,17 @@ def _serial_conv_kernel(
         ).to(tl.float32)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
+        # Each token's taps are loaded one token ahead (the last token's again at the end),
+        # so their latency overlaps the previous token's sum: same values, same bits.
+        next_xs, next_ss, next_in_x = _conv_taps(
+            x_ptr, state_row, start, 0, chans, chan_ok, taps, has_state, stride_xt, WIDTH
+        )
         for t in range(start, end):
-            # Tap j reads input t - (WIDTH - 1) + j: this sequence's token, or the carried
-            # state before it (column WIDTH - 1 + offset), or zero for a fresh sequence.
-            offset = (t - start) - (WIDTH - 1) + taps
-            in_x = (offset >= 0) & (taps < WIDTH)
-            in_s = (offset < 0) & (taps < WIDTH) & has_state
-            xs = tl.load(
-                x_ptr + (start + offset)[None, :] * stride_xt + chans[:, None],
-                mask=chan_ok[:, None] & in_x[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            ss = tl.load(
-                state_row + (WIDTH - 1 + offset)[None, :],
-                mask=chan_ok[:, None] & in_s[None, :],
-                other=0.0,
-            ).to(tl.float32)
+            xs, ss, in_x = next_xs, next_ss, next_in_x
+            next_xs, next_ss, next_in_x = _conv_taps(
+                x_ptr, state_row, start, tl.minimum(t + 1, end - 1) - start, chans, chan_ok,
+                taps, has_state, stride_xt, WIDTH,
+            )  # fmt: skip
             y = tl.sum(tl.where(in_x[None, :], xs, ss) * weight, axis=1)
             if HAS_BIAS:
                 y = y + bias
@@ -567,23 +585,44 @@ def _serial_delta_rule_kernel(
         s_ptrs = s_ptrs + dims[:, None] * stride_sk + cols[None, :]
         has_state = (cols * 0 + tl.load(has_state_ptr + seq).to(tl.int32)) != 0
         s = tl.load(s_ptrs, mask=tile_ok & has_state[None, :], other=0.0).to(tl.float32)
+        q_row = q_ptr + key_head * stride_qh + dims
+        k_row = k_ptr + key_head * stride_kh + dims
+        v_row = v_ptr + head * stride_vh + cols
+        g_row = g_ptr + head * stride_gh
+        beta_row = beta_ptr + head
+        # A long row is a chain of dependent token steps: each step's inputs are loaded
+        # one step ahead (the last token's again at the end: no scalar mask), so their
+        # memory latency overlaps the previous step's arithmetic. Same values, same bits.
+        next_q = tl.load(q_row + start * stride_qt, mask=dim_ok, other=0.0)
+        next_k = tl.load(k_row + start * stride_kt, mask=dim_ok, other=0.0)
+        next_v = tl.load(v_row + start * stride_vt, mask=col_ok, other=0.0)
+        if PER_CHANNEL_DECAY:  # KDA: one log-decay per key channel
+            next_g = tl.load(g_row + start * stride_gt + dims, mask=dim_ok, other=0.0)
+        else:
+            next_g = tl.load(g_row + start * stride_gt)
+        next_beta = tl.load(beta_row + start * stride_bt)
         for t in range(start, end):
-            q = tl.load(q_ptr + t * stride_qt + key_head * stride_qh + dims, mask=dim_ok, other=0.0)
-            k = tl.load(k_ptr + t * stride_kt + key_head * stride_kh + dims, mask=dim_ok, other=0.0)
+            q, k, v, g, beta = next_q, next_k, next_v, next_g, next_beta
+            ahead = tl.minimum(t + 1, end - 1)
+            next_q = tl.load(q_row + ahead * stride_qt, mask=dim_ok, other=0.0)
+            next_k = tl.load(k_row + ahead * stride_kt, mask=dim_ok, other=0.0)
+            next_v = tl.load(v_row + ahead * stride_vt, mask=col_ok, other=0.0)
+            if PER_CHANNEL_DECAY:
+                next_g = tl.load(g_row + ahead * stride_gt + dims, mask=dim_ok, other=0.0)
+            else:
+                next_g = tl.load(g_row + ahead * stride_gt)
+            next_beta = tl.load(beta_row + ahead * stride_bt)
             q = q.to(tl.float32)
             k = k.to(tl.float32)
             if L2NORM:
                 q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps)
                 k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
             q = q * scale
-            gate = g_ptr + t * stride_gt + head * stride_gh
-            if PER_CHANNEL_DECAY:  # KDA: one log-decay per key channel
-                decay = tl.exp(tl.load(gate + dims, mask=dim_ok, other=0.0).to(tl.float32))
-                s = s * decay[:, None]
+            if PER_CHANNEL_DECAY:
+                s = s * tl.exp(g.to(tl.float32))[:, None]
             else:
-                s = s * tl.exp(tl.load(gate).to(tl.float32))
-            v = tl.load(v_ptr + t * stride_vt + head * stride_vh + cols, mask=col_ok, other=0.0)
-            beta = tl.load(beta_ptr + t * stride_bt + head).to(tl.float32)
+                s = s * tl.exp(g.to(tl.float32))
+            beta = beta.to(tl.float32)
             predicted = tl.sum(k[:, None] * s, axis=0)
             write = beta * (v.to(tl.float32) - predicted)
             s = s + k[:, None] * write[None, :]

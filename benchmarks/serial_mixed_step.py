@@ -1,0 +1,170 @@
+"""Times the serial linear-attention kernels of a mixed step (`KVLOOM_KDA_MIXED_STEPS` /
+`KVLOOM_GDN_MIXED_STEPS` auto or serial): the token-by-token causal conv and recurrence
+(`batch_invariant_triton.serial_causal_conv1d_triton`, `serial_gated_delta_rule_triton`)
+over one layer's rows: `--decode-rows` rows of one token and `--prefill-rows` rows of
+`--prefill-tokens` tokens, as Kimi-Linear-16l's offline mixed steps have them (about 126
+decodes beside one or two prompt chunks of a few hundred tokens; gpu_fast_path.md,
+twenty-eighth session). A long row is a chain of dependent token steps, so the step's time
+is its longest row's latency, not its bytes.
+
+    python3 benchmarks/serial_mixed_step.py --out $OUT/serial_mixed_step.json
+    python3 benchmarks/serial_mixed_step.py --shape qwen3-next --prefill-tokens 128 1024
+
+Each (shape, prefill length) reports µs a layer for the conv and for the recurrence
+(CUDA events over REPEATS eager calls after a warm-up; each launch runs long enough that
+launch overhead is noise) and a SHA-256 of the outputs and states, so two trees can be
+compared for the same bits. Without CUDA (or with --tiny) it runs a small shape in
+Triton's CPU interpreter: that only exercises the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # before triton is imported: it reads this once
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kvloom.kernels.batch_invariant_triton import (  # noqa: E402
+    serial_causal_conv1d_triton,
+    serial_gated_delta_rule_triton,
+)
+
+# name -> (key heads, value heads, head dim, per-channel decay (KDA), conv channels)
+SHAPES = {
+    "kimi-linear": (32, 32, 128, True, 3 * 32 * 128),
+    "qwen3-next": (16, 32, 128, False, 2 * 16 * 128 + 32 * 128),
+}
+TINY_SHAPES = {"tiny": (2, 4, 16, True, 3 * 2 * 16 + 16)}
+CONV_WIDTH = 4
+REPEATS = 20
+
+
+def make_step(shape, decode_rows, prefill_rows, prefill_tokens, state_dtype, device, seed):
+    """One layer's mixed-step inputs: prefill rows first (fresh, no state), then decodes
+    (their own random state), each row its own slot."""
+    hk, hv, dim, kda, channels = shape
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [prefill_tokens] * prefill_rows + [1] * decode_rows
+    tokens, rows = sum(lengths), len(lengths)
+
+    def randn(*size, scale=1.0):
+        return (torch.randn(*size, generator=gen) * scale).to(device)
+
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    has_state = torch.tensor([False] * prefill_rows + [True] * decode_rows, device=device)
+    gate = (hv, dim) if kda else (hv,)
+    return dict(
+        x=randn(tokens, channels).bfloat16(),
+        weight=randn(channels, CONV_WIDTH, scale=0.5).bfloat16(),
+        conv_state=randn(rows, channels, CONV_WIDTH - 1).bfloat16(),
+        q=randn(tokens, hk, dim).bfloat16(),
+        k=randn(tokens, hk, dim).bfloat16(),
+        v=randn(tokens, hv, dim).bfloat16(),
+        g=-torch.rand(tokens, *gate, generator=gen).to(device) * 0.1,
+        beta=torch.rand(tokens, hv, generator=gen).to(device),
+        state=randn(rows, hv, dim, dim, scale=0.1).to(state_dtype),
+        cu=cu,
+        slots=torch.arange(rows, dtype=torch.int32, device=device),
+        has_state=has_state,
+        kda=kda,
+    )
+
+
+def run_conv(step, conv_state):
+    return serial_causal_conv1d_triton(
+        step["x"], step["weight"], None, conv_state, step["cu"], step["slots"],
+        step["has_state"], "silu",
+    )  # fmt: skip
+
+
+def run_recurrence(step, state):
+    return serial_gated_delta_rule_triton(
+        step["q"], step["k"], step["v"], step["g"], step["beta"], state, step["cu"],
+        step["slots"], step["has_state"], None, True, per_channel_decay=step["kda"],
+        round_every_token=False,
+    )  # fmt: skip
+
+
+def time_us(fn, repeats: int) -> float:
+    fn()  # compile and warm up
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e6
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    begin.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) * 1000 / repeats
+
+
+def digest(*tensors: torch.Tensor) -> str:
+    sha = hashlib.sha256()
+    for t in tensors:
+        sha.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return sha.hexdigest()[:16]
+
+
+def bench(shape_name, shape, decode_rows, prefill_rows, prefill_tokens, state_dtype, repeats):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    step = make_step(
+        shape, decode_rows, prefill_rows, prefill_tokens, state_dtype, device, seed=prefill_tokens
+    )
+    # Outputs from the inputs as made (the timed calls then run on scratch pools).
+    conv_state, state = step["conv_state"].clone(), step["state"].clone()
+    conv_out, out = run_conv(step, conv_state), run_recurrence(step, state)
+    bits = digest(conv_out, conv_state, out, state)
+    conv_pool, pool = step["conv_state"].clone(), step["state"].clone()
+    return dict(
+        shape=shape_name,
+        decode_rows=decode_rows,
+        prefill_rows=prefill_rows,
+        prefill_tokens=prefill_tokens,
+        state_dtype=str(state_dtype).removeprefix("torch."),
+        conv_us=round(time_us(lambda: run_conv(step, conv_pool), repeats), 1),
+        recurrence_us=round(time_us(lambda: run_recurrence(step, pool), repeats), 1),
+        sha256=bits,
+    )
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), nargs="+", default=["kimi-linear"])
+    parser.add_argument("--decode-rows", type=int, default=126)
+    parser.add_argument("--prefill-rows", type=int, default=2)
+    parser.add_argument("--prefill-tokens", type=int, nargs="+", default=[128, 512, 1024])
+    parser.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--tiny", action="store_true", help="small shape (CPU interpreter)")
+    parser.add_argument("--out", type=Path, help="JSON results")
+    args = parser.parse_args(argv)
+    tiny = args.tiny or not torch.cuda.is_available()
+    shapes = TINY_SHAPES if tiny else {name: SHAPES[name] for name in args.shape}
+    state_dtype = getattr(torch, args.state_dtype)
+    rows = []
+    for name, shape in shapes.items():
+        for tokens in args.prefill_tokens:
+            row = bench(
+                name, shape, args.decode_rows, args.prefill_rows, tokens, state_dtype,
+                1 if tiny else REPEATS,
+            )  # fmt: skip
+            print("RESULT", " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+            rows.append(row)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    result = dict(device=device, torch=torch.__version__, rows=rows)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""benchmarks/serial_mixed_step.py: the step it builds, one row per prefill length, and a
+digest of the kernels' outputs that the timed calls do not disturb (two trees compare by it)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+import serial_mixed_step as bench  # noqa: E402
+
+
+def test_the_step_has_fresh_prompt_rows_then_decodes():
+    step = bench.make_step(bench.TINY_SHAPES["tiny"], 3, 2, 5, torch.float32, "cpu", seed=1)
+    assert step["cu"].tolist() == [0, 5, 10, 11, 12, 13]
+    assert step["has_state"].tolist() == [False, False, True, True, True]
+    assert step["slots"].tolist() == list(range(5))
+    assert step["g"].shape == (13, 4, 16) and bool((step["g"] <= 0).all())  # KDA's decay
+
+
+def test_tiny_run_reports_each_length_and_a_stable_digest(tmp_path):
+    out = tmp_path / "serial.json"
+    args = ["--tiny", "--decode-rows", "2", "--prefill-tokens", "3", "6", "--out", str(out)]
+    first = bench.main(args)["rows"]
+    again = bench.main(args)["rows"]
+    assert [r["prefill_tokens"] for r in first] == [3, 6]
+    assert all(r["decode_rows"] == 2 and r["conv_us"] > 0 for r in first)
+    assert [r["sha256"] for r in first] == [r["sha256"] for r in again]
+    assert first[0]["sha256"] != first[1]["sha256"]
+    assert json.loads(out.read_text())["rows"] == again
