@@ -81,6 +81,8 @@ VARIANTS = {
     # and the norm tail's row bound, unless --norm-tail forces it.
     "plan": (None, True, True),
 }
+# --norm-tail's choices -> `norm_tail` of the fused steps (None: uses_norm_tail's rule).
+NORM_TAIL = {"rule": None, "on": True, "off": False}
 TINY_VARIANTS = {"three": (8, False, False), "two": (8, True, False), "one": (None, True, True)}
 
 
@@ -187,7 +189,7 @@ def bench(
                 row = dict(shape=shape_name, rows=rows, variant=name, us=us)
                 row.update(state_dtype=str(layer.state[0].dtype).removeprefix("torch."))
                 row.update(block_v=variant[0] or "plan", same_bits_as_three_launches=bits_ok)
-                row.update(norm_tail={None: "rule", True: "on", False: "off"}[norm_tail])
+                row.update(norm_tail=next(k for k, v in NORM_TAIL.items() if v is norm_tail))
                 results.append(row)
                 flag = "" if bits_ok else " WARN"
                 log(f"RESULT {shape_name} rows={rows} {name} us={us:.2f} same_bits={bits_ok}{flag}")
@@ -224,7 +226,7 @@ def main(
     )  # fmt: skip
     parser.add_argument("--rows", type=int, nargs="+", help="decode rows (default: ROWS)")
     parser.add_argument(
-        "--norm-tail", choices=("rule", "on", "off"), default="rule",
+        "--norm-tail", choices=tuple(NORM_TAIL), default="rule",
         help="the fused steps' norm tail: the production rule (uses_norm_tail), or forced",
     )  # fmt: skip
     args = parser.parse_args(argv)
@@ -241,7 +243,7 @@ def main(
         print,
         layer_cls,
         getattr(torch, args.state_dtype),
-        {"rule": None, "on": True, "off": False}[args.norm_tail],
+        NORM_TAIL[args.norm_tail],
     )
     return graph_timing.write_result(
         args.out,

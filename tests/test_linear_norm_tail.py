@@ -1,6 +1,7 @@
 """The linear-attention decode step's output norm in its own launch where a value head spans
-several programs (`linear_norm_tail`, on by default; kernels/gated_delta_rule_triton.py): the last of a
-head's programs to store applies the norm to the whole head, read back as stored.
+several programs (`linear_norm_tail`, on by default at up to NORM_TAIL_MAX_ROWS rows;
+kernels/gated_delta_rule_triton.py): the last of a head's programs to store applies the
+norm to the whole head, read back as stored.
 
 Against the launches it replaces (the recurrence with the gates, then the norm launch:
 `gated_rms_norm_triton` for Gated DeltaNet, `kda_gated_norm_triton` for KDA), bit for bit
