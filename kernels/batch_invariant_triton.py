@@ -388,14 +388,15 @@ def matmul_triton(
 
 @triton.jit
 def _conv_taps(x_ptr, state_row, start, pos, chans, chan_ok, taps, has_state, stride_xt,
-               WIDTH: tl.constexpr):  # fmt: skip
-    """The inputs of the sequence's token `pos` (from its start) over the taps: tap j reads
-    input pos - (WIDTH - 1) + j, this sequence's token, or the carried state before it
-    (column WIDTH - 1 + offset), or zero for a fresh sequence. -> (tokens' values, state
-    values, which taps read tokens), float32 [BLOCK_C, WIDTH_PAD]."""
+               WIDTH: tl.constexpr, NUM_TAPS: tl.constexpr):  # fmt: skip
+    """The inputs of the sequence's token `pos` (from its start) over the first NUM_TAPS
+    taps: tap j reads input pos - (WIDTH - 1) + j, this sequence's token, or the carried
+    state before it (column WIDTH - 1 + offset), or zero for a fresh sequence. -> (tokens'
+    values, state values, which taps read tokens), float32 [BLOCK_C, WIDTH_PAD]. With
+    pos = the row's length and WIDTH - 1 taps: the row's new state."""
     offset = pos - (WIDTH - 1) + taps
-    in_x = (offset >= 0) & (taps < WIDTH)
-    in_s = (offset < 0) & (taps < WIDTH) & has_state
+    in_x = (offset >= 0) & (taps < NUM_TAPS)
+    in_s = (offset < 0) & (taps < NUM_TAPS) & has_state
     xs = tl.load(
         x_ptr + (start + offset)[None, :] * stride_xt + chans[:, None],
         mask=chan_ok[:, None] & in_x[None, :],
@@ -454,13 +455,13 @@ def _serial_conv_kernel(
         # Each token's taps are loaded one token ahead (the last token's again at the end),
         # so their latency overlaps the previous token's sum: same values, same bits.
         next_xs, next_ss, next_in_x = _conv_taps(
-            x_ptr, state_row, start, 0, chans, chan_ok, taps, has_state, stride_xt, WIDTH
+            x_ptr, state_row, start, 0, chans, chan_ok, taps, has_state, stride_xt, WIDTH, WIDTH
         )
         for t in range(start, end):
             xs, ss, in_x = next_xs, next_ss, next_in_x
             next_xs, next_ss, next_in_x = _conv_taps(
                 x_ptr, state_row, start, tl.minimum(t + 1, end - 1) - start, chans, chan_ok,
-                taps, has_state, stride_xt, WIDTH,
+                taps, has_state, stride_xt, WIDTH, WIDTH,
             )  # fmt: skip
             y = tl.sum(tl.where(in_x[None, :], xs, ss) * weight, axis=1)
             if HAS_BIAS:
@@ -470,20 +471,11 @@ def _serial_conv_kernel(
             tl.store(out_ptr + t * stride_ot + chans, y.to(out_ptr.dtype.element_ty), mask=chan_ok)
         # The new state: the last WIDTH - 1 inputs, read (old state included) before the
         # store overwrites it.
-        offset = (end - start) - (WIDTH - 1) + taps
+        xs, ss, in_x = _conv_taps(
+            x_ptr, state_row, start, end - start, chans, chan_ok, taps, has_state, stride_xt,
+            WIDTH, WIDTH - 1,
+        )  # fmt: skip
         keep = taps < WIDTH - 1
-        in_x = (offset >= 0) & keep
-        in_s = (offset < 0) & keep & has_state
-        xs = tl.load(
-            x_ptr + (start + offset)[None, :] * stride_xt + chans[:, None],
-            mask=chan_ok[:, None] & in_x[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        ss = tl.load(
-            state_row + (WIDTH - 1 + offset)[None, :],
-            mask=chan_ok[:, None] & in_s[None, :],
-            other=0.0,
-        ).to(tl.float32)
         new_state = tl.where(in_x[None, :], xs, ss)
         tl.debug_barrier()
         tl.store(
