@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -84,12 +85,19 @@ def run_conv(step, conv_state):
     )  # fmt: skip
 
 
-def run_recurrence(step, state):
+def run_recurrence(step, state, tiling=None):
+    block_v, num_warps = tiling or (None, 4)
     return serial_gated_delta_rule_triton(
         step["q"], step["k"], step["v"], step["g"], step["beta"], state, step["cu"],
         step["slots"], step["has_state"], None, True, per_channel_decay=step["kda"],
-        round_every_token=False,
+        round_every_token=False, block_v=block_v, num_warps=num_warps,
     )  # fmt: skip
+
+
+def parse_tiling(text: str) -> tuple[int, int]:
+    """'BVxWARPS', e.g. '16x2': the recurrence's state columns a program and warps."""
+    block_v, _, warps = text.partition("x")
+    return int(block_v), int(warps)
 
 
 def time_us(fn, repeats: int) -> float:
@@ -115,7 +123,9 @@ def digest(*tensors: torch.Tensor) -> str:
     return sha.hexdigest()[:16]
 
 
-def bench(shape_name, shape, decode_rows, prefill_rows, prefill_tokens, state_dtype, repeats):
+def bench(
+    shape_name, shape, decode_rows, prefill_rows, prefill_tokens, state_dtype, repeats, tilings=()
+):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     step = make_step(
         shape, decode_rows, prefill_rows, prefill_tokens, state_dtype, device, seed=prefill_tokens
@@ -125,6 +135,16 @@ def bench(shape_name, shape, decode_rows, prefill_rows, prefill_tokens, state_dt
     conv_out, out = run_conv(step, conv_state), run_recurrence(step, state)
     bits = digest(conv_out, conv_state, out, state)
     conv_pool, pool = step["conv_state"].clone(), step["state"].clone()
+    by_tiling = {}
+    for text in tilings:  # other tilings: their time and bits (the default's are above)
+        tiling, tiled_state = parse_tiling(text), step["state"].clone()
+        tiled_out = run_recurrence(step, tiled_state, tiling)
+        us = time_us(partial(run_recurrence, step, step["state"].clone(), tiling), repeats)
+        by_tiling[text] = dict(
+            recurrence_us=round(us, 1),
+            sha256=digest(conv_out, conv_state, tiled_out, tiled_state),
+            max_abs_diff=float((tiled_out.float() - out.float()).abs().max()),
+        )
     return dict(
         shape=shape_name,
         decode_rows=decode_rows,
@@ -134,6 +154,7 @@ def bench(shape_name, shape, decode_rows, prefill_rows, prefill_tokens, state_dt
         conv_us=round(time_us(lambda: run_conv(step, conv_pool), repeats), 1),
         recurrence_us=round(time_us(lambda: run_recurrence(step, pool), repeats), 1),
         sha256=bits,
+        **({"tilings": by_tiling} if by_tiling else {}),
     )
 
 
@@ -144,6 +165,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--prefill-rows", type=int, default=2)
     parser.add_argument("--prefill-tokens", type=int, nargs="+", default=[128, 512, 1024])
     parser.add_argument("--state-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--tilings",
+        nargs="*",
+        default=[],
+        help="recurrence tilings BVxWARPS (e.g. 16x2) timed beside the default",
+    )
     parser.add_argument("--tiny", action="store_true", help="small shape (CPU interpreter)")
     parser.add_argument("--out", type=Path, help="JSON results")
     args = parser.parse_args(argv)
@@ -155,9 +182,13 @@ def main(argv=None) -> dict:
         for tokens in args.prefill_tokens:
             row = bench(
                 name, shape, args.decode_rows, args.prefill_rows, tokens, state_dtype,
-                1 if tiny else REPEATS,
+                1 if tiny else REPEATS, args.tilings,
             )  # fmt: skip
-            print("RESULT", " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+            plain = {k: v for k, v in row.items() if k != "tilings"}
+            print("RESULT", " ".join(f"{k}={v}" for k, v in plain.items()), flush=True)
+            for text, tiled in row.get("tilings", {}).items():
+                fields = " ".join(f"{k}={v}" for k, v in tiled.items())
+                print(f"RESULT tiling={text} prefill_tokens={tokens} {fields}", flush=True)
             rows.append(row)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     result = dict(device=device, torch=torch.__version__, rows=rows)

@@ -629,16 +629,21 @@ def _serial_delta_rule_kernel(
 def serial_gated_delta_rule_triton(
     q, k, v, g, beta, state, cu_seqlens, state_indices, has_initial_state, scale, use_qk_l2norm,
     per_channel_decay: bool = False, round_every_token: bool = True,
+    block_v: int | None = None, num_warps: int = 4,
 ):  # fmt: skip
     """See `batch_invariant.serial_gated_delta_rule`; `per_channel_decay`: g [T, Hv, Dk],
-    KDA's gate (`batch_invariant.serial_kda`)."""
+    KDA's gate (`batch_invariant.serial_kda`). `block_v` / `num_warps`: the program's
+    tiling (benchmarks/serial_mixed_step.py --tilings; other tilings than the default may
+    sum in another order, so only the default keeps the decode kernel's bits)."""
     tokens, num_k_heads, head_k = q.shape
     num_v_heads, head_v = v.shape[1], v.shape[2]
     out = torch.zeros((tokens, num_v_heads, head_v), dtype=q.dtype, device=q.device)
     num_seqs = cu_seqlens.shape[0] - 1
     if out.numel() == 0 or num_seqs == 0:
         return out
-    block_v = max(1, min(next_power_of_2(head_v), _STATE_TILE_ELEMENTS // next_power_of_2(head_k)))
+    if block_v is None:
+        tile_columns = _STATE_TILE_ELEMENTS // next_power_of_2(head_k)
+        block_v = max(1, min(next_power_of_2(head_v), tile_columns))
     g = g.contiguous()
     beta = beta.contiguous()
     grid = (num_seqs, num_v_heads, triton.cdiv(head_v, block_v))
@@ -677,6 +682,6 @@ def serial_gated_delta_rule_triton(
         L2NORM=bool(use_qk_l2norm),
         PER_CHANNEL_DECAY=per_channel_decay,
         ROUND_EVERY_TOKEN=bool(round_every_token) and state.dtype != torch.float32,
-        num_warps=4,
+        num_warps=num_warps,
     )
     return out

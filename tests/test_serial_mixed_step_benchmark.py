@@ -31,3 +31,14 @@ def test_tiny_run_reports_each_length_and_a_stable_digest(tmp_path):
     assert [r["sha256"] for r in first] == [r["sha256"] for r in again]
     assert first[0]["sha256"] != first[1]["sha256"]
     assert json.loads(out.read_text())["rows"] == again
+
+
+def test_tilings_report_time_bits_and_difference_beside_the_default():
+    args = ["--tiny", "--decode-rows", "2", "--prefill-tokens", "4", "--tilings", "8x1", "16x4"]
+    (row,) = bench.main(args)["rows"]
+    assert sorted(row["tilings"]) == ["16x4", "8x1"]
+    # The tiny head is 16 wide: 16x4 is the default tiling, so the same bits.
+    assert row["tilings"]["16x4"]["sha256"] == row["sha256"]
+    assert row["tilings"]["16x4"]["max_abs_diff"] == 0.0
+    assert all(t["recurrence_us"] > 0 for t in row["tilings"].values())
+    assert bench.parse_tiling("16x2") == (16, 2)
