@@ -86,11 +86,12 @@ def run_conv(step, conv_state):
 
 
 def run_recurrence(step, state, tiling=None):
-    block_v, num_warps = tiling or (None, 4)
+    # No tiling keywords for the default: an older tree's kernels (SERIAL_OLD) lack them.
+    tiled = {} if tiling is None else dict(block_v=tiling[0], num_warps=tiling[1])
     return serial_gated_delta_rule_triton(
         step["q"], step["k"], step["v"], step["g"], step["beta"], state, step["cu"],
         step["slots"], step["has_state"], None, True, per_channel_decay=step["kda"],
-        round_every_token=False, block_v=block_v, num_warps=num_warps,
+        round_every_token=False, **tiled,
     )  # fmt: skip
 
 
