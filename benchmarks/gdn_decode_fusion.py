@@ -77,8 +77,8 @@ VARIANTS = {
     # Wider: twice the state bytes a program holds, which a bf16 state may need.
     "two_bv64": (64, True, False),
     "one_bv128": (128, True, True),
-    # The production plan: the width rule (a half state's tiles wider at 32 rows or more)
-    # and the norm tail's row bound, unless --norm-tail forces it.
+    # The production plan: narrow tiles and the norm tail's row bound, unless --norm-tail
+    # forces it.
     "plan": (None, True, True),
 }
 # --norm-tail's choices -> `norm_tail` of the fused steps (None: uses_norm_tail's rule).

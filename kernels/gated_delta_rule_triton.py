@@ -262,23 +262,6 @@ def _block_v(head_k: int, head_v: int, tile_elements: int = _TILE_ELEMENTS) -> i
     return max(1, min(next_power_of_2(head_v), tile_elements // next_power_of_2(head_k)))
 
 
-# Half-precision states at this many rows or more take tiles twice as wide (the same bytes a
-# program as float32's tile). On an H100 at Qwen3-Next's heads (128 x 128, separate norm)
-# the bf16 step went from 186.7 to 164.5 us at 128 rows and from 729.1 to 625.1 at 512;
-# at 1-8 rows the narrow tile was faster (twenty-eighth session, gpu_fast_path.md).
-WIDE_HALF_TILE_MIN_ROWS = 32
-
-
-def _gdn_decode_block_v(head_k: int, head_v: int, state: torch.Tensor, num_rows: int) -> int:
-    """State columns per program of `gdn_decode_triton`: `_block_v`, doubled for a 2-byte
-    state at WIDE_HALF_TILE_MIN_ROWS rows or more where the wider tile still splits the
-    value head (so the launch plan, one launch or norm tail or separate norm, is the
-    same). Same bits at any width: a column's recurrence is its own."""
-    block_v = _block_v(head_k, head_v)
-    wide = state.element_size() == 2 and num_rows >= WIDE_HALF_TILE_MIN_ROWS
-    return block_v * 2 if wide and block_v * 2 < head_v else block_v
-
-
 def _num_warps(head_k: int, block_v: int) -> int:
     """Four warps up to 4096 tile elements, then one more warp per 1024 (32 per thread)."""
     return max(4, next_power_of_2(head_k) * block_v // 1024)
@@ -560,8 +543,7 @@ def gdn_decode_triton(
     holds a whole value head (`fuses_norm`: heads up to 64 x 64); else (Qwen3-Next's
     128 x 128 heads, where the narrow tiles are faster) in one launch with the norm applied
     by each head's last program (the norm tail: `norm_tail`, or `uses_norm_tail` when None)
-    or in two (the norm separate); a 2-byte state's tiles are twice as wide at 32 rows or
-    more (`_gdn_decode_block_v`). Padding rows (negative index) give zeros in one launch
+    or in two (the norm separate). Padding rows (negative index) give zeros in one launch
     (the separate norm gives 0 * silu(z): -0.0 for z < 0, NaN for a NaN z); their q, k, v,
     ba and z are never read there.
 
@@ -571,7 +553,7 @@ def gdn_decode_triton(
     _check_args(q, k, v, None, None, state, state_indices, False, scale, computes_gates=True)
     _check_fusion(v, ba, A_log, dt_bias, ba_group, z, norm_weight, norm_eps)
     head_k, head_v = q.shape[2], v.shape[2]
-    block_v = _block_v_override or _gdn_decode_block_v(head_k, head_v, state, q.shape[0])
+    block_v = _block_v_override or _block_v(head_k, head_v)
     gates = (ba, A_log, dt_bias, ba_group)
     args = (q, k, v, state, state_indices, scale, use_qk_l2norm, block_v, False)
     if block_v >= head_v or _norm_tail(norm_tail, q):

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvloom.kernels import gated_delta_rule_triton as gdr
 from kvloom.kernels.gated_delta_rule_triton import (
     fuses_norm,
     gdn_decode_triton,
@@ -206,40 +205,6 @@ def test_rows_do_not_depend_on_the_batch():
     assert torch.equal(bits(pool_one[slot]), bits(pool_all[slot]))
 
 
-@pytest.mark.parametrize(
-    "head_k, head_v, state_dtype, rows, want",
-    [
-        (128, 128, torch.float32, 512, 32),  # float32: the tile budget's width at any rows
-        (128, 128, torch.bfloat16, 31, 32),  # a half state under the row bound: narrow
-        (128, 128, torch.bfloat16, 32, 64),  # at the bound: twice as wide
-        (128, 128, torch.float16, 512, 64),
-        (64, 128, torch.bfloat16, 512, 64),  # doubling would hold the whole head: kept
-        (16, 16, torch.bfloat16, 512, 16),  # one program a head already
-    ],
-)
-def test_half_states_take_wider_tiles_from_the_row_bound(head_k, head_v, state_dtype, rows, want):
-    """The width rule of the fused step (an H100 measured the wide tile 12-14% faster at
-    128-512 rows with a bf16 state, slower at 1-8 rows and with a float32 state)."""
-    state = torch.empty(1, 1, head_k, head_v, dtype=state_dtype)
-    assert gdr._gdn_decode_block_v(head_k, head_v, state, rows) == want
-
-
-def test_the_fused_step_launches_at_the_rules_width(monkeypatch):
-    """`gdn_decode_triton` takes its width from the rule (the launch itself stubbed: the
-    bits at either width are the gpu tests' and the interpreted cases' business)."""
-    widths = []
-
-    def record(q, k, v, state, indices, scale, l2norm, block_v, per_channel, **kwargs):
-        widths.append(block_v)
-        return torch.zeros(q.shape[0], v.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
-
-    monkeypatch.setattr(gdr, "_launch", record)
-    for state_dtype, rows in ((torch.bfloat16, 32), (torch.float32, 32), (torch.bfloat16, 9)):
-        step = make_step(rows, 1, 2, 128, 128, torch.bfloat16, seed=7, state_dtype=state_dtype)
-        fused(step, step.pool)
-    assert widths == [64, 32, 32]
-
-
 def test_bad_arguments_name_the_field():
     step = make_step(2, 2, 4, 16, 16, torch.bfloat16, seed=seed_of("bad"))
     with pytest.raises(ValueError, match="ba"):
@@ -367,8 +332,7 @@ def test_benchmark_norm_tail_flag_reaches_the_fused_steps(flag, forced, monkeypa
 @pytest.mark.parametrize("hk", [16, 8])  # Qwen3-Next at TP 1 and 2
 def test_gpu_qwen3_next_shape(hk, rows, state_dtype):
     """Compiled: the production plan (narrow tiles, the norm tail at up to 8 rows, else a
-    second norm launch; at 33 rows a bf16 state's tiles twice as wide, against the separate
-    launches' narrow ones) and a whole head per program (one launch), each bit for bit its
+    second norm launch) and a whole head per program (one launch), each bit for bit its
     separate launches."""
     case = (rows, hk, 2 * hk, 128, 128, torch.bfloat16)
     options = dict(num_pad=rows // 4, state_dtype=state_dtype, num_slots=2 * rows + 3)
