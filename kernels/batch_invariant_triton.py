@@ -182,6 +182,25 @@ def matmul_plan(
 
 _STATE_TILE_ELEMENTS = 4096  # the delta-rule program's [Dk, BV] float32 state tile
 _CONV_BLOCK_C = 64
+# Warps of the serial KDA recurrence's program outside the deterministic mode. A long row's
+# time is its chain of token steps, and two warps take each token's sums over the key
+# channels through fewer cross-warp steps than four. On an H100 at Kimi-Linear's heads
+# (126 decodes beside two prompt chunks, float32 state) 905.5 us against 1031.0 at 512
+# tokens and 1552.7 against 1877.1 at 1,024; Kimi-Linear-16l offline 75.70 s against 77.93
+# (twenty-ninth session). Another summation order than the decode kernel's four warps, so
+# the deterministic mode keeps four. Gated DeltaNet's form was not measured: it keeps four.
+SERIAL_KDA_WARPS = 2
+
+
+def serial_recurrence_tiling(
+    head_k: int, head_v: int, per_channel_decay: bool, deterministic: bool
+) -> tuple[int, int]:
+    """(state columns, warps) of a `_serial_delta_rule_kernel` program: the decode kernel's
+    [Dk, BV] tile of _STATE_TILE_ELEMENTS and four warps, except KDA outside the
+    deterministic mode (SERIAL_KDA_WARPS)."""
+    tile_columns = _STATE_TILE_ELEMENTS // next_power_of_2(head_k)
+    block_v = max(1, min(next_power_of_2(head_v), tile_columns))
+    return block_v, SERIAL_KDA_WARPS if per_channel_decay and not deterministic else 4
 
 
 @triton.jit
@@ -629,21 +648,22 @@ def _serial_delta_rule_kernel(
 def serial_gated_delta_rule_triton(
     q, k, v, g, beta, state, cu_seqlens, state_indices, has_initial_state, scale, use_qk_l2norm,
     per_channel_decay: bool = False, round_every_token: bool = True,
-    block_v: int | None = None, num_warps: int = 4,
+    block_v: int | None = None, num_warps: int | None = None,
 ):  # fmt: skip
     """See `batch_invariant.serial_gated_delta_rule`; `per_channel_decay`: g [T, Hv, Dk],
-    KDA's gate (`batch_invariant.serial_kda`). `block_v` / `num_warps`: the program's
-    tiling (benchmarks/serial_mixed_step.py --tilings; other tilings than the default may
-    sum in another order, so only the default keeps the decode kernel's bits)."""
+    KDA's gate (`batch_invariant.serial_kda`). `round_every_token`: the deterministic
+    mode's form (a narrow state rounded after every token, and the decode kernel's tiling:
+    `serial_recurrence_tiling`). `block_v` / `num_warps` override the tiling
+    (benchmarks/serial_mixed_step.py --tilings; another tiling may sum in another order)."""
     tokens, num_k_heads, head_k = q.shape
     num_v_heads, head_v = v.shape[1], v.shape[2]
     out = torch.zeros((tokens, num_v_heads, head_v), dtype=q.dtype, device=q.device)
     num_seqs = cu_seqlens.shape[0] - 1
     if out.numel() == 0 or num_seqs == 0:
         return out
-    if block_v is None:
-        tile_columns = _STATE_TILE_ELEMENTS // next_power_of_2(head_k)
-        block_v = max(1, min(next_power_of_2(head_v), tile_columns))
+    # The callers pass the deterministic mode as round_every_token (batch_invariant()).
+    plan = serial_recurrence_tiling(head_k, head_v, per_channel_decay, bool(round_every_token))
+    block_v, num_warps = block_v or plan[0], num_warps or plan[1]
     g = g.contiguous()
     beta = beta.contiguous()
     grid = (num_seqs, num_v_heads, triton.cdiv(head_v, block_v))

@@ -23,11 +23,13 @@ from kvloom.kernels.batch_invariant import (
 )
 from kvloom.kernels.batch_invariant_triton import (
     MATMUL_PLAN,
+    SERIAL_KDA_WARPS,
     SM90_MATMUL_PLANS,
     matmul_plan,
     matmul_triton,
     serial_causal_conv1d_triton,
     serial_gated_delta_rule_triton,
+    serial_recurrence_tiling,
 )
 from kvloom.kernels.paged_attention import paged_attention_ref
 from kvloom.kernels.paged_attention_triton import paged_attention_triton
@@ -206,25 +208,28 @@ def _gdn_case(seed, tokens, hk=2, hv=4, dk=16, dv=24, dtype=torch.float32, kda=F
 
 
 @pytest.mark.parametrize(
-    "dtype,state_dtype,kda",
+    "dtype,state_dtype,kda,deterministic",
     [
-        (torch.bfloat16, torch.float32, False),
-        (torch.bfloat16, torch.bfloat16, False),
-        (torch.bfloat16, torch.float32, True),
-        (torch.float32, torch.float32, True),
+        (torch.bfloat16, torch.float32, False, True),
+        (torch.bfloat16, torch.bfloat16, False, True),
+        (torch.bfloat16, torch.float32, True, True),
+        (torch.float32, torch.float32, True, True),
+        (torch.bfloat16, torch.float32, True, False),  # the default mode's KDA tiling
     ],
 )
-def test_serial_delta_rule_is_chunking_and_batch_invariant(dtype, state_dtype, kda):
+def test_serial_delta_rule_is_chunking_and_batch_invariant(dtype, state_dtype, kda, deterministic):
     """Gated DeltaNet's serial recurrence, and KDA's (per-channel decay, as mixed steps of
-    Kimi-Linear run it under KVLOOM_KDA_MIXED_STEPS=serial)."""
+    Kimi-Linear run it under KVLOOM_KDA_MIXED_STEPS=serial), in the deterministic mode's form
+    and (a float32 state: no rounding to differ) the default mode's tiling."""
     tensors = _gdn_case(40, 9, dtype=dtype, kda=kda)
     hv, dk, dv = tensors[2].shape[1], tensors[0].shape[2], tensors[2].shape[2]
     reference = serial_kda_ref if kda else serial_gated_delta_rule_ref
 
     def rule(q, k, v, g, beta, pool, cu, slots, has):
         return serial_gated_delta_rule_triton(
-            q, k, v, g, beta, pool, cu, slots, has, None, True, per_channel_decay=kda
-        )
+            q, k, v, g, beta, pool, cu, slots, has, None, True, per_channel_decay=kda,
+            round_every_token=deterministic,
+        )  # fmt: skip
 
     def fresh_pool():
         return torch.full((3, hv, dk, dv), float("nan"), dtype=state_dtype, device=DEVICE)
@@ -257,9 +262,9 @@ def test_serial_delta_rule_is_chunking_and_batch_invariant(dtype, state_dtype, k
 @pytest.mark.parametrize("kda", [False, True])
 def test_serial_delta_rule_rounds_a_narrow_state_once_outside_the_deterministic_mode(kda):
     """round_every_token=False (the default mode's mixed steps): a bf16 pool's rows keep
-    float32 states through their tokens, so the outputs are a float32 pool's bit for bit
-    and each stored state is the float32 one rounded once; rounding after every token
-    (the deterministic mode) gives other bits. The reference does the same."""
+    float32 states through their tokens, so the outputs are a float32 pool's (same mode)
+    bit for bit and each stored state is the float32 one rounded once; rounding after every
+    token (the deterministic mode) gives other bits. The reference does the same."""
     tensors = _gdn_case(40, 9, dtype=torch.bfloat16, kda=kda)
     other = _gdn_case(50, 5, dtype=torch.bfloat16, kda=kda)
     batch = [torch.cat([a, b]) for a, b in zip(other, tensors)]
@@ -282,7 +287,7 @@ def test_serial_delta_rule_rounds_a_narrow_state_once_outside_the_deterministic_
             )  # fmt: skip
         return out, pool[1:]
 
-    wide_out, wide_states = run(torch.float32, True)
+    wide_out, wide_states = run(torch.float32, False)  # the same mode's tiling
     once_out, once_states = run(torch.bfloat16, False)
     assert torch.equal(once_out, wide_out)
     assert torch.equal(once_states, wide_states.to(torch.bfloat16))
@@ -294,6 +299,64 @@ def test_serial_delta_rule_rounds_a_narrow_state_once_outside_the_deterministic_
     assert torch.equal(ref_states, ref_wide_states.to(torch.bfloat16))
     torch.testing.assert_close(once_out.float(), ref_out.float(), atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(once_states.float(), ref_states.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize(
+    "kda, deterministic, want",
+    [
+        (True, False, (32, SERIAL_KDA_WARPS)),  # KDA in the default mode: fewer warps
+        (True, True, (32, 4)),  # the deterministic mode: the decode kernel's tiling
+        (False, False, (32, 4)),  # Gated DeltaNet: not measured with fewer, kept
+        (False, True, (32, 4)),
+    ],
+)
+def test_serial_recurrence_tiling_by_mode(kda, deterministic, want):
+    assert serial_recurrence_tiling(128, 128, kda, deterministic) == want
+    assert serial_recurrence_tiling(16, 24, kda, deterministic)[0] == 32  # a whole small head
+
+
+def test_serial_recurrence_takes_the_modes_tiling(monkeypatch):
+    """The launch asks the rule with the deterministic flag it was given (round_every_token,
+    which the layers set to batch_invariant()), unless a tiling is passed."""
+    import kvloom.kernels.batch_invariant_triton as bit
+
+    asked = []
+
+    def rule(head_k, head_v, per_channel_decay, deterministic):
+        asked.append((per_channel_decay, deterministic))
+        return 8, 1
+
+    monkeypatch.setattr(bit, "serial_recurrence_tiling", rule)
+    q, k, v, g, beta = _gdn_case(40, 3, kda=True)
+    hv, dk, dv = v.shape[1], q.shape[2], v.shape[2]
+    cu = torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([0], dtype=torch.int32, device=DEVICE)
+    has = torch.tensor([False], device=DEVICE)
+    outs = []
+    for every in (False, True):
+        pool = torch.zeros(1, hv, dk, dv, device=DEVICE)
+        outs.append(
+            serial_gated_delta_rule_triton(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                pool,
+                cu,
+                slots,
+                has,
+                None,
+                True,
+                per_channel_decay=True,
+                round_every_token=every,
+            )  # fmt: skip
+        )
+    assert asked == [(True, False), (True, True)]
+    ref = serial_kda_ref(q, k, v, g, beta, torch.zeros(1, hv, dk, dv, device=DEVICE), cu,
+                         slots.long(), has, None, True)  # fmt: skip
+    for out in outs:  # the rule's narrow 8-column tiles still cover the 24-wide head
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-5, rtol=2e-5)
 
 
 def test_serial_reference_keeps_a_float64_pool_in_float64():
