@@ -10,9 +10,12 @@ is its longest row's latency, not its bytes.
     python3 benchmarks/serial_mixed_step.py --out $OUT/serial_mixed_step.json
     python3 benchmarks/serial_mixed_step.py --shape qwen3-next --prefill-tokens 128 1024
 
-Each (shape, prefill length) reports µs a layer for the conv and for the recurrence
-(CUDA events over REPEATS eager calls after a warm-up; each launch runs long enough that
-launch overhead is noise) and a SHA-256 of the outputs and states, so two trees can be
+Each (shape, prefill length) reports µs a layer for the conv (`conv_us`: the serial loop
+the deterministic mode keeps; `conv_parallel_us`: the token-parallel form the default
+mode's mixed steps run, and whether its bits are the loop's) and for the recurrence (the
+default mode's form: KDA on `SERIAL_KDA_WARPS` warps), from CUDA events over REPEATS eager
+calls after a warm-up (each launch runs long enough that launch overhead is noise), and a
+SHA-256 of the serial loop's and the recurrence's outputs and states, so two trees can be
 compared for the same bits. Without CUDA (or with --tiny) it runs a small shape in
 Triton's CPU interpreter: that only exercises the script.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import os
 import time
@@ -78,11 +82,17 @@ def make_step(shape, decode_rows, prefill_rows, prefill_tokens, state_dtype, dev
     )
 
 
-def run_conv(step, conv_state):
+def run_conv(step, conv_state, token_parallel=False):
+    # No keyword for the serial loop: an older tree's kernels (SERIAL_OLD) lack it.
+    form = {"token_parallel": True} if token_parallel else {}
     return serial_causal_conv1d_triton(
         step["x"], step["weight"], None, conv_state, step["cu"], step["slots"],
-        step["has_state"], "silu",
+        step["has_state"], "silu", **form,
     )  # fmt: skip
+
+
+def has_token_parallel_conv() -> bool:
+    return "token_parallel" in inspect.signature(serial_causal_conv1d_triton).parameters
 
 
 def run_recurrence(step, state, tiling=None):
@@ -136,6 +146,16 @@ def bench(
     conv_out, out = run_conv(step, conv_state), run_recurrence(step, state)
     bits = digest(conv_out, conv_state, out, state)
     conv_pool, pool = step["conv_state"].clone(), step["state"].clone()
+    parallel = {}
+    if has_token_parallel_conv():  # the default mode's conv beside the serial loop
+        par_state = step["conv_state"].clone()
+        par_out = run_conv(step, par_state, token_parallel=True)
+        par_pool = step["conv_state"].clone()
+        parallel = dict(
+            conv_parallel_us=round(time_us(partial(run_conv, step, par_pool, True), repeats), 1),
+            conv_parallel_same_bits=torch.equal(par_out, conv_out)
+            and torch.equal(par_state, conv_state),
+        )
     by_tiling = {}
     for text in tilings:  # other tilings: their time and bits (the default's are above)
         tiling, tiled_state = parse_tiling(text), step["state"].clone()
@@ -154,6 +174,7 @@ def bench(
         state_dtype=str(state_dtype).removeprefix("torch."),
         conv_us=round(time_us(lambda: run_conv(step, conv_pool), repeats), 1),
         recurrence_us=round(time_us(lambda: run_recurrence(step, pool), repeats), 1),
+        **parallel,
         sha256=bits,
         **({"tilings": by_tiling} if by_tiling else {}),
     )

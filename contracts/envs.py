@@ -103,6 +103,12 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "place), chunked (the chunked kernels), split (rows over 64 tokens chunked, the rest "
         "serial) or auto (serial on CUDA for many short rows)",
     ),
+    "KVLOOM_SERIAL_CONV_LOOP": (
+        "",
+        "1: the default mode's serial mixed steps run the causal conv as one program looping "
+        "over each row's tokens (the deterministic mode's form) instead of programs over "
+        "blocks of tokens (the same values; A/B timing, the token blocks not yet on a GPU)",
+    ),
     "KVLOOM_KDA_MIXED_STEPS": (
         "auto",
         "how KDA (Kimi-Linear) serves mixed prefill + decode steps: chunked (fla's or the "

@@ -132,20 +132,23 @@ def serial_kda_ref(*args, round_every_token=True):
 
 
 def serial_causal_conv1d(
-    x, weight, bias, conv_state_pool, cu_seqlens, state_indices, has_initial_state, activation
-):
+    x, weight, bias, conv_state_pool, cu_seqlens, state_indices, has_initial_state, activation,
+    token_parallel: bool = False,
+):  # fmt: skip
     """Depthwise causal conv over packed rows, each continuing its pool slot in place.
 
     x [T, C]; cu_seqlens [N+1] (row n owns tokens cu[n]:cu[n+1]); state_indices [N] (the
     row's slot in conv_state_pool [slots, C, K-1]; negative = padding: zeros out, nothing
     touched); has_initial_state [N] bool (False: the row starts after zeros). Returns y
-    [T, C] in x's dtype. A prefill chunk and a run of decode steps give the same bits."""
+    [T, C] in x's dtype. A prefill chunk and a run of decode steps give the same bits.
+    `token_parallel` (the default mode's mixed steps): on CUDA, programs over blocks of
+    tokens instead of a loop over each row's tokens; the same values."""
     if use_triton(x):
         from kvloom.kernels.batch_invariant_triton import serial_causal_conv1d_triton
 
         return serial_causal_conv1d_triton(
             x, weight, bias, conv_state_pool, cu_seqlens, state_indices, has_initial_state,
-            activation,
+            activation, token_parallel=token_parallel,
         )  # fmt: skip
     return serial_causal_conv1d_ref(
         x, weight, bias, conv_state_pool, cu_seqlens, state_indices, has_initial_state, activation

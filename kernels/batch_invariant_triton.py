@@ -182,6 +182,8 @@ def matmul_plan(
 
 _STATE_TILE_ELEMENTS = 4096  # the delta-rule program's [Dk, BV] float32 state tile
 _CONV_BLOCK_C = 64
+# Packed tokens a program of the token-parallel conv (not yet measured on a GPU).
+CONV_TOKENS_PER_PROGRAM = 16
 # Warps of the serial KDA recurrence's program outside the deterministic mode. A long row's
 # time is its chain of token steps, and two warps take each token's sums over the key
 # channels through fewer cross-warp steps than four. On an H100 at Kimi-Linear's heads
@@ -488,26 +490,149 @@ def _serial_conv_kernel(
             if SILU:
                 y = y * tl.sigmoid(y)
             tl.store(out_ptr + t * stride_ot + chans, y.to(out_ptr.dtype.element_ty), mask=chan_ok)
-        # The new state: the last WIDTH - 1 inputs, read (old state included) before the
-        # store overwrites it.
-        xs, ss, in_x = _conv_taps(
-            x_ptr, state_row, start, end - start, chans, chan_ok, taps, has_state, stride_xt,
-            WIDTH, WIDTH - 1,
-        )  # fmt: skip
-        keep = taps < WIDTH - 1
-        new_state = tl.where(in_x[None, :], xs, ss)
-        tl.debug_barrier()
-        tl.store(
-            state_row + taps[None, :],
-            new_state.to(state_ptr.dtype.element_ty),
-            mask=chan_ok[:, None] & keep[None, :],
+        _store_conv_state(
+            x_ptr, state_row, start, end, chans, chan_ok, taps, has_state, stride_xt, WIDTH
+        )
+
+
+@triton.jit
+def _store_conv_state(x_ptr, state_row, start, end, chans, chan_ok, taps, has_state, stride_xt,
+                      WIDTH: tl.constexpr):  # fmt: skip
+    """A row's new conv state: its last WIDTH - 1 inputs, read (old state included) before
+    the store overwrites it."""
+    xs, ss, in_x = _conv_taps(
+        x_ptr, state_row, start, end - start, chans, chan_ok, taps, has_state, stride_xt,
+        WIDTH, WIDTH - 1,
+    )  # fmt: skip
+    keep = taps < WIDTH - 1
+    new_state = tl.where(in_x[None, :], xs, ss)
+    tl.debug_barrier()
+    tl.store(
+        state_row + taps[None, :],
+        new_state.to(state_row.dtype.element_ty),
+        mask=chan_ok[:, None] & keep[None, :],
+    )
+
+
+@triton.jit
+def _row_of(cu_ptr, token, num_seqs, search_steps):
+    """The row owning packed token `token` (< cu[num_seqs]): the last n with cu[n] <= token,
+    so empty rows before it are passed over. Binary search keeping cu[lo] <= token < cu[hi]."""
+    lo = token * 0
+    hi = lo + num_seqs
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        right = tl.load(cu_ptr + mid) <= token
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    return lo
+
+
+@triton.jit
+def _token_conv_kernel(
+    x_ptr,
+    weight_ptr,
+    bias_ptr,
+    state_ptr,
+    cu_ptr,
+    slot_ptr,
+    has_state_ptr,
+    out_ptr,
+    num_seqs,
+    search_steps,
+    stride_xt,
+    stride_wc,
+    stride_ss,
+    stride_sc,
+    stride_ot,
+    CHANNELS: tl.constexpr,
+    WIDTH: tl.constexpr,
+    WIDTH_PAD: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    """`_serial_conv_kernel`'s per-token arithmetic over BLOCK_T consecutive packed tokens
+    (whichever rows they belong to) a program: an output reads inputs only, never earlier
+    outputs, so a long row needs no chain of token steps. Reads the old states and leaves
+    them: `_conv_state_kernel`, launched after, stores the new ones."""
+    first = tl.program_id(0).to(tl.int64) * BLOCK_T
+    chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    chan_ok = chans < CHANNELS
+    taps = tl.arange(0, WIDTH_PAD)
+    total = tl.load(cu_ptr + num_seqs).to(tl.int64)
+    if first < total:  # tokens past the last row (graph padding) keep their zeros
+        weight = tl.load(
+            weight_ptr + chans[:, None] * stride_wc + taps[None, :],
+            mask=chan_ok[:, None] & (taps < WIDTH)[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
+        row = _row_of(cu_ptr, first, num_seqs, search_steps)
+        row_end = tl.load(cu_ptr + row + 1).to(tl.int64)
+        for t in range(first, tl.minimum(first + BLOCK_T, total)):
+            while row_end <= t:  # the next non-empty row
+                row += 1
+                row_end = tl.load(cu_ptr + row + 1).to(tl.int64)
+            slot = tl.load(slot_ptr + row).to(tl.int64)
+            if slot >= 0:  # padding rows: nothing read or written
+                start = tl.load(cu_ptr + row).to(tl.int64)
+                has_state = (taps * 0 + tl.load(has_state_ptr + row).to(tl.int32)) != 0
+                state_row = state_ptr + slot * stride_ss + chans[:, None] * stride_sc
+                xs, ss, in_x = _conv_taps(
+                    x_ptr, state_row, start, t - start, chans, chan_ok, taps, has_state,
+                    stride_xt, WIDTH, WIDTH,
+                )  # fmt: skip
+                y = tl.sum(tl.where(in_x[None, :], xs, ss) * weight, axis=1)
+                if HAS_BIAS:
+                    y = y + bias
+                if SILU:
+                    y = y * tl.sigmoid(y)
+                out = out_ptr + t * stride_ot + chans
+                tl.store(out, y.to(out_ptr.dtype.element_ty), mask=chan_ok)
+
+
+@triton.jit
+def _conv_state_kernel(
+    x_ptr,
+    state_ptr,
+    cu_ptr,
+    slot_ptr,
+    has_state_ptr,
+    stride_xt,
+    stride_ss,
+    stride_sc,
+    CHANNELS: tl.constexpr,
+    WIDTH: tl.constexpr,
+    WIDTH_PAD: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Each row's new conv state after `_token_conv_kernel` (the same store as the serial
+    kernel's last one)."""
+    seq = tl.program_id(0)
+    chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    chan_ok = chans < CHANNELS
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    slot = tl.load(slot_ptr + seq).to(tl.int64)
+    if (slot >= 0) & (end > start):
+        taps = tl.arange(0, WIDTH_PAD)
+        has_state = (taps * 0 + tl.load(has_state_ptr + seq).to(tl.int32)) != 0
+        state_row = state_ptr + slot * stride_ss + chans[:, None] * stride_sc
+        _store_conv_state(
+            x_ptr, state_row, start, end, chans, chan_ok, taps, has_state, stride_xt, WIDTH
         )
 
 
 def serial_causal_conv1d_triton(
-    x, weight, bias, conv_state_pool, cu_seqlens, state_indices, has_initial_state, activation
-):
-    """See `batch_invariant.serial_causal_conv1d`."""
+    x, weight, bias, conv_state_pool, cu_seqlens, state_indices, has_initial_state, activation,
+    token_parallel: bool = False, block_t: int = CONV_TOKENS_PER_PROGRAM,
+):  # fmt: skip
+    """See `batch_invariant.serial_causal_conv1d`. `token_parallel`: `block_t` packed tokens
+    a program (`_token_conv_kernel`, then the states) instead of one program looping over a
+    row's tokens: the same per-token arithmetic, without the long row's chain of steps."""
     tokens, channels = x.shape
     width = weight.shape[1]
     # Zeros: tokens past the last row (graph padding) stay defined.
@@ -517,6 +642,12 @@ def serial_causal_conv1d_triton(
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
+    if token_parallel:
+        _token_parallel_conv(
+            x, weight, bias, conv_state_pool, cu_seqlens, state_indices, has_initial_state,
+            activation, out, block_t,
+        )  # fmt: skip
+        return out
     grid = (num_seqs, triton.cdiv(channels, _CONV_BLOCK_C))
     _serial_conv_kernel[grid](
         x,
@@ -541,6 +672,55 @@ def serial_causal_conv1d_triton(
         num_warps=4,
     )
     return out
+
+
+def _token_parallel_conv(
+    x, weight, bias, pool, cu_seqlens, state_indices, has_initial_state, activation, out, block_t
+) -> None:
+    """The token-parallel conv's two launches (see `serial_causal_conv1d_triton`)."""
+    tokens, channels = x.shape
+    width = weight.shape[1]
+    num_seqs = cu_seqlens.shape[0] - 1
+    has_state = has_initial_state.to(torch.int8)
+    chan_blocks = triton.cdiv(channels, _CONV_BLOCK_C)
+    consts = dict(
+        CHANNELS=channels, WIDTH=width, WIDTH_PAD=max(2, next_power_of_2(width)),
+        BLOCK_C=_CONV_BLOCK_C,
+    )  # fmt: skip
+    _token_conv_kernel[(triton.cdiv(tokens, block_t), chan_blocks)](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        pool,
+        cu_seqlens,
+        state_indices,
+        has_state,
+        out,
+        num_seqs,
+        num_seqs.bit_length() + 1,
+        x.stride(0),
+        weight.stride(0),
+        pool.stride(0),
+        pool.stride(1),
+        out.stride(0),
+        BLOCK_T=block_t,
+        HAS_BIAS=bias is not None,
+        SILU=activation in ("silu", "swish"),
+        num_warps=4,
+        **consts,
+    )
+    _conv_state_kernel[(num_seqs, chan_blocks)](
+        x,
+        pool,
+        cu_seqlens,
+        state_indices,
+        has_state,
+        x.stride(0),
+        pool.stride(0),
+        pool.stride(1),
+        num_warps=4,
+        **consts,
+    )
 
 
 @triton.jit

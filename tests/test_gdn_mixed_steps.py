@@ -78,3 +78,30 @@ def test_serial_steps_round_the_state_every_token_only_in_the_deterministic_mode
                  max_num_batched_tokens=16, deterministic=deterministic, progress=False)  # fmt: skip
     run_to_completion(eng, PROMPTS[:3], greedy(4))
     assert asked and set(asked) == {deterministic}
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_serial_conv_is_token_parallel_outside_the_deterministic_mode(
+    hybrid_model, monkeypatch, deterministic
+):
+    """The default mode's mixed steps ask the serial conv for programs over token blocks
+    (no chain of a long row's token steps); the deterministic mode keeps the one loop a
+    row whose bits its tests established."""
+    asked = []
+    conv = bi.serial_causal_conv1d
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["token_parallel"])
+        return conv(*args, **kwargs)
+
+    monkeypatch.setattr(bi, "serial_causal_conv1d", spy)
+    monkeypatch.setattr(dispatch, "_batch_invariant", dispatch.batch_invariant())
+    monkeypatch.setenv("KVLOOM_GDN_MIXED_STEPS", "serial")
+    eng = Engine(model=str(hybrid_model("qwen3_next")), dtype="float32", device="cpu",
+                 max_num_batched_tokens=16, deterministic=deterministic, progress=False)  # fmt: skip
+    run_to_completion(eng, PROMPTS[:3], greedy(4))
+    assert asked and set(asked) == {not deterministic}
+    asked.clear()
+    monkeypatch.setenv("KVLOOM_SERIAL_CONV_LOOP", "1")  # the loop asked for: never parallel
+    run_to_completion(eng, PROMPTS[3:5], greedy(4))
+    assert asked and set(asked) == {False}

@@ -42,3 +42,9 @@ def test_tilings_report_time_bits_and_difference_beside_the_default():
     assert row["tilings"]["16x4"]["max_abs_diff"] == 0.0
     assert all(t["recurrence_us"] > 0 for t in row["tilings"].values())
     assert bench.parse_tiling("16x2") == (16, 2)
+
+
+def test_the_token_parallel_conv_is_timed_beside_the_serial_loop():
+    (row,) = bench.main(["--tiny", "--decode-rows", "3", "--prefill-tokens", "7"])["rows"]
+    assert row["conv_parallel_us"] > 0
+    assert row["conv_parallel_same_bits"] is True  # the same per-token arithmetic

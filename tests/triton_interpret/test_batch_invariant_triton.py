@@ -158,13 +158,16 @@ def _run_chunks(fn, total, cuts, pool, make_args):
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("token_parallel", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_serial_conv_is_chunking_and_batch_invariant(dtype):
+def test_serial_conv_is_chunking_and_batch_invariant(dtype, token_parallel):
     x, weight, bias = _conv_case(10, dtype)
     channels, width = x.shape[1], weight.shape[1]
 
     def conv(xs, pool, cu, slots, has):
-        return serial_causal_conv1d_triton(xs, weight, bias, pool, cu, slots, has, "silu")
+        return serial_causal_conv1d_triton(
+            xs, weight, bias, pool, cu, slots, has, "silu", token_parallel=token_parallel
+        )
 
     def fresh_pool():
         return torch.full((3, channels, width - 1), float("nan"), device=DEVICE)
@@ -194,6 +197,35 @@ def test_serial_conv_is_chunking_and_batch_invariant(dtype):
     tol = 2e-2 if dtype in HALF else 1e-5
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(pool[1], ref_pool[1], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("block_t", [1, 3, 16])
+def test_token_parallel_conv_matches_the_serial_loop(block_t):
+    """Programs over blocks of packed tokens (the default mode's mixed steps) give the
+    serial loop's outputs and states bit for bit, across row boundaries inside a block:
+    a long fresh row, rows continuing a state with 1 and 2 tokens (their new state keeps
+    old taps), an empty row, a padding row and padding tokens after the last row."""
+    x, weight, bias = _conv_case(11, torch.bfloat16, tokens=24)
+    channels, width = x.shape[1], weight.shape[1]
+    lengths = [13, 1, 0, 2, 3, 4]
+    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
+    slots = torch.tensor([1, 2, 3, 4, -1, 5], dtype=torch.int32, device=DEVICE)
+    has = torch.tensor([False, True, True, True, True, False], device=DEVICE)
+    start = rand(7, channels, width - 1, seed=12)
+    runs = []
+    for token_parallel in (False, True):
+        pool = start.clone()
+        out = serial_causal_conv1d_triton(
+            x, weight, bias, pool, cu, slots, has, "silu", token_parallel=token_parallel,
+            block_t=block_t,
+        )  # fmt: skip
+        runs.append((out, pool))
+    (loop_out, loop_pool), (par_out, par_pool) = runs
+    assert int(cu[-1]) == 23 and not bool(par_out[23:].any()), "padding tokens stay zero"
+    assert torch.equal(par_out, loop_out)
+    assert torch.equal(par_pool, loop_pool)
+    assert not torch.equal(loop_pool[4], start[4])  # the 2-token row's state did move
+    assert torch.equal(par_pool[[0, 3, 6]], start[[0, 3, 6]])  # untouched slots
 
 
 def _gdn_case(seed, tokens, hk=2, hv=4, dk=16, dv=24, dtype=torch.float32, kda=False):

@@ -16,6 +16,7 @@ import torch
 
 from kvloom.contracts import envs
 from kvloom.kernels import batch_invariant as bi
+from kvloom.kernels.dispatch import batch_invariant
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.cache_pages import span_view
 from kvloom.workers.device_copy import to_device
@@ -121,10 +122,13 @@ class LinearStatePages:
 
     def serial_conv(self, mixed, cu, slots, has_state) -> torch.Tensor:
         """The layer's causal conv over a step's rows token by token, in place on the pool
-        (`serial_rows` gives the row arguments)."""
+        (`serial_rows` gives the row arguments); token-parallel outside the deterministic
+        mode, which keeps the one-program-a-row loop its bits were checked with (as does
+        KVLOOM_SERIAL_CONV_LOOP=1)."""
+        token_parallel = not batch_invariant() and not envs.flag("KVLOOM_SERIAL_CONV_LOOP")
         return bi.serial_causal_conv1d(
             mixed, self.conv1d.weight, None, self.conv_state, cu, slots, has_state,
-            self.activation,
+            self.activation, token_parallel=token_parallel,
         )  # fmt: skip
 
     def allocate_cache(self, pages: torch.Tensor, spec) -> None:
