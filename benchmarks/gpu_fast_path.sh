@@ -12,7 +12,7 @@
 #     [moe-pairs] [fusion-ab] [bench-int4] [bench-fp8] [int4-gemv] [det-plans]
 #     [det-cost-tables] [moe-stages] [decode-timeline] [split-merge] [qk-rope-plans]
 #     [moe-slot-sum] [router-picks] [split-keys-next] [mixed-steps] [gemv-kimi]
-#     [kda-mixed-ab] [norm-tail-rows] [serial-mixed]
+#     [kda-mixed-ab] [norm-tail-rows] [serial-mixed] [serial-conv-ab]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -433,6 +433,23 @@ sys.exit(main())" bench throughput --shape ${TAIL_SHAPE:-qwen3-next-16l} \
           || status=1
         cp /tmp/serial_kernels_this_tree.py kernels/batch_invariant_triton.py
       fi
+      ;;
+    serial-conv-ab)  # the default mode's conv over token blocks against the serial loop
+      # (KVLOOM_SERIAL_CONV_LOOP=1): a layer's us and bits (serial_mixed_step's
+      # conv_parallel_us / conv_parallel_same_bits), then Kimi-Linear-16l offline at 128
+      # sequences and Qwen3-Next-16l offline with the bf16 state, each way
+      timeout 200 python3 benchmarks/serial_mixed_step.py --shape kimi-linear qwen3-next \
+        --out "$OUT/serial_mixed_step_conv.json" 2>&1 | grep RESULT || status=1
+      for loop in "" 1; do
+        KVLOOM_SERIAL_CONV_LOOP=$loop timeout 200 python3 -m kvloom.cluster.cli bench \
+          throughput --shape kimi-linear-16l --max-num-seqs 128 \
+          --out "$OUT/kimi-linear-16l_conv_loop${loop:-0}.json" 2>&1 \
+          | grep "^RESULT \(seconds\|steps\)" | sed "s/^/kimi loop=${loop:-0} /" || status=1
+        KVLOOM_SERIAL_CONV_LOOP=$loop timeout 150 python3 -m kvloom.cluster.cli bench \
+          throughput --shape qwen3-next-16l --linear-state-dtype auto \
+          --out "$OUT/qwen3-next-16l_bf16_conv_loop${loop:-0}.json" 2>&1 \
+          | grep "^RESULT \(seconds\|steps\)" | sed "s/^/qwen3-next loop=${loop:-0} /" || status=1
+      done
       ;;
     qk-rope-plans)  # q/k norm + rotary + KV write: tokens a program, bitwise and timed
       timeout 200 python3 benchmarks/qk_norm_rope_plans.py --tokens 64 128 512 2048 16384 \

@@ -16,7 +16,9 @@ summation order whatever else is in the launch:
   its request was chunked, cached or preempted. In the deterministic mode the recurrent
   state is rounded to the pool's dtype after every token, exactly as if it had been stored
   each step; the default mode's mixed steps (`round_every_token=False`) round it once, when
-  stored, as the chunked kernels do.
+  stored, as the chunked kernels do, run KDA's recurrence on fewer warps
+  (`serial_recurrence_tiling`) and the conv over blocks of packed tokens (`token_parallel`:
+  the same per-token arithmetic, no chain of a long row's token steps).
 
 No host synchronisation and grids from shapes only: CUDA graphs capture them.
 """
