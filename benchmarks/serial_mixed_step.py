@@ -40,6 +40,7 @@ from kvloom.kernels.batch_invariant_triton import (  # noqa: E402
     serial_causal_conv1d_triton,
     serial_gated_delta_rule_triton,
 )
+from kvloom.kernels.l2norm import l2norm  # noqa: E402
 
 # name -> (key heads, value heads, head dim, per-channel decay (KDA), conv channels)
 SHAPES = {
@@ -105,6 +106,16 @@ def run_recurrence(step, state, tiling=None):
     )  # fmt: skip
 
 
+def run_prenormed_recurrence(step, state):
+    """The recurrence with q and k normalised beforehand (float32, torch) and the kernel's
+    own norms off: whether two per-token reductions leave the chain of a long row."""
+    q, k = l2norm(step["q"].float()), l2norm(step["k"].float())
+    return serial_gated_delta_rule_triton(
+        q, k, step["v"], step["g"], step["beta"], state, step["cu"], step["slots"],
+        step["has_state"], None, False, per_channel_decay=step["kda"], round_every_token=False,
+    )  # fmt: skip
+
+
 def parse_tiling(text: str) -> tuple[int, int]:
     """'BVxWARPS', e.g. '16x2': the recurrence's state columns a program and warps."""
     block_v, _, warps = text.partition("x")
@@ -135,8 +146,9 @@ def digest(*tensors: torch.Tensor) -> str:
 
 
 def bench(
-    shape_name, shape, decode_rows, prefill_rows, prefill_tokens, state_dtype, repeats, tilings=()
-):
+    shape_name, shape, decode_rows, prefill_rows, prefill_tokens, state_dtype, repeats,
+    tilings=(), prenorm=False,
+):  # fmt: skip
     device = "cuda" if torch.cuda.is_available() else "cpu"
     step = make_step(
         shape, decode_rows, prefill_rows, prefill_tokens, state_dtype, device, seed=prefill_tokens
@@ -155,6 +167,16 @@ def bench(
             conv_parallel_us=round(time_us(partial(run_conv, step, par_pool, True), repeats), 1),
             conv_parallel_same_bits=torch.equal(par_out, conv_out)
             and torch.equal(par_state, conv_state),
+        )
+    if prenorm:
+        pre_state = step["state"].clone()
+        pre_out = run_prenormed_recurrence(step, pre_state)
+        pool_pre = step["state"].clone()
+        us = time_us(partial(run_prenormed_recurrence, step, pool_pre), repeats)
+        parallel.update(
+            recurrence_prenorm_us=round(us, 1),
+            # (the kernel writes q's dtype: float32 here, rounded to the default's for this)
+            prenorm_max_abs_diff=float((pre_out.to(out.dtype).float() - out.float()).abs().max()),
         )
     by_tiling = {}
     for text in tilings:  # other tilings: their time and bits (the default's are above)
@@ -193,6 +215,11 @@ def main(argv=None) -> dict:
         default=[],
         help="recurrence tilings BVxWARPS (e.g. 16x2) timed beside the default",
     )
+    parser.add_argument(
+        "--prenorm",
+        action="store_true",
+        help="also time the recurrence on q and k normalised beforehand (its norms off)",
+    )
     parser.add_argument("--tiny", action="store_true", help="small shape (CPU interpreter)")
     parser.add_argument("--out", type=Path, help="JSON results")
     args = parser.parse_args(argv)
@@ -204,7 +231,7 @@ def main(argv=None) -> dict:
         for tokens in args.prefill_tokens:
             row = bench(
                 name, shape, args.decode_rows, args.prefill_rows, tokens, state_dtype,
-                1 if tiny else REPEATS, args.tilings,
+                1 if tiny else REPEATS, args.tilings, args.prenorm,
             )  # fmt: skip
             plain = {k: v for k, v in row.items() if k != "tilings"}
             print("RESULT", " ".join(f"{k}={v}" for k, v in plain.items()), flush=True)

@@ -48,3 +48,11 @@ def test_the_token_parallel_conv_is_timed_beside_the_serial_loop():
     (row,) = bench.main(["--tiny", "--decode-rows", "3", "--prefill-tokens", "7"])["rows"]
     assert row["conv_parallel_us"] > 0
     assert row["conv_parallel_same_bits"] is True  # the same per-token arithmetic
+
+
+def test_prenorm_times_the_recurrence_on_normalised_inputs_within_rounding():
+    args = ["--tiny", "--decode-rows", "2", "--prefill-tokens", "5", "--prenorm"]
+    (row,) = bench.main(args)["rows"]
+    assert row["recurrence_prenorm_us"] > 0
+    # The same recurrence, the norms summed elsewhere: bf16 outputs within a rounding step.
+    assert row["prenorm_max_abs_diff"] < 1e-2
