@@ -434,6 +434,31 @@ def _conv_taps(x_ptr, state_row, start, pos, chans, chan_ok, taps, has_state, st
 
 
 @triton.jit
+def _conv_weights(weight_ptr, bias_ptr, chans, chan_ok, taps, stride_wc, WIDTH: tl.constexpr):
+    """The channels' taps [BLOCK_C, WIDTH_PAD] and bias [BLOCK_C], float32 (bias_ptr is the
+    weight's without a bias: loaded, never used)."""
+    weight = tl.load(
+        weight_ptr + chans[:, None] * stride_wc + taps[None, :],
+        mask=chan_ok[:, None] & (taps < WIDTH)[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    bias = tl.load(bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
+    return weight, bias
+
+
+@triton.jit
+def _conv_out(xs, ss, in_x, weight, bias, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """One token's output from its taps (`_conv_taps`): the one per-token arithmetic of the
+    serial loop and the token-parallel form."""
+    y = tl.sum(tl.where(in_x[None, :], xs, ss) * weight, axis=1)
+    if HAS_BIAS:
+        y = y + bias
+    if SILU:
+        y = y * tl.sigmoid(y)
+    return y
+
+
+@triton.jit
 def _serial_conv_kernel(
     x_ptr,
     weight_ptr,
@@ -468,13 +493,7 @@ def _serial_conv_kernel(
         # As a vector over the taps (the interpreter takes no scalar in a mask).
         has_state = (taps * 0 + tl.load(has_state_ptr + seq).to(tl.int32)) != 0
         state_row = state_ptr + slot * stride_ss + chans[:, None] * stride_sc
-        weight = tl.load(
-            weight_ptr + chans[:, None] * stride_wc + taps[None, :],
-            mask=chan_ok[:, None] & (taps < WIDTH)[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
+        weight, bias = _conv_weights(weight_ptr, bias_ptr, chans, chan_ok, taps, stride_wc, WIDTH)
         # Each token's taps are loaded one token ahead (the last token's again at the end),
         # so their latency overlaps the previous token's sum: same values, same bits.
         next_xs, next_ss, next_in_x = _conv_taps(
@@ -486,11 +505,7 @@ def _serial_conv_kernel(
                 x_ptr, state_row, start, tl.minimum(t + 1, end - 1) - start, chans, chan_ok,
                 taps, has_state, stride_xt, WIDTH, WIDTH,
             )  # fmt: skip
-            y = tl.sum(tl.where(in_x[None, :], xs, ss) * weight, axis=1)
-            if HAS_BIAS:
-                y = y + bias
-            if SILU:
-                y = y * tl.sigmoid(y)
+            y = _conv_out(xs, ss, in_x, weight, bias, HAS_BIAS, SILU)
             tl.store(out_ptr + t * stride_ot + chans, y.to(out_ptr.dtype.element_ty), mask=chan_ok)
         _store_conv_state(
             x_ptr, state_row, start, end, chans, chan_ok, taps, has_state, stride_xt, WIDTH
@@ -565,13 +580,7 @@ def _token_conv_kernel(
     taps = tl.arange(0, WIDTH_PAD)
     total = tl.load(cu_ptr + num_seqs).to(tl.int64)
     if first < total:  # tokens past the last row (graph padding) keep their zeros
-        weight = tl.load(
-            weight_ptr + chans[:, None] * stride_wc + taps[None, :],
-            mask=chan_ok[:, None] & (taps < WIDTH)[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
+        weight, bias = _conv_weights(weight_ptr, bias_ptr, chans, chan_ok, taps, stride_wc, WIDTH)
         row = _row_of(cu_ptr, first, num_seqs, search_steps)
         row_end = tl.load(cu_ptr + row + 1).to(tl.int64)
         for t in range(first, tl.minimum(first + BLOCK_T, total)):
@@ -587,11 +596,7 @@ def _token_conv_kernel(
                     x_ptr, state_row, start, t - start, chans, chan_ok, taps, has_state,
                     stride_xt, WIDTH, WIDTH,
                 )  # fmt: skip
-                y = tl.sum(tl.where(in_x[None, :], xs, ss) * weight, axis=1)
-                if HAS_BIAS:
-                    y = y + bias
-                if SILU:
-                    y = y * tl.sigmoid(y)
+                y = _conv_out(xs, ss, in_x, weight, bias, HAS_BIAS, SILU)
                 out = out_ptr + t * stride_ot + chans
                 tl.store(out, y.to(out_ptr.dtype.element_ty), mask=chan_ok)
 

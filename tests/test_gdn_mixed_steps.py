@@ -56,6 +56,24 @@ def test_serial_split_and_chunked_mixed_steps_give_the_same_tokens(hybrid_model,
     assert outs["split"] == outs["chunked"]
 
 
+def _spy_serial_engine(hybrid_model, monkeypatch, deterministic, kernel, keyword):
+    """An engine on serial mixed steps whose `bi.<kernel>` calls record `keyword`'s value
+    into the returned list (the process-wide mode is put back after the test)."""
+    asked = []
+    real = getattr(bi, kernel)
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs[keyword])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bi, kernel, spy)
+    monkeypatch.setattr(dispatch, "_batch_invariant", dispatch.batch_invariant())
+    monkeypatch.setenv("KVLOOM_GDN_MIXED_STEPS", "serial")
+    eng = Engine(model=str(hybrid_model("qwen3_next")), dtype="float32", device="cpu",
+                 max_num_batched_tokens=16, deterministic=deterministic, progress=False)  # fmt: skip
+    return eng, asked
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_serial_steps_round_the_state_every_token_only_in_the_deterministic_mode(
     hybrid_model, monkeypatch, deterministic
@@ -63,19 +81,9 @@ def test_serial_steps_round_the_state_every_token_only_in_the_deterministic_mode
     """The deterministic mode asks the serial kernels to round the state after every token
     (chunking a prompt then changes no bits); the default mode's mixed steps ask for one
     rounding a step, as the chunked kernels round (kernels/batch_invariant.py)."""
-    asked = []
-    serial = bi.serial_gated_delta_rule
-
-    def spy(*args, **kwargs):
-        asked.append(kwargs["round_every_token"])
-        return serial(*args, **kwargs)
-
-    monkeypatch.setattr(bi, "serial_gated_delta_rule", spy)
-    # The engine sets the process-wide mode; put it back after the test.
-    monkeypatch.setattr(dispatch, "_batch_invariant", dispatch.batch_invariant())
-    monkeypatch.setenv("KVLOOM_GDN_MIXED_STEPS", "serial")
-    eng = Engine(model=str(hybrid_model("qwen3_next")), dtype="float32", device="cpu",
-                 max_num_batched_tokens=16, deterministic=deterministic, progress=False)  # fmt: skip
+    eng, asked = _spy_serial_engine(
+        hybrid_model, monkeypatch, deterministic, "serial_gated_delta_rule", "round_every_token"
+    )
     run_to_completion(eng, PROMPTS[:3], greedy(4))
     assert asked and set(asked) == {deterministic}
 
@@ -87,18 +95,9 @@ def test_serial_conv_is_token_parallel_outside_the_deterministic_mode(
     """The default mode's mixed steps ask the serial conv for programs over token blocks
     (no chain of a long row's token steps); the deterministic mode keeps the one loop a
     row whose bits its tests established."""
-    asked = []
-    conv = bi.serial_causal_conv1d
-
-    def spy(*args, **kwargs):
-        asked.append(kwargs["token_parallel"])
-        return conv(*args, **kwargs)
-
-    monkeypatch.setattr(bi, "serial_causal_conv1d", spy)
-    monkeypatch.setattr(dispatch, "_batch_invariant", dispatch.batch_invariant())
-    monkeypatch.setenv("KVLOOM_GDN_MIXED_STEPS", "serial")
-    eng = Engine(model=str(hybrid_model("qwen3_next")), dtype="float32", device="cpu",
-                 max_num_batched_tokens=16, deterministic=deterministic, progress=False)  # fmt: skip
+    eng, asked = _spy_serial_engine(
+        hybrid_model, monkeypatch, deterministic, "serial_causal_conv1d", "token_parallel"
+    )
     run_to_completion(eng, PROMPTS[:3], greedy(4))
     assert asked and set(asked) == {not deterministic}
     asked.clear()
