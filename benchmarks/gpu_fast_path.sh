@@ -140,6 +140,7 @@ for section in "$@"; do
         tests/test_spec_decode_eagle3.py tests/test_spec_decode_dflash.py \
         tests/test_rejection_sampler.py tests/test_remote_drafter.py tests/test_kda_fla.py
       run_group G3a -m gpu tests/test_gdn_fla.py tests/test_linear_decode_triton.py \
+        tests/triton_interpret/test_l2norm_triton.py \
         tests/test_causal_conv1d_varlen_triton.py tests/test_gdn_gates.py \
         tests/test_kda_gates.py tests/test_gated_rms_norm.py
       run_group G3b -m gpu tests/test_greedy_argmax.py tests/test_gemv.py \

@@ -24,6 +24,7 @@ from kvloom.kernels.gated_delta_rule import (
     cu_seqlens_to_list,
     select_initial_state,
 )
+from kvloom.kernels.l2norm import l2norm_rows
 
 # Activation dtypes fla's kernels take; anything else (float64) stays on the reference.
 FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -97,7 +98,10 @@ def run_fla_varlen(
     copy (`cu_seqlens_device`), the same two objects in every layer of a step, has fla
     wait once per step, not once per layer; without them the bounds are staged here.
     `device_layout` (KDA only: fla's `use_graph` form) has fla build that layout on the
-    device instead, every layer, with no wait at all."""
+    device instead, every layer, with no wait at all. `use_qk_l2norm`: q and k are
+    normalised here (`l2norm.l2norm_rows`, one fixed plan) and reach fla as unit vectors,
+    since fla's own l2norm launch re-runs its autotuner at each new size bucket of the
+    step (seconds a time on an H100)."""
     if q.dtype not in FLA_DTYPES:
         raise ValueError(f"q: fla takes float16/bfloat16/float32, got {q.dtype}")
     num_tokens, num_v_heads, head_k, head_v = check_heads(q, k, v)
@@ -109,6 +113,8 @@ def run_fla_varlen(
     if num_tokens == 0:  # nothing to launch; every sequence keeps its starting state
         return v.new_zeros(v.shape, dtype=q.dtype), state.to(final_dtype)
     cu_cpu, cu_dev = fla_bounds(cu_seqlens, bounds, cu_seqlens_device, q.device)
+    if use_qk_l2norm:  # here, not in fla: its autotuned l2norm re-tunes as steps grow
+        q, k = l2norm_rows(q), l2norm_rows(k.to(q.dtype))
     kernel = load_kernel()
     # fla's graph form lays chunks out for max_num_seqs sequences; ours are all real.
     layout = {"use_graph": True, "max_num_seqs": len(bounds) - 1} if device_layout else {}
@@ -122,7 +128,7 @@ def run_fla_varlen(
         scale=head_k**-0.5 if scale is None else scale,
         initial_state=state,
         output_final_state=True,
-        use_qk_l2norm_in_kernel=use_qk_l2norm,
+        use_qk_l2norm_in_kernel=False,
         cu_seqlens=cu_dev,
         cu_seqlens_cpu=cu_cpu,  # lets fla lay out chunks without a device-to-host copy
         **layout,

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from kvloom.kernels import gated_delta_rule as gdn_ref
 from kvloom.kernels import gated_delta_rule_fla as gdn_fla
 from kvloom.kernels import ops
+from kvloom.kernels.l2norm import l2norm
 
 CUDA = torch.cuda.is_available()
 HK, HV, DK, DV = 16, 32, 128, 128  # Qwen3-Next
@@ -155,6 +156,32 @@ def test_fla_gets_the_layers_own_bound_objects():
     assert calls[0]["cu_seqlens_cpu"].dtype == torch.int64
     assert calls[0]["cu_seqlens_cpu"].tolist() == args["cu_seqlens"].tolist()
     assert calls[0]["cu_seqlens"].tolist() == args["cu_seqlens"].tolist()
+
+
+@pytest.mark.parametrize("use_qk_l2norm", [True, False])
+def test_fla_gets_unit_queries_and_keys_never_its_own_norm(use_qk_l2norm):
+    """fla's l2norm launch re-runs its autotuner at each new size bucket of a step
+    (seconds each on an H100): the wrapper normalises q and k itself (`l2norm_rows`) and
+    always tells fla not to; without the norm asked for, q and k pass through as given."""
+    args = _good_args()
+    seen = []
+
+    def kernel(q, k, v, g, beta, **kw):
+        seen.append((q.squeeze(0), k.squeeze(0), kw["use_qk_l2norm_in_kernel"]))
+        return torch.zeros_like(v), kw["initial_state"].clone()
+
+    gdn_fla.run_fla_varlen(
+        lambda: kernel, args["q"], args["k"], args["v"], args["g"], args["beta"],
+        args["cu_seqlens"], args["initial_state"], args["has_initial_state"], None,
+        use_qk_l2norm,
+    )  # fmt: skip
+    ((q, k, in_kernel),) = seen
+    assert in_kernel is False
+    if use_qk_l2norm:
+        torch.testing.assert_close(q, l2norm(args["q"]))
+        torch.testing.assert_close(k, l2norm(args["k"]))
+    else:
+        assert torch.equal(q, args["q"]) and torch.equal(k, args["k"])
 
 
 @pytest.mark.parametrize("bad", [torch.tensor([0, 2]), torch.tensor([0, 2, 5], dtype=torch.int32)])
