@@ -106,6 +106,15 @@ def run_recurrence(step, state, tiling=None):
     )  # fmt: skip
 
 
+def run_fused_reads_recurrence(step, state):
+    """The recurrence with both reads of the state in one reduction a token (an experiment)."""
+    return serial_gated_delta_rule_triton(
+        step["q"], step["k"], step["v"], step["g"], step["beta"], state, step["cu"],
+        step["slots"], step["has_state"], None, True, per_channel_decay=step["kda"],
+        round_every_token=False, fused_reads=True,
+    )  # fmt: skip
+
+
 def run_prenormed_recurrence(step, state):
     """The recurrence with q and k normalised beforehand (float32, torch) and the kernel's
     own norms off: whether two per-token reductions leave the chain of a long row."""
@@ -147,7 +156,7 @@ def digest(*tensors: torch.Tensor) -> str:
 
 def bench(
     shape_name, shape, decode_rows, prefill_rows, prefill_tokens, state_dtype, repeats,
-    tilings=(), prenorm=False,
+    tilings=(), prenorm=False, fused_reads=False,
 ):  # fmt: skip
     device = "cuda" if torch.cuda.is_available() else "cpu"
     step = make_step(
@@ -177,6 +186,15 @@ def bench(
             recurrence_prenorm_us=round(us, 1),
             # (the kernel writes q's dtype: float32 here, rounded to the default's for this)
             prenorm_max_abs_diff=float((pre_out.to(out.dtype).float() - out.float()).abs().max()),
+        )
+    if fused_reads:
+        fused_state = step["state"].clone()
+        fused_out = run_fused_reads_recurrence(step, fused_state)
+        pool_fused = step["state"].clone()
+        us = time_us(partial(run_fused_reads_recurrence, step, pool_fused), repeats)
+        parallel.update(
+            recurrence_fused_reads_us=round(us, 1),
+            fused_reads_max_abs_diff=float((fused_out.float() - out.float()).abs().max()),
         )
     by_tiling = {}
     for text in tilings:  # other tilings: their time and bits (the default's are above)
@@ -220,6 +238,11 @@ def main(argv=None) -> dict:
         action="store_true",
         help="also time the recurrence on q and k normalised beforehand (its norms off)",
     )
+    parser.add_argument(
+        "--fused-reads",
+        action="store_true",
+        help="also time the recurrence with both reads of the state in one reduction",
+    )
     parser.add_argument("--tiny", action="store_true", help="small shape (CPU interpreter)")
     parser.add_argument("--out", type=Path, help="JSON results")
     args = parser.parse_args(argv)
@@ -231,7 +254,7 @@ def main(argv=None) -> dict:
         for tokens in args.prefill_tokens:
             row = bench(
                 name, shape, args.decode_rows, args.prefill_rows, tokens, state_dtype,
-                1 if tiny else REPEATS, args.tilings, args.prenorm,
+                1 if tiny else REPEATS, args.tilings, args.prenorm, args.fused_reads,
             )  # fmt: skip
             plain = {k: v for k, v in row.items() if k != "tilings"}
             print("RESULT", " ".join(f"{k}={v}" for k, v in plain.items()), flush=True)

@@ -766,6 +766,7 @@ def _serial_delta_rule_kernel(
     L2NORM: tl.constexpr,
     PER_CHANNEL_DECAY: tl.constexpr = False,
     ROUND_EVERY_TOKEN: tl.constexpr = True,
+    FUSED_READS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -821,10 +822,18 @@ def _serial_delta_rule_kernel(
             else:
                 s = s * tl.exp(g.to(tl.float32))
             beta = beta.to(tl.float32)
-            predicted = tl.sum(k[:, None] * s, axis=0)
-            write = beta * (v.to(tl.float32) - predicted)
-            s = s + k[:, None] * write[None, :]
-            out = tl.sum(q[:, None] * s, axis=0)
+            if FUSED_READS:  # an experiment (serial_mixed_step.py --fused-reads): k's and
+                # q's reads of the decayed state in one reduction, then out = q.s + (q.k) w
+                reads = tl.sum(tl.join(k[:, None] * s, q[:, None] * s), axis=0)
+                predicted, q_read = tl.split(reads)
+                write = beta * (v.to(tl.float32) - predicted)
+                s = s + k[:, None] * write[None, :]
+                out = q_read + tl.sum(q * k, axis=0) * write
+            else:
+                predicted = tl.sum(k[:, None] * s, axis=0)
+                write = beta * (v.to(tl.float32) - predicted)
+                s = s + k[:, None] * write[None, :]
+                out = tl.sum(q[:, None] * s, axis=0)
             out_ptrs = out_ptr + t * stride_ot + head * stride_oh + cols
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=col_ok)
             if ROUND_EVERY_TOKEN:  # as if stored after every token: chunking changes no bits
@@ -835,13 +844,15 @@ def _serial_delta_rule_kernel(
 def serial_gated_delta_rule_triton(
     q, k, v, g, beta, state, cu_seqlens, state_indices, has_initial_state, scale, use_qk_l2norm,
     per_channel_decay: bool = False, round_every_token: bool = True,
-    block_v: int | None = None, num_warps: int | None = None,
+    block_v: int | None = None, num_warps: int | None = None, fused_reads: bool = False,
 ):  # fmt: skip
     """See `batch_invariant.serial_gated_delta_rule`; `per_channel_decay`: g [T, Hv, Dk],
     KDA's gate (`batch_invariant.serial_kda`). `round_every_token`: the deterministic
     mode's form (a narrow state rounded after every token, and the decode kernel's tiling:
     `serial_recurrence_tiling`). `block_v` / `num_warps` override the tiling
-    (benchmarks/serial_mixed_step.py --tilings; another tiling may sum in another order)."""
+    (benchmarks/serial_mixed_step.py --tilings; another tiling may sum in another order).
+    `fused_reads`: an untimed experiment (--fused-reads), one reduction a token for both
+    reads of the state; other bits, never the deterministic mode's."""
     tokens, num_k_heads, head_k = q.shape
     num_v_heads, head_v = v.shape[1], v.shape[2]
     out = torch.zeros((tokens, num_v_heads, head_v), dtype=q.dtype, device=q.device)
@@ -889,6 +900,7 @@ def serial_gated_delta_rule_triton(
         L2NORM=bool(use_qk_l2norm),
         PER_CHANNEL_DECAY=per_channel_decay,
         ROUND_EVERY_TOKEN=bool(round_every_token) and state.dtype != torch.float32,
+        FUSED_READS=bool(fused_reads),
         num_warps=num_warps,
     )
     return out

@@ -391,6 +391,32 @@ def test_serial_recurrence_takes_the_modes_tiling(monkeypatch):
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("kda", [False, True])
+def test_fused_reads_experiment_matches_the_default_within_rounding(kda):
+    """`fused_reads` (benchmarks only): k's and q's reads of the decayed state in one
+    reduction and out = q.s + (q.k) w, the same recurrence summed in another order."""
+    tensors = _gdn_case(40, 9, kda=kda)
+    other = _gdn_case(50, 5, kda=kda)
+    batch = [torch.cat([a, b]) for a, b in zip(other, tensors)]
+    hv, dk, dv = tensors[2].shape[1], tensors[0].shape[2], tensors[2].shape[2]
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([2, 1], dtype=torch.int32, device=DEVICE)
+    has = torch.tensor([True, False], device=DEVICE)
+    start = rand(3, hv, dk, dv, seed=61, scale=0.1)
+    runs = []
+    for fused in (False, True):
+        pool = start.clone()
+        out = serial_gated_delta_rule_triton(
+            *batch, pool, cu, slots, has, None, True, per_channel_decay=kda,
+            round_every_token=False, fused_reads=fused,
+        )  # fmt: skip
+        runs.append((out, pool))
+    (out, pool), (fused_out, fused_pool) = runs
+    torch.testing.assert_close(fused_out, out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_pool, pool, atol=1e-5, rtol=1e-5)
+    assert out.abs().max() > 0.1  # a real signal, not zeros on both sides
+
+
 def test_serial_reference_keeps_a_float64_pool_in_float64():
     """The CPU's float64 runs: without per-token rounding the reference still computes in
     the pool's float64 (no float32 copy), so both settings give the same bits."""
