@@ -154,6 +154,14 @@ def digest(*tensors: torch.Tensor) -> str:
     return sha.hexdigest()[:16]
 
 
+def time_variant(step, run, out, repeats) -> tuple[float, float]:
+    """A recurrence variant's µs on a scratch pool and its largest difference from `out`
+    (the prenormed kernel writes q's dtype, float32 here: compared in the default's)."""
+    variant_out = run(step, step["state"].clone())
+    us = time_us(partial(run, step, step["state"].clone()), repeats)
+    return round(us, 1), float((variant_out.to(out.dtype).float() - out.float()).abs().max())
+
+
 def bench(
     shape_name, shape, decode_rows, prefill_rows, prefill_tokens, state_dtype, repeats,
     tilings=(), prenorm=False, fused_reads=False,
@@ -178,24 +186,11 @@ def bench(
             and torch.equal(par_state, conv_state),
         )
     if prenorm:
-        pre_state = step["state"].clone()
-        pre_out = run_prenormed_recurrence(step, pre_state)
-        pool_pre = step["state"].clone()
-        us = time_us(partial(run_prenormed_recurrence, step, pool_pre), repeats)
-        parallel.update(
-            recurrence_prenorm_us=round(us, 1),
-            # (the kernel writes q's dtype: float32 here, rounded to the default's for this)
-            prenorm_max_abs_diff=float((pre_out.to(out.dtype).float() - out.float()).abs().max()),
-        )
+        us, diff = time_variant(step, run_prenormed_recurrence, out, repeats)
+        parallel.update(recurrence_prenorm_us=us, prenorm_max_abs_diff=diff)
     if fused_reads:
-        fused_state = step["state"].clone()
-        fused_out = run_fused_reads_recurrence(step, fused_state)
-        pool_fused = step["state"].clone()
-        us = time_us(partial(run_fused_reads_recurrence, step, pool_fused), repeats)
-        parallel.update(
-            recurrence_fused_reads_us=round(us, 1),
-            fused_reads_max_abs_diff=float((fused_out.float() - out.float()).abs().max()),
-        )
+        us, diff = time_variant(step, run_fused_reads_recurrence, out, repeats)
+        parallel.update(recurrence_fused_reads_us=us, fused_reads_max_abs_diff=diff)
     by_tiling = {}
     for text in tilings:  # other tilings: their time and bits (the default's are above)
         tiling, tiled_state = parse_tiling(text), step["state"].clone()
