@@ -439,11 +439,10 @@ sys.exit(main())" bench throughput --shape ${TAIL_SHAPE:-qwen3-next-16l} \
       # (KVLOOM_SERIAL_CONV_LOOP=1): a layer's us and bits (serial_mixed_step's
       # conv_parallel_us / conv_parallel_same_bits), then Kimi-Linear-16l offline at 128
       # sequences and Qwen3-Next-16l offline with the bf16 state, each way
-      # (--prenorm: the recurrence on q and k normalised beforehand; --fused-reads: both
-      # reads of the state in one reduction; --tilings: Gated DeltaNet's form at other
-      # warp counts, KDA's old four)
+      # (--prenorm: the recurrence on q and k normalised beforehand; --tilings: other
+      # warp counts than the default mode's two)
       timeout 200 python3 benchmarks/serial_mixed_step.py --shape kimi-linear qwen3-next \
-        --prenorm --fused-reads --tilings 32x4 32x2 16x2 \
+        --prenorm --tilings 32x4 32x2 16x2 \
         --out "$OUT/serial_mixed_step_conv.json" 2>&1 \
         | grep RESULT || status=1
       for loop in "" 1; do

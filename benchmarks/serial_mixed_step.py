@@ -13,7 +13,7 @@ is its longest row's latency, not its bytes.
 Each (shape, prefill length) reports µs a layer for the conv (`conv_us`: the serial loop
 the deterministic mode keeps; `conv_parallel_us`: the token-parallel form the default
 mode's mixed steps run, and whether its bits are the loop's) and for the recurrence (the
-default mode's form: KDA on `SERIAL_KDA_WARPS` warps), from CUDA events over REPEATS eager
+default mode's form: `SERIAL_WARPS` warps), from CUDA events over REPEATS eager
 calls after a warm-up (each launch runs long enough that launch overhead is noise), and a
 SHA-256 of the serial loop's and the recurrence's outputs and states, so two trees can be
 compared for the same bits. Without CUDA (or with --tiny) it runs a small shape in
@@ -106,15 +106,6 @@ def run_recurrence(step, state, tiling=None):
     )  # fmt: skip
 
 
-def run_fused_reads_recurrence(step, state):
-    """The recurrence with both reads of the state in one reduction a token (an experiment)."""
-    return serial_gated_delta_rule_triton(
-        step["q"], step["k"], step["v"], step["g"], step["beta"], state, step["cu"],
-        step["slots"], step["has_state"], None, True, per_channel_decay=step["kda"],
-        round_every_token=False, fused_reads=True,
-    )  # fmt: skip
-
-
 def run_prenormed_recurrence(step, state):
     """The recurrence with q and k normalised beforehand (float32, torch) and the kernel's
     own norms off: whether two per-token reductions leave the chain of a long row."""
@@ -164,7 +155,7 @@ def time_variant(step, run, out, repeats) -> tuple[float, float]:
 
 def bench(
     shape_name, shape, decode_rows, prefill_rows, prefill_tokens, state_dtype, repeats,
-    tilings=(), prenorm=False, fused_reads=False,
+    tilings=(), prenorm=False,
 ):  # fmt: skip
     device = "cuda" if torch.cuda.is_available() else "cpu"
     step = make_step(
@@ -188,9 +179,6 @@ def bench(
     if prenorm:
         us, diff = time_variant(step, run_prenormed_recurrence, out, repeats)
         parallel.update(recurrence_prenorm_us=us, prenorm_max_abs_diff=diff)
-    if fused_reads:
-        us, diff = time_variant(step, run_fused_reads_recurrence, out, repeats)
-        parallel.update(recurrence_fused_reads_us=us, fused_reads_max_abs_diff=diff)
     by_tiling = {}
     for text in tilings:  # other tilings: their time and bits (the default's are above)
         tiling, tiled_state = parse_tiling(text), step["state"].clone()
@@ -233,11 +221,6 @@ def main(argv=None) -> dict:
         action="store_true",
         help="also time the recurrence on q and k normalised beforehand (its norms off)",
     )
-    parser.add_argument(
-        "--fused-reads",
-        action="store_true",
-        help="also time the recurrence with both reads of the state in one reduction",
-    )
     parser.add_argument("--tiny", action="store_true", help="small shape (CPU interpreter)")
     parser.add_argument("--out", type=Path, help="JSON results")
     args = parser.parse_args(argv)
@@ -249,7 +232,7 @@ def main(argv=None) -> dict:
         for tokens in args.prefill_tokens:
             row = bench(
                 name, shape, args.decode_rows, args.prefill_rows, tokens, state_dtype,
-                1 if tiny else REPEATS, args.tilings, args.prenorm, args.fused_reads,
+                1 if tiny else REPEATS, args.tilings, args.prenorm,
             )  # fmt: skip
             plain = {k: v for k, v in row.items() if k != "tilings"}
             print("RESULT", " ".join(f"{k}={v}" for k, v in plain.items()), flush=True)

@@ -16,7 +16,7 @@ summation order whatever else is in the launch:
   its request was chunked, cached or preempted. In the deterministic mode the recurrent
   state is rounded to the pool's dtype after every token, exactly as if it had been stored
   each step; the default mode's mixed steps (`round_every_token=False`) round it once, when
-  stored, as the chunked kernels do, run KDA's recurrence on fewer warps
+  stored, as the chunked kernels do, run the recurrence on fewer warps
   (`serial_recurrence_tiling`) and the conv over blocks of packed tokens (`token_parallel`:
   the same per-token arithmetic, no chain of a long row's token steps).
 
@@ -184,27 +184,29 @@ def matmul_plan(
 
 _STATE_TILE_ELEMENTS = 4096  # the delta-rule program's [Dk, BV] float32 state tile
 _CONV_BLOCK_C = 64
-# Packed tokens a program of the token-parallel conv (not yet measured on a GPU).
+# Packed tokens a program of the token-parallel conv. On an H100 (thirtieth session; 126
+# decodes beside two prompt chunks, a layer's conv, same bits as the loop): Kimi-Linear's
+# channels 138.4 us against the loop's 112.9 at 128 tokens, 200.8 against 356.8 at 512,
+# 342.9 against 655.1 at 1,024; offline no change (Kimi-Linear-16l 74.53 s against 74.32).
 CONV_TOKENS_PER_PROGRAM = 16
-# Warps of the serial KDA recurrence's program outside the deterministic mode. A long row's
+# Warps of the serial recurrence's program outside the deterministic mode. A long row's
 # time is its chain of token steps, and two warps take each token's sums over the key
-# channels through fewer cross-warp steps than four. On an H100 at Kimi-Linear's heads
-# (126 decodes beside two prompt chunks, float32 state) 905.5 us against 1031.0 at 512
-# tokens and 1552.7 against 1877.1 at 1,024; Kimi-Linear-16l offline 75.70 s against 77.93
-# (twenty-ninth session). Another summation order than the decode kernel's four warps, so
-# the deterministic mode keeps four. Gated DeltaNet's form was not measured: it keeps four.
-SERIAL_KDA_WARPS = 2
+# channels through fewer cross-warp steps than four. On an H100 (126 decodes beside two
+# prompt chunks, float32 state), Kimi-Linear's heads: 905.5 us against 1031.0 at 512
+# tokens, 1552.7 against 1877.1 at 1,024 (twenty-ninth session; Kimi-Linear-16l offline
+# 75.70 s against 77.93); Qwen3-Next's: 844.3 against 1000.8 at 512, 1452.1 against 1826.7
+# at 1,024, a tie at 128 (thirtieth). Another summation order than the decode kernel's four
+# warps, so the deterministic mode keeps four.
+SERIAL_WARPS = 2
 
 
-def serial_recurrence_tiling(
-    head_k: int, head_v: int, per_channel_decay: bool, deterministic: bool
-) -> tuple[int, int]:
-    """(state columns, warps) of a `_serial_delta_rule_kernel` program: the decode kernel's
-    [Dk, BV] tile of _STATE_TILE_ELEMENTS and four warps, except KDA outside the
-    deterministic mode (SERIAL_KDA_WARPS)."""
+def serial_recurrence_tiling(head_k: int, head_v: int, deterministic: bool) -> tuple[int, int]:
+    """(state columns, warps) of a `_serial_delta_rule_kernel` program, Gated DeltaNet's and
+    KDA's alike: the decode kernel's [Dk, BV] tile of _STATE_TILE_ELEMENTS, on four warps in
+    the deterministic mode (the decode kernel's order) and SERIAL_WARPS outside it."""
     tile_columns = _STATE_TILE_ELEMENTS // next_power_of_2(head_k)
     block_v = max(1, min(next_power_of_2(head_v), tile_columns))
-    return block_v, SERIAL_KDA_WARPS if per_channel_decay and not deterministic else 4
+    return block_v, 4 if deterministic else SERIAL_WARPS
 
 
 @triton.jit
@@ -766,7 +768,6 @@ def _serial_delta_rule_kernel(
     L2NORM: tl.constexpr,
     PER_CHANNEL_DECAY: tl.constexpr = False,
     ROUND_EVERY_TOKEN: tl.constexpr = True,
-    FUSED_READS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -822,18 +823,10 @@ def _serial_delta_rule_kernel(
             else:
                 s = s * tl.exp(g.to(tl.float32))
             beta = beta.to(tl.float32)
-            if FUSED_READS:  # an experiment (serial_mixed_step.py --fused-reads): k's and
-                # q's reads of the decayed state in one reduction, then out = q.s + (q.k) w
-                reads = tl.sum(tl.join(k[:, None] * s, q[:, None] * s), axis=0)
-                predicted, q_read = tl.split(reads)
-                write = beta * (v.to(tl.float32) - predicted)
-                s = s + k[:, None] * write[None, :]
-                out = q_read + tl.sum(q * k, axis=0) * write
-            else:
-                predicted = tl.sum(k[:, None] * s, axis=0)
-                write = beta * (v.to(tl.float32) - predicted)
-                s = s + k[:, None] * write[None, :]
-                out = tl.sum(q[:, None] * s, axis=0)
+            predicted = tl.sum(k[:, None] * s, axis=0)
+            write = beta * (v.to(tl.float32) - predicted)
+            s = s + k[:, None] * write[None, :]
+            out = tl.sum(q[:, None] * s, axis=0)
             out_ptrs = out_ptr + t * stride_ot + head * stride_oh + cols
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=col_ok)
             if ROUND_EVERY_TOKEN:  # as if stored after every token: chunking changes no bits
@@ -844,15 +837,13 @@ def _serial_delta_rule_kernel(
 def serial_gated_delta_rule_triton(
     q, k, v, g, beta, state, cu_seqlens, state_indices, has_initial_state, scale, use_qk_l2norm,
     per_channel_decay: bool = False, round_every_token: bool = True,
-    block_v: int | None = None, num_warps: int | None = None, fused_reads: bool = False,
+    block_v: int | None = None, num_warps: int | None = None,
 ):  # fmt: skip
     """See `batch_invariant.serial_gated_delta_rule`; `per_channel_decay`: g [T, Hv, Dk],
     KDA's gate (`batch_invariant.serial_kda`). `round_every_token`: the deterministic
     mode's form (a narrow state rounded after every token, and the decode kernel's tiling:
     `serial_recurrence_tiling`). `block_v` / `num_warps` override the tiling
-    (benchmarks/serial_mixed_step.py --tilings; another tiling may sum in another order).
-    `fused_reads`: an untimed experiment (--fused-reads), one reduction a token for both
-    reads of the state; other bits, never the deterministic mode's."""
+    (benchmarks/serial_mixed_step.py --tilings; another tiling may sum in another order)."""
     tokens, num_k_heads, head_k = q.shape
     num_v_heads, head_v = v.shape[1], v.shape[2]
     out = torch.zeros((tokens, num_v_heads, head_v), dtype=q.dtype, device=q.device)
@@ -860,7 +851,7 @@ def serial_gated_delta_rule_triton(
     if out.numel() == 0 or num_seqs == 0:
         return out
     # The callers pass the deterministic mode as round_every_token (batch_invariant()).
-    plan = serial_recurrence_tiling(head_k, head_v, per_channel_decay, bool(round_every_token))
+    plan = serial_recurrence_tiling(head_k, head_v, bool(round_every_token))
     block_v, num_warps = block_v or plan[0], num_warps or plan[1]
     g = g.contiguous()
     beta = beta.contiguous()
@@ -900,7 +891,6 @@ def serial_gated_delta_rule_triton(
         L2NORM=bool(use_qk_l2norm),
         PER_CHANNEL_DECAY=per_channel_decay,
         ROUND_EVERY_TOKEN=bool(round_every_token) and state.dtype != torch.float32,
-        FUSED_READS=bool(fused_reads),
         num_warps=num_warps,
     )
     return out

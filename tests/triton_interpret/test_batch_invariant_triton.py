@@ -23,7 +23,7 @@ from kvloom.kernels.batch_invariant import (
 )
 from kvloom.kernels.batch_invariant_triton import (
     MATMUL_PLAN,
-    SERIAL_KDA_WARPS,
+    SERIAL_WARPS,
     SM90_MATMUL_PLANS,
     matmul_plan,
     matmul_triton,
@@ -334,17 +334,16 @@ def test_serial_delta_rule_rounds_a_narrow_state_once_outside_the_deterministic_
 
 
 @pytest.mark.parametrize(
-    "kda, deterministic, want",
+    "deterministic, want",
     [
-        (True, False, (32, SERIAL_KDA_WARPS)),  # KDA in the default mode: fewer warps
-        (True, True, (32, 4)),  # the deterministic mode: the decode kernel's tiling
-        (False, False, (32, 4)),  # Gated DeltaNet: not measured with fewer, kept
-        (False, True, (32, 4)),
+        (False, (32, SERIAL_WARPS)),  # the default mode: fewer warps, a shorter token step
+        (True, (32, 4)),  # the deterministic mode: the decode kernel's tiling
     ],
 )
-def test_serial_recurrence_tiling_by_mode(kda, deterministic, want):
-    assert serial_recurrence_tiling(128, 128, kda, deterministic) == want
-    assert serial_recurrence_tiling(16, 24, kda, deterministic)[0] == 32  # a whole small head
+def test_serial_recurrence_tiling_by_mode(deterministic, want):
+    assert SERIAL_WARPS != 4  # else the two modes' rows above test nothing apart
+    assert serial_recurrence_tiling(128, 128, deterministic) == want
+    assert serial_recurrence_tiling(16, 24, deterministic)[0] == 32  # a whole small head
 
 
 def test_serial_recurrence_takes_the_modes_tiling(monkeypatch):
@@ -354,8 +353,8 @@ def test_serial_recurrence_takes_the_modes_tiling(monkeypatch):
 
     asked = []
 
-    def rule(head_k, head_v, per_channel_decay, deterministic):
-        asked.append((per_channel_decay, deterministic))
+    def rule(head_k, head_v, deterministic):
+        asked.append(deterministic)
         return 8, 1
 
     monkeypatch.setattr(bit, "serial_recurrence_tiling", rule)
@@ -384,37 +383,11 @@ def test_serial_recurrence_takes_the_modes_tiling(monkeypatch):
                 round_every_token=every,
             )  # fmt: skip
         )
-    assert asked == [(True, False), (True, True)]
+    assert asked == [False, True]
     ref = serial_kda_ref(q, k, v, g, beta, torch.zeros(1, hv, dk, dv, device=DEVICE), cu,
                          slots.long(), has, None, True)  # fmt: skip
     for out in outs:  # the rule's narrow 8-column tiles still cover the 24-wide head
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-5, rtol=2e-5)
-
-
-@pytest.mark.parametrize("kda", [False, True])
-def test_fused_reads_experiment_matches_the_default_within_rounding(kda):
-    """`fused_reads` (benchmarks only): k's and q's reads of the decayed state in one
-    reduction and out = q.s + (q.k) w, the same recurrence summed in another order."""
-    tensors = _gdn_case(40, 9, kda=kda)
-    other = _gdn_case(50, 5, kda=kda)
-    batch = [torch.cat([a, b]) for a, b in zip(other, tensors)]
-    hv, dk, dv = tensors[2].shape[1], tensors[0].shape[2], tensors[2].shape[2]
-    cu = torch.tensor([0, 5, 14], dtype=torch.int32, device=DEVICE)
-    slots = torch.tensor([2, 1], dtype=torch.int32, device=DEVICE)
-    has = torch.tensor([True, False], device=DEVICE)
-    start = rand(3, hv, dk, dv, seed=61, scale=0.1)
-    runs = []
-    for fused in (False, True):
-        pool = start.clone()
-        out = serial_gated_delta_rule_triton(
-            *batch, pool, cu, slots, has, None, True, per_channel_decay=kda,
-            round_every_token=False, fused_reads=fused,
-        )  # fmt: skip
-        runs.append((out, pool))
-    (out, pool), (fused_out, fused_pool) = runs
-    torch.testing.assert_close(fused_out, out, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(fused_pool, pool, atol=1e-5, rtol=1e-5)
-    assert out.abs().max() > 0.1  # a real signal, not zeros on both sides
 
 
 def test_serial_reference_keeps_a_float64_pool_in_float64():
