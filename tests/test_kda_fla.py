@@ -175,6 +175,9 @@ def test_kimi_linear_engine_with_fla_kda_matches_the_reference_path(hybrid_model
     paths in one precision.)"""
     require_fla()
     monkeypatch.setattr(ops, "FLA_DISPATCH_DTYPES", (*ops.FLA_DISPATCH_DTYPES, torch.float32))
+    # Eight short prompts make a mixed step that the default (auto) serves token by token
+    # (`serial_suits`), never calling fla: the chunked path is the one under test here.
+    monkeypatch.setenv("KVLOOM_KDA_MIXED_STEPS", "chunked")
     from kvloom import Engine, SamplingParams
     from tests.engine_helpers import PROMPTS, run_to_completion
 
