@@ -12,7 +12,7 @@
 #     [moe-pairs] [fusion-ab] [bench-int4] [bench-fp8] [int4-gemv] [det-plans]
 #     [det-cost-tables] [moe-stages] [decode-timeline] [split-merge] [qk-rope-plans]
 #     [moe-slot-sum] [router-picks] [split-keys-next] [mixed-steps] [gemv-kimi]
-#     [kda-mixed-ab] [norm-tail-rows] [serial-mixed] [serial-conv-ab]
+#     [kda-mixed-ab] [norm-tail-rows] [serial-mixed] [serial-conv-ab] [run-compiles]
 #
 # Results land in $OUT (JSON per benchmark, logs); RESULT lines go to stdout.
 # HYBRID_ARGS adds options to the hybrid benches (e.g. "--linear-state-dtype auto", the
@@ -457,6 +457,14 @@ sys.exit(main())" bench throughput --shape ${TAIL_SHAPE:-qwen3-next-16l} \
           --out "$OUT/qwen3-next-16l_bf16_conv_loop${loop:-0}.json" 2>&1 \
           | grep "^RESULT \(seconds\|steps\)" | sed "s/^/qwen3-next loop=${loop:-0} /" || status=1
       done
+      ;;
+    run-compiles)  # the Triton compiles inside a timed offline run (kernel, first step,
+      # seconds; benchmarks/compile_watch.py), run first on a fresh machine: the thirtieth
+      # lease's first Qwen3-Next-16l offline run in a call took 29.86 s, the third 26.89
+      # (its bf16 state, as those runs had it; COMPILE_ARGS replaces the options)
+      timeout 240 python3 benchmarks/throughput_profile.py --shape ${COMPILE_SHAPE:-qwen3-next-16l} \
+        --profile-at --compiles ${COMPILE_ARGS:---linear-state-dtype auto} \
+        --out "$OUT/compiles.json" 2>&1 | grep "^RESULT \(compile\|seconds\)" || status=1
       ;;
     qk-rope-plans)  # q/k norm + rotary + KV write: tokens a program, bitwise and timed
       timeout 200 python3 benchmarks/qk_norm_rope_plans.py --tokens 64 128 512 2048 16384 \

@@ -7,6 +7,9 @@ GPU's busy time against the wall time of the window (host-bound or device-bound)
 kernels by GPU time. Host phases (schedule, submit, wait for the device, update, outputs)
 are timed on every step.
 
+`--compiles` names the Triton compiles inside the timed run (`compile_watch.py`): kernel,
+first step, seconds; a mid-run compile is a stall no steady state has.
+
 `--gpu-gaps` measures the host's share without a profiler (which slows the host it
 measures): a CUDA event is recorded as each step's forward is enqueued and another after
 its sampling is enqueued. Their spans are the device's work per step; the time between one
@@ -24,6 +27,7 @@ On a CPU, `--shape tiny --num-requests 300` shows the host side alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import shutil
@@ -41,6 +45,7 @@ from kvloom.cluster.bench import make_engine, offline_workload, shape_dir, workl
 from kvloom.cluster.commands.bench import add_workload_args
 
 sys.path.insert(0, str(Path(__file__).parent))
+from compile_watch import CompileWatch  # noqa: E402
 from step_profile import report_syncs  # noqa: E402
 
 
@@ -239,6 +244,11 @@ def main() -> None:
         default=240,
         help="--gpu-gaps reports steps with at least this many rows",
     )
+    parser.add_argument(
+        "--compiles",
+        action="store_true",
+        help="name the Triton compiles inside the timed run (kernel, first step, seconds)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cfg = SimpleNamespace(**vars(args), load_format="dummy")
@@ -276,38 +286,41 @@ def main() -> None:
         gaps = GpuGaps(runner) if args.gpu_gaps and torch.cuda.is_available() else None
         step_ms, profiles = [], {}
         allocator_before = allocator_counts()
-        start = time.perf_counter()
-        while engine.has_unfinished_requests():
-            n = len(step_ms)
-            if n in args.profile_at:
-                # CUDA activity only: tracing CPU ops would slow the host it measures.
-                acts = [
-                    ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
-                ]
-                if torch.cuda.is_available() and n == args.profile_at[0]:
-                    report_syncs(engine, steps=args.sync_steps)
-                    step_ms.extend([float("nan")] * args.sync_steps)
+        compiles = CompileWatch(step_of=lambda: len(step_ms)) if args.compiles else None
+        compile_watch = compiles if compiles is not None else contextlib.nullcontext()
+        with compile_watch:
+            start = time.perf_counter()
+            while engine.has_unfinished_requests():
+                n = len(step_ms)
+                if n in args.profile_at:
+                    # CUDA activity only: tracing CPU ops would slow the host it measures.
+                    acts = [
+                        ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
+                    ]
+                    if torch.cuda.is_available() and n == args.profile_at[0]:
+                        report_syncs(engine, steps=args.sync_steps)
+                        step_ms.extend([float("nan")] * args.sync_steps)
+                    t0 = time.perf_counter()
+                    with profile(activities=acts) as prof:
+                        for _ in range(args.profile_steps):
+                            engine.step()
+                    wall = (time.perf_counter() - t0) * 1e3 / args.profile_steps
+                    summary = kernel_summary(prof, args.profile_steps, top=25)
+                    summary["wall_ms_per_step"] = round(wall, 3)
+                    summary["rows_tokens_decodes"] = shapes[-args.profile_steps :]
+                    profiles[f"step{n}"] = summary
+                    print(
+                        f"RESULT profile_step{n} wall_ms {wall:.2f} gpu_busy_ms "
+                        f"{summary['gpu_busy_ms_per_step']:.2f} shapes {shapes[-1]}"
+                    )
+                    step_ms.extend([wall] * args.profile_steps)
+                    if args.trace_dir is not None:
+                        step_ms.extend([float("nan")] * trace_steps(engine, args.trace_dir, n))
+                    continue
                 t0 = time.perf_counter()
-                with profile(activities=acts) as prof:
-                    for _ in range(args.profile_steps):
-                        engine.step()
-                wall = (time.perf_counter() - t0) * 1e3 / args.profile_steps
-                summary = kernel_summary(prof, args.profile_steps, top=25)
-                summary["wall_ms_per_step"] = round(wall, 3)
-                summary["rows_tokens_decodes"] = shapes[-args.profile_steps :]
-                profiles[f"step{n}"] = summary
-                print(
-                    f"RESULT profile_step{n} wall_ms {wall:.2f} gpu_busy_ms "
-                    f"{summary['gpu_busy_ms_per_step']:.2f} shapes {shapes[-1]}"
-                )
-                step_ms.extend([wall] * args.profile_steps)
-                if args.trace_dir is not None:
-                    step_ms.extend([float("nan")] * trace_steps(engine, args.trace_dir, n))
-                continue
-            t0 = time.perf_counter()
-            engine.step()
-            step_ms.append((time.perf_counter() - t0) * 1e3)
-        elapsed = time.perf_counter() - start
+                engine.step()
+                step_ms.append((time.perf_counter() - t0) * 1e3)
+            elapsed = time.perf_counter() - start
         allocator_after = allocator_counts()
     timed = [(ms, s) for ms, s in zip(step_ms, shapes) if ms == ms]  # sync-report steps: nan
     decode_only = [ms for ms, s in timed if s[1] == s[2]]
@@ -334,6 +347,12 @@ def main() -> None:
         result["mixed_by_prefill_tokens"] = gaps.mixed_by_prefill_tokens(shapes, args.gaps_min_rows)
         for bucket, row in result["mixed_by_prefill_tokens"].items():
             print(f"RESULT mixed_prefill_tokens{bucket} {row}")
+    if compiles is not None:
+        result["compiles"] = compiles.summary()
+        print(f"RESULT compiles {result['compiles']['compiles']} seconds "
+              f"{result['compiles']['seconds']}")  # fmt: skip
+        for kernel, row in result["compiles"]["by_kernel"].items():
+            print(f"RESULT compile {kernel} {row}")
     for key in (
         "seconds",
         "steps",
