@@ -188,6 +188,8 @@ _CONV_BLOCK_C = 64
 # decodes beside two prompt chunks, a layer's conv, same bits as the loop): Kimi-Linear's
 # channels 138.4 us against the loop's 112.9 at 128 tokens, 200.8 against 356.8 at 512,
 # 342.9 against 655.1 at 1,024; offline no change (Kimi-Linear-16l 74.53 s against 74.32).
+# (Those figures are the form that reloaded a row's scalars every token; the form below,
+# which loads them once a row, is not yet timed.)
 CONV_TOKENS_PER_PROGRAM = 16
 # Warps of the serial recurrence's program outside the deterministic mode. A long row's
 # time is its chain of token steps, and two warps take each token's sums over the key
@@ -583,16 +585,22 @@ def _token_conv_kernel(
     total = tl.load(cu_ptr + num_seqs).to(tl.int64)
     if first < total:  # tokens past the last row (graph padding) keep their zeros
         weight, bias = _conv_weights(weight_ptr, bias_ptr, chans, chan_ok, taps, stride_wc, WIDTH)
+        # A row's bounds, slot and flag are loaded once, when the block reaches the row, so
+        # a token's loads are its taps alone (no scalar loads ahead of them each token).
         row = _row_of(cu_ptr, first, num_seqs, search_steps)
+        start = tl.load(cu_ptr + row).to(tl.int64)
         row_end = tl.load(cu_ptr + row + 1).to(tl.int64)
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        flag = tl.load(has_state_ptr + row).to(tl.int32)
         for t in range(first, tl.minimum(first + BLOCK_T, total)):
             while row_end <= t:  # the next non-empty row
                 row += 1
+                start = row_end
                 row_end = tl.load(cu_ptr + row + 1).to(tl.int64)
-            slot = tl.load(slot_ptr + row).to(tl.int64)
+                slot = tl.load(slot_ptr + row).to(tl.int64)
+                flag = tl.load(has_state_ptr + row).to(tl.int32)
             if slot >= 0:  # padding rows: nothing read or written
-                start = tl.load(cu_ptr + row).to(tl.int64)
-                has_state = (taps * 0 + tl.load(has_state_ptr + row).to(tl.int32)) != 0
+                has_state = (taps * 0 + flag) != 0
                 state_row = state_ptr + slot * stride_ss + chans[:, None] * stride_sc
                 xs, ss, in_x = _conv_taps(
                     x_ptr, state_row, start, t - start, chans, chan_ok, taps, has_state,
