@@ -549,7 +549,8 @@ def _row_of(cu_ptr, token, num_seqs, search_steps):
     return lo
 
 
-@triton.jit
+# num_seqs changes every step: not specialized (no compile mid-run for a new count).
+@triton.jit(do_not_specialize=["num_seqs"])
 def _token_conv_kernel(
     x_ptr,
     weight_ptr,

@@ -23,7 +23,8 @@ from kvloom.kernels.arg_checks_triton import next_power_of_2
 ROWS_PER_PROGRAM = 16
 
 
-@triton.jit
+# The row count changes every step: not specialized, so no size compiles anew mid-run.
+@triton.jit(do_not_specialize=["num_rows"])
 def _l2norm_rows_kernel(
     x_ptr,
     y_ptr,

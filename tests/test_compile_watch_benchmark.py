@@ -9,11 +9,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from triton import knobs
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import compile_watch  # noqa: E402
-
-knobs = pytest.importorskip("triton").knobs
 
 
 class FakeClock:
