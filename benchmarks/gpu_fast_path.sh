@@ -406,17 +406,18 @@ sys.exit(main())" bench throughput --shape ${TAIL_SHAPE:-qwen3-next-16l} \
       done
       ;;
     kda-mixed-ab)  # Kimi-Linear-16l offline at 128 sequences: KDA's mixed steps chunked,
-      # auto (the default: serial where serial_suits), split, and chunked or split with
-      # fla's device-built chunk layout (KVLOOM_FLA_KDA_DEVICE_LAYOUT=1: no wait for the
-      # stream in the step); first the serial kernels' tests, compiled. KDA_VARIANTS
-      # narrows the runs (about 2 min each)
+      # auto (the default: serial where serial_suits), split, and split or chunked with
+      # another fla chunk layout (KVLOOM_FLA_KDA_LAYOUT=device: fla builds it on the device,
+      # staged: kvloom on the host, copied with no wait; split-device, split-staged,
+      # device = chunked with fla's device layout); first the serial kernels' tests,
+      # compiled. KDA_VARIANTS narrows the runs (about 2 min each)
       timeout 240 python3 -m pytest -q -p no:cacheprovider -k serial \
         tests/triton_interpret/test_batch_invariant_triton.py 2>&1 | tail -3 || status=1
-      for variant in ${KDA_VARIANTS:-chunked auto split layout split-layout}; do
-        mixed=$variant layout=""
-        [ "$variant" = layout ] && mixed=chunked layout=1
-        [ "$variant" = split-layout ] && mixed=split layout=1
-        KVLOOM_KDA_MIXED_STEPS=$mixed KVLOOM_FLA_KDA_DEVICE_LAYOUT=$layout timeout 240 \
+      for variant in ${KDA_VARIANTS:-chunked auto split split-device split-staged}; do
+        mixed=${variant%%-*} layout=fla
+        [ "$variant" != "$mixed" ] && layout=${variant#*-}
+        [ "$variant" = device ] && mixed=chunked layout=device
+        KVLOOM_KDA_MIXED_STEPS=$mixed KVLOOM_FLA_KDA_LAYOUT=$layout timeout 240 \
           python3 -m kvloom.cluster.cli bench throughput --shape kimi-linear-16l \
           --max-num-seqs 128 --out "$OUT/kvloom_kimi-linear-16l_throughput_kda_$variant.json" \
           2>&1 | grep "^RESULT \(seconds\|steps\)" | sed "s/^/$variant /" || status=1

@@ -92,10 +92,13 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "",
         "1: linear-attention prefill (Gated DeltaNet, KDA) on CUDA skips fla-core's kernels",
     ),
-    "KVLOOM_FLA_KDA_DEVICE_LAYOUT": (
-        "",
-        "1: KDA prefill on fla builds its chunk layout on the device (fla's use_graph form: "
-        "no wait for the stream, a few more launches a layer; A/B timing, not yet on a GPU)",
+    "KVLOOM_FLA_KDA_LAYOUT": (
+        "fla",
+        "where KDA prefill on fla gets its chunk layout: fla (fla lays it out on the host and "
+        "copies it with a wait for the stream, once a step), device (fla's use_graph form: "
+        "laid out on the device in every layer, no wait) or staged (kvloom lays it out on "
+        "the host once a step and copies it through pinned memory, no wait; fla's forward "
+        "called directly); A/B timing, not yet on a GPU",
     ),
     "KVLOOM_GDN_MIXED_STEPS": (
         "auto",

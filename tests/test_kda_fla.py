@@ -88,29 +88,83 @@ def test_fla_wrapper_bad_input_names_the_field(field, change):
         kda_fla.chunk_kda_fla(**args)
 
 
-@pytest.mark.parametrize("device_layout", ["", "1"])
-def test_device_layout_switch_reaches_fla(monkeypatch, device_layout):
-    """KVLOOM_FLA_KDA_DEVICE_LAYOUT=1 hands fla its graph form (use_graph, with every one of
-    the step's sequences real), which lays chunks out on the device with no wait for the
-    stream; unset, fla gets neither argument."""
+@pytest.mark.parametrize("layout", ["fla", "device", "staged"])
+def test_layout_switch_reaches_fla(monkeypatch, layout):
+    """KVLOOM_FLA_KDA_LAYOUT: `device` hands fla's chunk_kda its graph form (use_graph, every
+    one of the step's sequences real); `fla` neither argument; `staged` calls fla's forward
+    (chunk_kda_fwd) directly with kvloom's chunk layout and offsets on the bounds' device."""
     calls = []
 
     class FakeKda:
         @staticmethod
         def chunk_kda(q, k, v, g, beta, **kw):
-            calls.append(kw)
+            calls.append(("chunk_kda", kw))
             return torch.zeros_like(v), kw["initial_state"].clone()
 
-    monkeypatch.setenv("KVLOOM_FLA_KDA_DEVICE_LAYOUT", device_layout)
+        @staticmethod
+        def chunk_kda_fwd(q, k, v, g, beta, **kw):
+            calls.append(("chunk_kda_fwd", kw))
+            assert all(t.is_contiguous() for t in (q, k, v, g, beta))
+            return torch.zeros_like(v), kw["initial_state"].clone(), None
+
+    monkeypatch.setenv("KVLOOM_FLA_KDA_LAYOUT", layout)
     monkeypatch.setattr(kda_fla.importlib, "import_module", lambda name: FakeKda)
-    q, k, v, g, beta, cu, state = make_inputs([2, 3, 4], torch.float32, "cpu", h=2, dk=4, dv=4)
+    q, k, v, g, beta, cu, state = make_inputs([2, 3, 70], torch.float32, "cpu", h=2, dk=4, dv=4)
     kda_fla.chunk_kda_fla(q, k, v, g, beta, cu, state, torch.tensor([True, False, True]))
-    (kw,) = calls
-    if device_layout:
-        assert kw["use_graph"] is True and kw["max_num_seqs"] == 3
-        assert kw["cu_seqlens"].tolist() == [0, 2, 5, 9]
+    ((name, kw),) = calls
+    assert kw["cu_seqlens"].tolist() == [0, 2, 5, 75]
+    if layout == "device":
+        assert name == "chunk_kda" and kw["use_graph"] is True and kw["max_num_seqs"] == 3
+    elif layout == "fla":
+        assert name == "chunk_kda" and "use_graph" not in kw and "chunk_indices" not in kw
     else:
-        assert "use_graph" not in kw and "max_num_seqs" not in kw
+        assert name == "chunk_kda_fwd" and "use_graph" not in kw
+        assert kw["chunk_indices"].tolist() == [[0, 0], [1, 0], [2, 0], [2, 1]]
+        assert kw["chunk_offsets"].tolist() == [0, 1, 2, 4]
+
+
+def test_bad_layout_names_the_variable(monkeypatch):
+    monkeypatch.setenv("KVLOOM_FLA_KDA_LAYOUT", "graph")
+    with pytest.raises(ValueError, match="KVLOOM_FLA_KDA_LAYOUT"):
+        kda_fla.fla_kda_layout()
+
+
+def test_chunk_layout_covers_every_token_once():
+    """Each chunk's sequence and place give its tokens [bounds[s] + 64 j, +64) clipped to
+    the sequence; over random lengths (empty ones and chunk edges included) the chunks
+    cover every token exactly once, in order, and the offsets count each sequence's."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        lengths = torch.randint(0, 200, (int(torch.randint(1, 9, (1,), generator=gen)),),
+                                generator=gen).tolist()  # fmt: skip
+        lengths += [0, 64, 128, 65]
+        bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        indices, offsets = kda_fla.chunk_layout(bounds)
+        covered = []
+        for s, j in indices.tolist():
+            start = bounds[s] + kda_fla.FLA_CHUNK * j
+            assert start < bounds[s + 1]
+            covered += range(start, min(start + kda_fla.FLA_CHUNK, bounds[s + 1]))
+        assert covered == list(range(bounds[-1]))
+        want = [0, *torch.tensor([-(-n // 64) for n in lengths]).cumsum(0).tolist()]
+        assert offsets.tolist() == want
+
+
+def test_chunk_layout_rejects_decreasing_bounds():
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        kda_fla.chunk_layout([0, 5, 3])
+
+
+def test_staged_layout_is_made_once_per_bounds_object():
+    """Every KDA layer of a step passes the same device bounds: one layout (one copy) for
+    all of them; a new bounds object, even with equal values, gets a new one."""
+    cu_cpu = torch.tensor([0, 3, 70])
+    first = cu_cpu.clone()
+    a = kda_fla.staged_chunk_layout(cu_cpu, first)
+    assert kda_fla.staged_chunk_layout(cu_cpu, first) is a
+    b = kda_fla.staged_chunk_layout(cu_cpu, cu_cpu.clone())
+    assert b is not a and all(torch.equal(x, y) for x, y in zip(a, b))
+    assert a[0].tolist() == [[0, 0], [1, 0], [1, 1]] and a[1].tolist() == [0, 1, 3]
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -218,17 +272,19 @@ def test_kimi_linear_engine_with_fla_kda_matches_the_reference_path(hybrid_model
 
 
 @pytest.mark.gpu
-def test_device_layout_gives_fla_default_bits(monkeypatch):
+@pytest.mark.parametrize("layout", ["device", "staged"])
+def test_layouts_give_fla_default_bits(monkeypatch, layout):
     """fla's graph form (chunk layout built on the device, sentinel chunks past the real
-    ones) computes every real chunk as the default form does: the same bits, with and
-    without initial states, across sequences around the 64-token chunk edge."""
+    ones) and kvloom's staged layout (fla's forward called directly) compute every chunk as
+    fla's default form does: the same bits, with and without initial states, across
+    sequences around the 64-token chunk edge."""
     require_fla()
     q, k, v, g, beta, cu, state = make_inputs(LENGTHS, torch.bfloat16, "cuda")
     has = torch.arange(len(LENGTHS), device="cuda") % 2 == 0
     state[~has] = float("nan")  # never read
     runs = {}
-    for flag in ("", "1"):
-        monkeypatch.setenv("KVLOOM_FLA_KDA_DEVICE_LAYOUT", flag)
-        runs[flag] = kda_fla.chunk_kda_fla(q, k, v, g, beta, cu, state, has, use_qk_l2norm=True)
-    for default, device in zip(runs[""], runs["1"]):
-        assert torch.equal(default, device)
+    for choice in ("fla", layout):
+        monkeypatch.setenv("KVLOOM_FLA_KDA_LAYOUT", choice)
+        runs[choice] = kda_fla.chunk_kda_fla(q, k, v, g, beta, cu, state, has, use_qk_l2norm=True)
+    for default, other in zip(runs["fla"], runs[layout]):
+        assert torch.equal(default, other)
