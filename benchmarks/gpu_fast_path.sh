@@ -407,7 +407,7 @@ sys.exit(main())" bench throughput --shape ${TAIL_SHAPE:-qwen3-next-16l} \
       ;;
     kda-mixed-ab)  # Kimi-Linear-16l offline at 128 sequences: KDA's mixed steps chunked,
       # auto (the default: serial where serial_suits), split, and split or chunked with
-      # another fla chunk layout (KVLOOM_FLA_KDA_LAYOUT=device: fla builds it on the device,
+      # another fla chunk layout (KVLOOM_FLA_LAYOUT=device: fla builds it on the device,
       # staged: kvloom on the host, copied with no wait; split-device, split-staged,
       # device = chunked with fla's device layout); first the serial kernels' tests,
       # compiled. KDA_VARIANTS narrows the runs (about 2 min each)
@@ -417,7 +417,7 @@ sys.exit(main())" bench throughput --shape ${TAIL_SHAPE:-qwen3-next-16l} \
         mixed=${variant%%-*} layout=fla
         [ "$variant" != "$mixed" ] && layout=${variant#*-}
         [ "$variant" = device ] && mixed=chunked layout=device
-        KVLOOM_KDA_MIXED_STEPS=$mixed KVLOOM_FLA_KDA_LAYOUT=$layout timeout 240 \
+        KVLOOM_KDA_MIXED_STEPS=$mixed KVLOOM_FLA_LAYOUT=$layout timeout 240 \
           python3 -m kvloom.cluster.cli bench throughput --shape kimi-linear-16l \
           --max-num-seqs 128 --out "$OUT/kvloom_kimi-linear-16l_throughput_kda_$variant.json" \
           2>&1 | grep "^RESULT \(seconds\|steps\)" | sed "s/^/$variant /" || status=1

@@ -92,13 +92,12 @@ VARIABLES: dict[str, tuple[str, str]] = {
         "",
         "1: linear-attention prefill (Gated DeltaNet, KDA) on CUDA skips fla-core's kernels",
     ),
-    "KVLOOM_FLA_KDA_LAYOUT": (
+    "KVLOOM_FLA_LAYOUT": (
         "fla",
-        "where KDA prefill on fla gets its chunk layout: fla (fla lays it out on the host and "
-        "copies it with a wait for the stream, once a step), device (fla's use_graph form: "
-        "laid out on the device in every layer, no wait) or staged (kvloom lays it out on "
-        "the host once a step and copies it through pinned memory, no wait; fla's forward "
-        "called directly); A/B timing, not yet on a GPU",
+        "who lays out the 64-token chunks of linear-attention prefill on fla: fla (on the "
+        "host, copied with a wait for the stream once a step), device (fla's use_graph form, "
+        "every layer, no wait; KDA only) or staged (kvloom, on the host once a step, copied "
+        "through pinned memory with no wait); A/B timing, not yet on a GPU",
     ),
     "KVLOOM_GDN_MIXED_STEPS": (
         "auto",

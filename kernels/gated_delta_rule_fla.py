@@ -17,6 +17,7 @@ import importlib.util
 
 import torch
 
+from kvloom.kernels.fla_chunk_layout import fla_layout, staged_chunk_layout
 from kvloom.kernels.gated_delta_rule import (
     check_floating,
     check_heads,
@@ -66,11 +67,29 @@ def chunk_gated_delta_rule_fla(
     check_shape("beta", beta, (num_tokens, num_v_heads))
     check_floating("g", g)
     check_floating("beta", beta)
+    # fla's Gated DeltaNet has no graph form: "device" means fla's own layout here.
+    layout = "staged" if fla_layout() == "staged" else "fla"
+    load = _staged_gdn_kernel if layout == "staged" else _fla_gdn_kernel
     return run_fla_varlen(
-        lambda: importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule,
-        q, k, v, g, beta, cu_seqlens, initial_state, has_initial_state, scale, use_qk_l2norm,
-        cu_seqlens_device,
+        load, q, k, v, g, beta, cu_seqlens, initial_state, has_initial_state, scale,
+        use_qk_l2norm, cu_seqlens_device, layout=layout,
     )  # fmt: skip
+
+
+def _fla_gdn_kernel():
+    return importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+
+
+def _staged_gdn_kernel():
+    return staged_chunk_gated_delta_rule
+
+
+def staged_chunk_gated_delta_rule(q, k, v, g, beta, *, chunk_offsets, **kwargs):
+    """fla's chunk_gated_delta_rule on a staged layout: it takes the chunks (`chunk_indices`
+    in kwargs) and makes the per-sequence offsets itself, on the device with no wait."""
+    del chunk_offsets
+    kernel = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+    return kernel(q, k, v, g, beta, **kwargs)
 
 
 def run_fla_varlen(
@@ -86,7 +105,7 @@ def run_fla_varlen(
     scale,
     use_qk_l2norm,
     cu_seqlens_device=None,
-    device_layout: bool = False,
+    layout: str = "fla",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The body both fla wrappers share (gated delta rule, KDA), after their shape checks:
     the NaN-safe initial states, then one varlen launch of `load_kernel()` (imported only
@@ -97,8 +116,10 @@ def run_fla_varlen(
     that layout per bounds object. A layer that passes one int64 host tensor and its device
     copy (`cu_seqlens_device`), the same two objects in every layer of a step, has fla
     wait once per step, not once per layer; without them the bounds are staged here.
-    `device_layout` (KDA only: fla's `use_graph` form) has fla build that layout on the
-    device instead, every layer, with no wait at all. `use_qk_l2norm`: q and k are
+    `layout` (kernels/fla_chunk_layout.py): "device" (KDA only: fla's `use_graph` form)
+    has fla build that layout on the device in every layer, with no wait; "staged" hands
+    the kernel a layout made here (`chunk_indices`, `chunk_offsets`), copied once a step
+    with no wait. `use_qk_l2norm`: q and k are
     normalised here (`l2norm.l2norm_rows`, one fixed plan) and reach fla as unit vectors,
     since fla's own l2norm launch re-runs its autotuner at each new size bucket of the
     step (seconds a time on an H100)."""
@@ -116,8 +137,12 @@ def run_fla_varlen(
     if use_qk_l2norm:  # here, not in fla: its autotuned l2norm re-tunes as steps grow
         q, k = l2norm_rows(q), l2norm_rows(k.to(q.dtype))
     kernel = load_kernel()
-    # fla's graph form lays chunks out for max_num_seqs sequences; ours are all real.
-    layout = {"use_graph": True, "max_num_seqs": len(bounds) - 1} if device_layout else {}
+    layout_args = {}
+    if layout == "device":  # fla's graph form, for max_num_seqs sequences: ours are all real
+        layout_args = {"use_graph": True, "max_num_seqs": len(bounds) - 1}
+    elif layout == "staged":
+        indices, offsets = staged_chunk_layout(bounds, cu_dev)
+        layout_args = {"chunk_indices": indices, "chunk_offsets": offsets}
     # fla's varlen form: a batch of one holding all packed tokens, sequences cut by cu_seqlens.
     out, final_state = kernel(
         q.unsqueeze(0),
@@ -131,7 +156,7 @@ def run_fla_varlen(
         use_qk_l2norm_in_kernel=False,
         cu_seqlens=cu_dev,
         cu_seqlens_cpu=cu_cpu,  # lets fla lay out chunks without a device-to-host copy
-        **layout,
+        **layout_args,
     )
     return out.squeeze(0).to(q.dtype), final_state.to(final_dtype)
 

@@ -191,6 +191,31 @@ def test_fla_device_bounds_must_match_the_host_ones(bad):
         gdn_fla.chunk_gated_delta_rule_fla(**args, cu_seqlens_device=bad)
 
 
+@pytest.mark.parametrize("layout", ["fla", "device", "staged"])
+def test_layout_switch_reaches_fla(monkeypatch, layout):
+    """KVLOOM_FLA_LAYOUT=staged hands fla's chunk_gated_delta_rule kvloom's chunk layout
+    (`chunk_indices`; fla makes the offsets on the device); fla's Gated DeltaNet has no
+    graph form, so `device` gets fla's own layout, as `fla` does."""
+    calls = []
+
+    class FakeGdn:
+        @staticmethod
+        def chunk_gated_delta_rule(q, k, v, g, beta, **kw):
+            calls.append(kw)
+            return torch.zeros_like(v), kw["initial_state"].clone()
+
+    monkeypatch.setenv("KVLOOM_FLA_LAYOUT", layout)
+    monkeypatch.setattr(gdn_fla.importlib, "import_module", lambda name: FakeGdn)
+    args = _good_args()
+    gdn_fla.chunk_gated_delta_rule_fla(**args)
+    (kw,) = calls
+    assert "use_graph" not in kw and "chunk_offsets" not in kw
+    if layout == "staged":
+        assert kw["chunk_indices"].tolist() == [[0, 0], [1, 0]]  # lengths 2 and 3
+    else:
+        assert "chunk_indices" not in kw
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
@@ -301,3 +326,21 @@ def test_float32_stays_on_the_exact_reference_on_cuda(monkeypatch):
     got, _ = ops.chunk_gated_delta_rule(q, k, v, g, beta, cu, use_qk_l2norm=True)
     want, _ = gdn_ref.chunk_gated_delta_rule(q, k, v, g, beta, cu, use_qk_l2norm=True)
     assert torch.equal(got, want) and calls == []
+
+
+@pytest.mark.gpu
+def test_staged_layout_gives_fla_default_bits(monkeypatch):
+    """kvloom's staged chunk layout gives fla's Gated DeltaNet the chunks its own layout
+    does: the same bits, with and without initial states, around the 64-token edge."""
+    require_fla()
+    q, k, v, g, beta, cu, state = make_inputs(LENGTHS, torch.bfloat16, "cuda")
+    has = torch.arange(len(LENGTHS), device="cuda") % 2 == 0
+    state[~has] = float("nan")  # never read
+    runs = {}
+    for choice in ("fla", "staged"):
+        monkeypatch.setenv("KVLOOM_FLA_LAYOUT", choice)
+        runs[choice] = gdn_fla.chunk_gated_delta_rule_fla(
+            q, k, v, g, beta, cu, state, has, use_qk_l2norm=True
+        )
+    for default, staged in zip(runs["fla"], runs["staged"]):
+        assert torch.equal(default, staged)

@@ -90,9 +90,9 @@ def test_fla_wrapper_bad_input_names_the_field(field, change):
 
 @pytest.mark.parametrize("layout", ["fla", "device", "staged"])
 def test_layout_switch_reaches_fla(monkeypatch, layout):
-    """KVLOOM_FLA_KDA_LAYOUT: `device` hands fla's chunk_kda its graph form (use_graph, every
+    """KVLOOM_FLA_LAYOUT: `device` hands fla's chunk_kda its graph form (use_graph, every
     one of the step's sequences real); `fla` neither argument; `staged` calls fla's forward
-    (chunk_kda_fwd) directly with kvloom's chunk layout and offsets on the bounds' device."""
+    (chunk_kda_fwd) directly with kvloom's chunk layout and offsets, contiguous inputs."""
     calls = []
 
     class FakeKda:
@@ -107,7 +107,7 @@ def test_layout_switch_reaches_fla(monkeypatch, layout):
             assert all(t.is_contiguous() for t in (q, k, v, g, beta))
             return torch.zeros_like(v), kw["initial_state"].clone(), None
 
-    monkeypatch.setenv("KVLOOM_FLA_KDA_LAYOUT", layout)
+    monkeypatch.setenv("KVLOOM_FLA_LAYOUT", layout)
     monkeypatch.setattr(kda_fla.importlib, "import_module", lambda name: FakeKda)
     q, k, v, g, beta, cu, state = make_inputs([2, 3, 70], torch.float32, "cpu", h=2, dk=4, dv=4)
     kda_fla.chunk_kda_fla(q, k, v, g, beta, cu, state, torch.tensor([True, False, True]))
@@ -121,50 +121,6 @@ def test_layout_switch_reaches_fla(monkeypatch, layout):
         assert name == "chunk_kda_fwd" and "use_graph" not in kw
         assert kw["chunk_indices"].tolist() == [[0, 0], [1, 0], [2, 0], [2, 1]]
         assert kw["chunk_offsets"].tolist() == [0, 1, 2, 4]
-
-
-def test_bad_layout_names_the_variable(monkeypatch):
-    monkeypatch.setenv("KVLOOM_FLA_KDA_LAYOUT", "graph")
-    with pytest.raises(ValueError, match="KVLOOM_FLA_KDA_LAYOUT"):
-        kda_fla.fla_kda_layout()
-
-
-def test_chunk_layout_covers_every_token_once():
-    """Each chunk's sequence and place give its tokens [bounds[s] + 64 j, +64) clipped to
-    the sequence; over random lengths (empty ones and chunk edges included) the chunks
-    cover every token exactly once, in order, and the offsets count each sequence's."""
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(50):
-        lengths = torch.randint(0, 200, (int(torch.randint(1, 9, (1,), generator=gen)),),
-                                generator=gen).tolist()  # fmt: skip
-        lengths += [0, 64, 128, 65]
-        bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
-        indices, offsets = kda_fla.chunk_layout(bounds)
-        covered = []
-        for s, j in indices.tolist():
-            start = bounds[s] + kda_fla.FLA_CHUNK * j
-            assert start < bounds[s + 1]
-            covered += range(start, min(start + kda_fla.FLA_CHUNK, bounds[s + 1]))
-        assert covered == list(range(bounds[-1]))
-        want = [0, *torch.tensor([-(-n // 64) for n in lengths]).cumsum(0).tolist()]
-        assert offsets.tolist() == want
-
-
-def test_chunk_layout_rejects_decreasing_bounds():
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        kda_fla.chunk_layout([0, 5, 3])
-
-
-def test_staged_layout_is_made_once_per_bounds_object():
-    """Every KDA layer of a step passes the same device bounds: one layout (one copy) for
-    all of them; a new bounds object, even with equal values, gets a new one."""
-    cu_cpu = torch.tensor([0, 3, 70])
-    first = cu_cpu.clone()
-    a = kda_fla.staged_chunk_layout(cu_cpu, first)
-    assert kda_fla.staged_chunk_layout(cu_cpu, first) is a
-    b = kda_fla.staged_chunk_layout(cu_cpu, cu_cpu.clone())
-    assert b is not a and all(torch.equal(x, y) for x, y in zip(a, b))
-    assert a[0].tolist() == [[0, 0], [1, 0], [1, 1]] and a[1].tolist() == [0, 1, 3]
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -284,7 +240,7 @@ def test_layouts_give_fla_default_bits(monkeypatch, layout):
     state[~has] = float("nan")  # never read
     runs = {}
     for choice in ("fla", layout):
-        monkeypatch.setenv("KVLOOM_FLA_KDA_LAYOUT", choice)
+        monkeypatch.setenv("KVLOOM_FLA_LAYOUT", choice)
         runs[choice] = kda_fla.chunk_kda_fla(q, k, v, g, beta, cu, state, has, use_qk_l2norm=True)
     for default, other in zip(runs["fla"], runs[layout]):
         assert torch.equal(default, other)
