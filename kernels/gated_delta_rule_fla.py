@@ -119,10 +119,9 @@ def run_fla_varlen(
     `layout` (kernels/fla_chunk_layout.py): "device" (KDA only: fla's `use_graph` form)
     has fla build that layout on the device in every layer, with no wait; "staged" hands
     the kernel a layout made here (`chunk_indices`, `chunk_offsets`), copied once a step
-    with no wait. `use_qk_l2norm`: q and k are
-    normalised here (`l2norm.l2norm_rows`, one fixed plan) and reach fla as unit vectors,
-    since fla's own l2norm launch re-runs its autotuner at each new size bucket of the
-    step (seconds a time on an H100)."""
+    with no wait. `use_qk_l2norm`: q and k are normalised here (`l2norm.l2norm_rows`, one
+    fixed plan) and reach fla as unit vectors, since fla's own l2norm launch re-runs its
+    autotuner at each new size bucket of the step (seconds a time on an H100)."""
     if q.dtype not in FLA_DTYPES:
         raise ValueError(f"q: fla takes float16/bfloat16/float32, got {q.dtype}")
     num_tokens, num_v_heads, head_k, head_v = check_heads(q, k, v)
