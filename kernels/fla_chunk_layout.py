@@ -45,8 +45,9 @@ def chunk_layout(bounds: list[int], chunk: int = FLA_CHUNK) -> tuple[np.ndarray,
     return np.stack([sequence, within], axis=1), offsets
 
 
-# The last staged layout, keyed by the device bounds object it was made for: every layer of
-# a step passes the same one (`cu_seqlens_device`), so a step copies its layout once.
+# The last staged layout, keyed by the device bounds object it was made for and the bounds'
+# values (a bounds buffer refilled in place must not hit): every layer of a step passes
+# the same object (`cu_seqlens_device`), so a step copies its layout once.
 _last_staged: list = []
 
 
@@ -54,8 +55,9 @@ def staged_chunk_layout(bounds: list[int], cu_dev: torch.Tensor):
     """(indices [NT, 2], offsets [N+1]) of `chunk_layout(bounds)` on cu_dev's device, in
     one copy through pinned memory that does not wait for the stream; the offsets start 16
     bytes aligned, as a fresh tensor would (the indices hold an even number of int64)."""
-    if _last_staged and _last_staged[0][0] is cu_dev:
-        return _last_staged[0][1]
+    bounds = list(bounds)
+    if _last_staged and _last_staged[0][0] is cu_dev and _last_staged[0][1] == bounds:
+        return _last_staged[0][2]
     indices, offsets = chunk_layout(bounds)
     host = torch.from_numpy(np.concatenate([indices.reshape(-1), offsets]))
     if cu_dev.device.type == "cuda":
@@ -63,5 +65,5 @@ def staged_chunk_layout(bounds: list[int], cu_dev: torch.Tensor):
     else:
         packed = host.to(cu_dev.device)
     layout = (packed[: indices.size].view(-1, 2), packed[indices.size :])
-    _last_staged[:] = [(cu_dev, layout)]
+    _last_staged[:] = [(cu_dev, bounds, layout)]
     return layout

@@ -41,8 +41,9 @@ def test_chunk_layout_rejects_decreasing_bounds():
 
 
 def test_staged_layout_is_made_once_per_bounds_object():
-    """Every KDA layer of a step passes the same device bounds: one layout (one copy) for
-    all of them; a new bounds object, even with equal values, gets a new one."""
+    """Every layer of a step passes the same device bounds: one layout (one copy) for all
+    of them; a new bounds object, even with equal values, gets a new one, and so does the
+    same object holding other bounds."""
     bounds = [0, 3, 70]
     first = torch.tensor(bounds)  # "the device" is the CPU here
     a = fla_chunk_layout.staged_chunk_layout(bounds, first)
@@ -50,3 +51,7 @@ def test_staged_layout_is_made_once_per_bounds_object():
     b = fla_chunk_layout.staged_chunk_layout(bounds, torch.tensor(bounds))
     assert b is not a and all(torch.equal(x, y) for x, y in zip(a, b))
     assert a[0].tolist() == [[0, 0], [1, 0], [1, 1]] and a[1].tolist() == [0, 1, 3]
+    # The same object refilled with other bounds gets their layout, not the old one.
+    first.copy_(torch.tensor([0, 65, 70]))
+    c = fla_chunk_layout.staged_chunk_layout([0, 65, 70], first)
+    assert c[0].tolist() == [[0, 0], [0, 1], [1, 0]] and c[1].tolist() == [0, 2, 3]
