@@ -38,6 +38,7 @@ from kvloom.kernels.arg_checks_triton import (
     check_shape,
     next_power_of_2,
 )
+from kvloom.kernels.device_copy import to_device
 
 ACTIVATIONS = {None: False, "silu": True, "swish": True}  # name -> apply silu
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -345,7 +346,7 @@ def causal_conv1d_varlen_triton(
         )
     cu = cu_seqlens.to(torch.int64)
     if cu.device != x.device:  # the layers keep chunk bounds on the host: copy, no sync
-        cu = cu.pin_memory().to(x.device, non_blocking=True)
+        cu = to_device(cu, torch.int64, x.device)
     if num_tokens:
         positions = torch.arange(num_tokens, device=x.device)
         seq = torch.searchsorted(cu[1:], positions, right=True).clamp_(max=num_seqs - 1)

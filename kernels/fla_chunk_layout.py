@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvloom.contracts import envs
+from kvloom.kernels.device_copy import to_device_packed
 
 FLA_CHUNK = 64  # the chunk of fla's Gated DeltaNet and KDA kernels (their default)
 LAYOUTS = ("fla", "device", "staged")
@@ -53,17 +54,10 @@ _last_staged: list = []
 
 def staged_chunk_layout(bounds: list[int], cu_dev: torch.Tensor):
     """(indices [NT, 2], offsets [N+1]) of `chunk_layout(bounds)` on cu_dev's device, in
-    one copy through pinned memory that does not wait for the stream; the offsets start 16
-    bytes aligned, as a fresh tensor would (the indices hold an even number of int64)."""
+    one staged copy that does not wait for the stream (kernels/device_copy.py)."""
     bounds = list(bounds)
     if _last_staged and _last_staged[0][0] is cu_dev and _last_staged[0][1] == bounds:
         return _last_staged[0][2]
-    indices, offsets = chunk_layout(bounds)
-    host = torch.from_numpy(np.concatenate([indices.reshape(-1), offsets]))
-    if cu_dev.device.type == "cuda":
-        packed = host.pin_memory().to(cu_dev.device, non_blocking=True)
-    else:
-        packed = host.to(cu_dev.device)
-    layout = (packed[: indices.size].view(-1, 2), packed[indices.size :])
+    layout = tuple(to_device_packed(list(chunk_layout(bounds)), torch.int64, cu_dev.device))
     _last_staged[:] = [(cu_dev, bounds, layout)]
     return layout

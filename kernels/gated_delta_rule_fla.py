@@ -17,6 +17,7 @@ import importlib.util
 
 import torch
 
+from kvloom.kernels.device_copy import to_device
 from kvloom.kernels.fla_chunk_layout import fla_layout, staged_chunk_layout
 from kvloom.kernels.gated_delta_rule import (
     check_floating,
@@ -176,6 +177,4 @@ def fla_bounds(cu_seqlens, bounds, cu_seqlens_device, device):
             host = torch.tensor(bounds, dtype=torch.int64)
         return host, cu_seqlens_device
     host = torch.tensor(bounds, dtype=torch.int64)
-    if device.type != "cuda":
-        return host, host.to(device)
-    return host, host.pin_memory().to(device, non_blocking=True)
+    return host, to_device(host, torch.int64, device)

@@ -1,4 +1,4 @@
-"""workers/device_copy.py: packed staging keeps each array's values, shape and alignment."""
+"""kernels/device_copy.py: packed staging keeps each array's values, shape and alignment."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvloom.workers.device_copy import PACK_ALIGN_BYTES, to_device_packed
+from kvloom.kernels.device_copy import PACK_ALIGN_BYTES, to_device_packed
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])

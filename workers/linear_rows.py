@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvloom.workers.device_copy import to_device, to_device_packed
+from kvloom.kernels.device_copy import to_device, to_device_packed
 from kvloom.workers.row_kinds import RowClasses
 
 
@@ -63,7 +63,7 @@ def _linear_rows(rows: RowClasses, query_start_loc: list[int], device, prefill, 
     flags = rows.has_initial_state
     has_state = torch.tensor([flags[i] for i in prefill], dtype=torch.bool)
     decode_host = torch.tensor(decode, dtype=torch.int64)
-    # Staged copies (workers/device_copy.py): a plain `.to(device)` from pageable memory
+    # Staged copies (kernels/device_copy.py): a plain `.to(device)` from pageable memory
     # waits for every launch queued before it, which in a mixed step is the step so far.
     host = [prefill_host, tokens, cu, decode_host, starts[decode_host]]
     rows_index, tokens_dev, cu_dev, decode_index, decode_tokens = to_device_packed(

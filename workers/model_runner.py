@@ -24,6 +24,7 @@ from kvloom.contracts.scheduler_output import (
     GrammarBitmasks,
     SchedulerOutput,
 )
+from kvloom.kernels.device_copy import to_device, to_device_packed
 from kvloom.kernels.dispatch import set_batch_invariant
 from kvloom.kernels.ops import greedy_argmax
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
@@ -31,7 +32,6 @@ from kvloom.workers.awaiting_masks import AwaitingMasksStep
 from kvloom.workers.batch_arrays import slot_mapping, token_positions
 from kvloom.workers.cache_pages import allocate_pages
 from kvloom.workers.cuda_graphs import TargetGraphs, capture_sizes, graph_key_for
-from kvloom.workers.device_copy import to_device, to_device_packed
 from kvloom.workers.distributed.graph_collectives import warm_up_for_capture
 from kvloom.workers.dtypes import TORCH_DTYPES
 from kvloom.workers.graph_capture import CudaStepGraph

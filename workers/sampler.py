@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.contracts.sampling_params import SamplingParams
+from kvloom.kernels.device_copy import to_device
 from kvloom.kernels.ops import apply_token_bitmask_, greedy_argmax
-from kvloom.workers.device_copy import to_device
 
 _MIX = 0x9E3779B97F4A7C15
 

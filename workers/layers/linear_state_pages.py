@@ -16,10 +16,10 @@ import torch
 
 from kvloom.contracts import envs
 from kvloom.kernels import batch_invariant as bi
+from kvloom.kernels.device_copy import to_device
 from kvloom.kernels.dispatch import batch_invariant
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.cache_pages import span_view
-from kvloom.workers.device_copy import to_device
 from kvloom.workers.dtypes import TORCH_DTYPES
 
 # Longest uniform resume row served token by token (verifications are k + 1 <= 9 tokens).

@@ -36,11 +36,11 @@ import dataclasses
 import torch
 from torch import nn
 
+from kvloom.kernels.device_copy import to_device
 from kvloom.kernels.merge_attention_states import merge_attention_states_ref
 from kvloom.kernels.ops import paged_attention, write_kv_cache
 from kvloom.kernels.paged_attention import compute_dtype
 from kvloom.workers.attention_metadata import GroupMetadata
-from kvloom.workers.device_copy import to_device
 from kvloom.workers.layers.linear import ReplicatedLinear
 from kvloom.workers.layers.norm import RMSNorm
 from kvloom.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding

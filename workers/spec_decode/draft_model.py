@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 
 from kvloom.contracts.kv_cache_spec import LinearStateSpec
+from kvloom.kernels.device_copy import to_device
 from kvloom.workers.attention_metadata import ForwardBatch, GroupMetadata
 from kvloom.workers.cuda_graphs import TargetGraphs
-from kvloom.workers.device_copy import to_device
 from kvloom.workers.models.registry import model_class
 from kvloom.workers.row_kinds import RowClasses, classify_rows
 from kvloom.workers.spec_decode.drafter import DraftStep

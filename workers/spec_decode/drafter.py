@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvloom.kernels.device_copy import to_device
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.cuda_graphs import verify_graph_size_for
-from kvloom.workers.device_copy import to_device
 
 
 @dataclass

@@ -33,9 +33,9 @@ import torch
 from torch import nn
 
 from kvloom.contracts.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
+from kvloom.kernels.device_copy import to_device
 from kvloom.workers.attention_metadata import ForwardBatch
 from kvloom.workers.cuda_graphs import StaticBatch, StepGraphs
-from kvloom.workers.device_copy import to_device
 from kvloom.workers.layers.linear import ReplicatedLinear
 from kvloom.workers.layers.norm import RMSNorm
 from kvloom.workers.models.llama import LlamaDecoderLayer

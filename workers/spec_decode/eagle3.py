@@ -34,7 +34,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from kvloom.workers.device_copy import to_device
+from kvloom.kernels.device_copy import to_device
 from kvloom.workers.layers.linear import QKVParallelLinear, ReplicatedLinear
 from kvloom.workers.layers.norm import RMSNorm
 from kvloom.workers.layers.vocab import ParallelLMHead, VocabParallelEmbedding

@@ -36,7 +36,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kvloom.workers.device_copy import to_device
+from kvloom.kernels.device_copy import to_device
 from kvloom.workers.layers.linear import ReplicatedLinear
 from kvloom.workers.layers.moe import map_expert_weight, map_shared_expert_weight
 from kvloom.workers.models.qwen3_5 import Qwen3_5ForCausalLM

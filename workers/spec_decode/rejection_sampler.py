@@ -45,8 +45,8 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.contracts.config import require
+from kvloom.kernels.device_copy import to_device
 from kvloom.kernels.ops import greedy_argmax
-from kvloom.workers.device_copy import to_device
 from kvloom.workers.sampler import (
     RowSamplingState,
     apply_penalties,
