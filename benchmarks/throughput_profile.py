@@ -10,6 +10,9 @@ are timed on every step.
 `--compiles` names the Triton compiles inside the timed run (`compile_watch.py`): kernel,
 first step, seconds; a mid-run compile is a stall no steady state has.
 
+`--layer-host` times the host per decoder-layer part in eager steps and counts the Triton
+launches each makes (`layer_host.py`).
+
 `--gpu-gaps` measures the host's share without a profiler (which slows the host it
 measures): a CUDA event is recorded as each step's forward is enqueued and another after
 its sampling is enqueued. Their spans are the device's work per step; the time between one
@@ -46,6 +49,7 @@ from kvloom.cluster.commands.bench import add_workload_args
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compile_watch import CompileWatch  # noqa: E402
+from layer_host import LayerHost, decoder_layers  # noqa: E402
 from step_profile import report_syncs  # noqa: E402
 
 
@@ -249,6 +253,12 @@ def main() -> None:
         action="store_true",
         help="name the Triton compiles inside the timed run (kernel, first step, seconds)",
     )
+    parser.add_argument(
+        "--layer-host",
+        action="store_true",
+        help="host ms and Triton launches per decoder-layer part and kind of step "
+        "(benchmarks/layer_host.py; eager steps only: a graph replay runs no hooks)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cfg = SimpleNamespace(**vars(args), load_format="dummy")
@@ -284,6 +294,9 @@ def main() -> None:
         timer.wrap(engine.scheduler, "update_from_output", "update_from_output")
         timer.wrap(engine.output_processor, "process", "output_processor.process")
         gaps = GpuGaps(runner) if args.gpu_gaps and torch.cuda.is_available() else None
+        layer_host = None
+        if args.layer_host:
+            layer_host = LayerHost(decoder_layers(runner.model), kind_of=lambda: timer.kind)
         step_ms, profiles = [], {}
         allocator_before = allocator_counts()
         compiles = CompileWatch(step_of=lambda: len(step_ms)) if args.compiles else None
@@ -322,6 +335,8 @@ def main() -> None:
                 step_ms.append((time.perf_counter() - t0) * 1e3)
             elapsed = time.perf_counter() - start
         allocator_after = allocator_counts()
+        if layer_host is not None:
+            layer_host.close()
     timed = [(ms, s) for ms, s in zip(step_ms, shapes) if ms == ms]  # sync-report steps: nan
     decode_only = [ms for ms, s in timed if s[1] == s[2]]
     mixed = [ms for ms, s in timed if s[1] != s[2]]
@@ -347,6 +362,11 @@ def main() -> None:
         result["mixed_by_prefill_tokens"] = gaps.mixed_by_prefill_tokens(shapes, args.gaps_min_rows)
         for bucket, row in result["mixed_by_prefill_tokens"].items():
             print(f"RESULT mixed_prefill_tokens{bucket} {row}")
+    if layer_host is not None:
+        result["layer_host"] = layer_host.summary()
+        for kind, parts in result["layer_host"].items():
+            for part, row in parts.items():
+                print(f"RESULT layer_host {kind} {part} {row}")
     if compiles is not None:
         result["compiles"] = compiles.summary()
         print(f"RESULT compiles {result['compiles']['compiles']} seconds "
