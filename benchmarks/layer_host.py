@@ -15,6 +15,11 @@ and their projections, MLP or MoE and theirs), labelled by path and class
 - `launches_per_step`: Triton launches made in the part itself, outside its hooked parts
   (`JITFunction.run` calls: fla's and kvloom's kernels); `all_launches_per_step` per kind.
 
+`functions` names callables to time as parts of their own, `module:attr` or
+`module:Class.method` (`kvloom.workers.layers.kda_layer:chunk_kda`, fla's chunked KDA as
+that layer calls it): a module-level function is patched where the caller looks it up. They
+split a part's own time, e.g. fla's chunked forward from kvloom's glue around it.
+
 Each hook costs a few microseconds of host time itself, so totals read a little high.
 
     host = LayerHost(decoder_layers(model), kind_of=lambda: timer.kind)
@@ -24,6 +29,7 @@ Each hook costs a few microseconds of host time itself, so totals read a little 
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -59,6 +65,7 @@ class LayerHost:
         clock=time.perf_counter,
         launch_class=None,
         depth: int = 2,
+        functions: Iterable[str] = (),
     ):
         self.kind_of = kind_of
         self.clock = clock
@@ -75,6 +82,9 @@ class LayerHost:
                     continue
                 label = f"{path or 'layer'}:{type(module).__name__}"
                 self._hook(module, label, first=index == 0 and not path)
+        self._saved_functions: list[tuple[object, str, object]] = []
+        for name in functions:
+            self._wrap_function(name)
         self._launch_class = launch_class
         self._saved_run = None
         self._patch_launches()
@@ -83,20 +93,52 @@ class LayerHost:
         def enter(_module, _args):
             if first:
                 self.steps[self.kind_of()] += 1
-            self._stack.append((part, self.clock()))
+            self._enter(part)
 
         def leave(_module, _args, _output):
-            label, started = self._stack.pop()
-            kind = self.kind_of()
-            spent = self.clock() - started
-            self.seconds[(kind, label)] += spent
-            self.own[(kind, label)] += spent
-            self.calls[(kind, label)] += 1
-            if self._stack:  # the enclosing part's own time excludes this one
-                self.own[(kind, self._stack[-1][0])] -= spent
+            self._leave()
 
         self._handles.append(module.register_forward_pre_hook(enter))
         self._handles.append(module.register_forward_hook(leave))
+
+    def _enter(self, part: str) -> None:
+        self._stack.append((part, self.clock()))
+
+    def _leave(self) -> None:
+        label, started = self._stack.pop()
+        kind = self.kind_of()
+        spent = self.clock() - started
+        self.seconds[(kind, label)] += spent
+        self.own[(kind, label)] += spent
+        self.calls[(kind, label)] += 1
+        if self._stack:  # the enclosing part's own time excludes this one
+            self.own[(kind, self._stack[-1][0])] -= spent
+
+    def _wrap_function(self, name: str) -> None:
+        """Times `module:attr` or `module:Class.method` as the part `fn:attr` while a hooked
+        part runs (outside the layers it is left alone)."""
+        module_name, _, path = name.partition(":")
+        if not path:
+            raise ValueError(f"function {name!r}: expected module:attr")
+        owner = importlib.import_module(module_name)
+        *parents, attr = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        inner = getattr(owner, attr)  # AttributeError names a missing one
+        label = f"fn:{path}"
+        host = self
+
+        def timed(*args, **kwargs):
+            if not host._stack:
+                return inner(*args, **kwargs)
+            host._enter(label)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                host._leave()
+
+        self._saved_functions.append((owner, attr, inner))
+        setattr(owner, attr, timed)
 
     def _patch_launches(self) -> None:
         owner = self._launch_class or triton_jit_class()
@@ -113,10 +155,13 @@ class LayerHost:
         owner.run = counted_run
 
     def close(self) -> None:
-        """Removes the hooks and restores the launch class's `run`."""
+        """Removes the hooks and restores the launch class's `run` and wrapped functions."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for owner, attr, inner in reversed(self._saved_functions):
+            setattr(owner, attr, inner)
+        self._saved_functions.clear()
         if self._saved_run is not None:
             self._launch_class.run = self._saved_run
             self._saved_run = None

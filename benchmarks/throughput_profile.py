@@ -259,6 +259,14 @@ def main() -> None:
         help="host ms and Triton launches per decoder-layer part and kind of step "
         "(benchmarks/layer_host.py; eager steps only: a graph replay runs no hooks)",
     )
+    parser.add_argument(
+        "--host-fn",
+        action="append",
+        default=[],
+        metavar="MODULE:ATTR",
+        help="with --layer-host: also time this function as a part of its own "
+        "(e.g. kvloom.workers.layers.kda_layer:chunk_kda); repeatable",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cfg = SimpleNamespace(**vars(args), load_format="dummy")
@@ -296,7 +304,9 @@ def main() -> None:
         gaps = GpuGaps(runner) if args.gpu_gaps and torch.cuda.is_available() else None
         layer_host = None
         if args.layer_host:
-            layer_host = LayerHost(decoder_layers(runner.model), kind_of=lambda: timer.kind)
+            layer_host = LayerHost(
+                decoder_layers(runner.model), kind_of=lambda: timer.kind, functions=args.host_fn
+            )
         step_ms, profiles = [], {}
         allocator_before = allocator_counts()
         compiles = CompileWatch(step_of=lambda: len(step_ms)) if args.compiles else None

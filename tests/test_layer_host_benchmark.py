@@ -166,3 +166,49 @@ def test_default_launch_class_is_tritons_jit_function():
 def test_a_model_without_layers_is_named():
     with pytest.raises(ValueError, match="Linear: no ModuleList named 'layers'"):
         layer_host.decoder_layers(nn.Linear(2, 2))
+
+
+def test_named_functions_are_parts_of_their_own_and_restored_on_close(monkeypatch):
+    import types
+
+    clock = Clock()
+    helpers = types.ModuleType("fake_fla")
+
+    def chunked(x):
+        Kernel().run()
+        Kernel().run()
+        clock.now += 0.005
+        return x
+
+    helpers.chunked = chunked
+    monkeypatch.setitem(sys.modules, "fake_fla", helpers)
+
+    class Calls(Part):  # 1 ms and one launch of its own, then the helper (5 ms, 2 launches)
+        def forward(self, x):
+            return sys.modules["fake_fla"].chunked(super().forward(x))
+
+    layer = Layer(clock, Calls(clock, 0.001, 1), 0.0, 1)
+    host = layer_host.LayerHost(
+        [layer], lambda: "mixed", clock, launch_class=Kernel, functions=["fake_fla:chunked"]
+    )
+    layer(0)
+    helpers.chunked(0)  # outside every hooked part: not counted
+    summary = host.summary()["mixed"]
+    host.close()
+    assert helpers.chunked is chunked
+    part = summary["fn:chunked"]
+    assert part == {"ms_per_step": 5.0, "own_ms_per_step": 5.0, "launches_per_step": 2.0,
+                    "calls": 1}  # fmt: skip
+    attn = summary["attn:Calls"]
+    assert attn["ms_per_step"] == pytest.approx(6.0)
+    assert attn["own_ms_per_step"] == pytest.approx(1.0)
+    assert attn["launches_per_step"] == 1.0
+
+
+def test_function_names_are_checked():
+    with pytest.raises(ValueError, match="expected module:attr"):
+        layer_host.LayerHost([], lambda: "mixed", Clock(), launch_class=Kernel,
+                             functions=["no_colon"])  # fmt: skip
+    with pytest.raises(AttributeError):
+        layer_host.LayerHost([], lambda: "mixed", Clock(), launch_class=Kernel,
+                             functions=["collections:no_such_thing"])  # fmt: skip
