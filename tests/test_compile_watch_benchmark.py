@@ -11,16 +11,10 @@ from types import SimpleNamespace
 import pytest
 from triton import knobs
 
+from tests.fake_clock import FakeClock
+
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import compile_watch  # noqa: E402
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def compile_hooks(name: str, key: str, function: object, clock: FakeClock, seconds: float):

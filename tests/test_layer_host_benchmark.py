@@ -9,16 +9,10 @@ from pathlib import Path
 import pytest
 from torch import nn
 
+from tests.fake_clock import FakeClock
+
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import layer_host  # noqa: E402
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Kernel:
@@ -29,7 +23,7 @@ class Kernel:
 
 
 class Part(nn.Module):
-    def __init__(self, clock: Clock, seconds: float, launches: int):
+    def __init__(self, clock: FakeClock, seconds: float, launches: int):
         super().__init__()
         self.clock, self.seconds, self.launches = clock, seconds, launches
 
@@ -49,7 +43,7 @@ class Mixer(Part):
 
 
 class Layer(nn.Module):
-    def __init__(self, clock: Clock, attn: Part, own_seconds: float, own_launches: int):
+    def __init__(self, clock: FakeClock, attn: Part, own_seconds: float, own_launches: int):
         super().__init__()
         self.clock, self.own_seconds, self.own_launches = clock, own_seconds, own_launches
         self.attn = attn
@@ -64,7 +58,7 @@ class Layer(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, clock: Clock):
+    def __init__(self, clock: FakeClock):
         super().__init__()
         self.model = nn.Module()
         self.model.layers = nn.ModuleList(
@@ -81,7 +75,7 @@ class Model(nn.Module):
 
 
 def test_parts_are_timed_and_counted_by_kind_of_step():
-    clock = Clock()
+    clock = FakeClock()
     model = Model(clock)
     kind = ["mixed"]
     host = layer_host.LayerHost(
@@ -114,7 +108,7 @@ def test_parts_are_timed_and_counted_by_kind_of_step():
 
 
 class Deep(nn.Module):
-    def __init__(self, clock: Clock, seconds: float, inner: nn.Module | None = None):
+    def __init__(self, clock: FakeClock, seconds: float, inner: nn.Module | None = None):
         super().__init__()
         self.clock, self.seconds, self.inner = clock, seconds, inner
 
@@ -125,7 +119,7 @@ class Deep(nn.Module):
 
 
 def test_parts_two_levels_down_are_hooked_and_own_time_excludes_them():
-    clock = Clock()
+    clock = FakeClock()
     # layer -> attn (1 ms) -> proj (2 ms) -> inner (4 ms, three levels down: not hooked)
     layer = Deep(clock, 0.0, Deep(clock, 0.001, Deep(clock, 0.002, Deep(clock, 0.004))))
     host = layer_host.LayerHost([layer], lambda: "mixed", clock, launch_class=Kernel)
@@ -146,7 +140,7 @@ def test_parts_two_levels_down_are_hooked_and_own_time_excludes_them():
 
 
 def test_close_restores_hooks_and_launch_class():
-    clock = Clock()
+    clock = FakeClock()
     model = Model(clock)
     run = Kernel.run
     host = layer_host.LayerHost(model.model.layers, lambda: "mixed", clock, launch_class=Kernel)
@@ -171,7 +165,7 @@ def test_a_model_without_layers_is_named():
 def test_named_functions_are_parts_of_their_own_and_restored_on_close(monkeypatch):
     import types
 
-    clock = Clock()
+    clock = FakeClock()
     helpers = types.ModuleType("fake_fla")
 
     def chunked(x):
@@ -207,8 +201,8 @@ def test_named_functions_are_parts_of_their_own_and_restored_on_close(monkeypatc
 
 def test_function_names_are_checked():
     with pytest.raises(ValueError, match="expected module:attr"):
-        layer_host.LayerHost([], lambda: "mixed", Clock(), launch_class=Kernel,
+        layer_host.LayerHost([], lambda: "mixed", FakeClock(), launch_class=Kernel,
                              functions=["no_colon"])  # fmt: skip
     with pytest.raises(AttributeError):
-        layer_host.LayerHost([], lambda: "mixed", Clock(), launch_class=Kernel,
+        layer_host.LayerHost([], lambda: "mixed", FakeClock(), launch_class=Kernel,
                              functions=["collections:no_such_thing"])  # fmt: skip
