@@ -251,18 +251,22 @@ _VARLEN_BLOCK_T = 16  # tokens per program
 _VARLEN_BLOCK_C = 128  # channels per program
 
 
-# The step's token count changes every step: no recompiles for its value (1, multiples of 16).
-@triton.jit(do_not_specialize=["num_tokens"])
+# The step's token and row counts change every step: no recompiles for their values (1,
+# multiples of 16).
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs", "search_steps"])
 def _conv1d_varlen_kernel(
     x_ptr,
     weight_ptr,
     bias_ptr,
     state_ptr,
     has_state_ptr,
-    seq_ptr,
     cu_ptr,
     out_ptr,
+    new_state_ptr,
     num_tokens,
+    num_seqs,
+    search_steps,
+    token_blocks,
     stride_xt,
     stride_wc,
     stride_sn,
@@ -276,45 +280,106 @@ def _conv1d_varlen_kernel(
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
 ):
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    """Programs [0, token_blocks) convolve BLOCK_T packed tokens each; the num_seqs after
+    them store one sequence's new state each (its last K-1 inputs), so one launch does
+    both and the host computes nothing per token."""
+    block = tl.program_id(0)
     chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     chan_ok = chans < CHANNELS
-    seq = tl.load(seq_ptr + tokens, mask=tokens < num_tokens, other=0).to(tl.int64)
-    start = tl.load(cu_ptr + seq).to(tl.int64)
-    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    token_ok = (tokens < num_tokens) & (tokens < end)
-    if HAS_STATE:
-        has_state = tl.load(has_state_ptr + seq, mask=token_ok, other=0) != 0
-    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    for j in tl.static_range(WIDTH):
-        # Tap j reads input t - (K-1) + j: the sequence's own token, or before its start
-        # the carried state, whose column K-1-d holds the input d steps before the start.
-        src = tokens - (WIDTH - 1) + j
-        own = token_ok & (src >= start)
-        x = tl.load(
-            x_ptr + src[:, None] * stride_xt + chans[None, :],
-            mask=own[:, None] & chan_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)
+    if block < token_blocks:
+        tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
+        # Each token's sequence: the last n with cu[n] <= token (empty rows passed over);
+        # tokens past cu[num_seqs] (padding) land on the last row and are masked below.
+        seq = _seq_of(cu_ptr, tokens, num_seqs, search_steps)
+        start = tl.load(cu_ptr + seq).to(tl.int64)
+        end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+        token_ok = (tokens < num_tokens) & (tokens < end)
         if HAS_STATE:
-            carried = token_ok & (src < start) & has_state
-            column = (WIDTH - 1) - (start - src)
-            x += tl.load(
-                state_ptr + seq[:, None] * stride_sn + chans[None, :] * stride_sc + column[:, None],
-                mask=carried[:, None] & chan_ok[None, :],
+            has_state = tl.load(has_state_ptr + seq, mask=token_ok, other=0) != 0
+        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(WIDTH):
+            # Tap j reads input t - (K-1) + j: the sequence's own token, or before its
+            # start the carried state, whose column K-1-d holds the input d steps before it.
+            src = tokens - (WIDTH - 1) + j
+            own = token_ok & (src >= start)
+            x = tl.load(
+                x_ptr + src[:, None] * stride_xt + chans[None, :],
+                mask=own[:, None] & chan_ok[None, :],
                 other=0.0,
             ).to(tl.float32)
-        w = tl.load(weight_ptr + chans * stride_wc + j, mask=chan_ok, other=0.0).to(tl.float32)
-        acc += x * w[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
-    if SILU:
-        acc = acc * tl.sigmoid(acc)
-    tl.store(
-        out_ptr + tokens[:, None] * stride_ot + chans[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=(tokens < num_tokens)[:, None] & chan_ok[None, :],
-    )
+            if HAS_STATE:
+                carried = token_ok & (src < start) & has_state
+                column = (WIDTH - 1) - (start - src)
+                x += tl.load(
+                    state_ptr
+                    + seq[:, None] * stride_sn
+                    + chans[None, :] * stride_sc
+                    + column[:, None],
+                    mask=carried[:, None] & chan_ok[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+            w = tl.load(weight_ptr + chans * stride_wc + j, mask=chan_ok, other=0.0).to(tl.float32)
+            acc += x * w[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(
+            out_ptr + tokens[:, None] * stride_ot + chans[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=(tokens < num_tokens)[:, None] & chan_ok[None, :],
+        )
+    else:
+        _store_new_state(
+            x_ptr, state_ptr, has_state_ptr, cu_ptr, new_state_ptr, block - token_blocks,
+            chans, chan_ok, stride_xt, stride_sn, stride_sc, CHANNELS, WIDTH, BLOCK_C, HAS_STATE,
+        )  # fmt: skip
+
+
+@triton.jit
+def _seq_of(cu_ptr, tokens, num_seqs, search_steps):
+    """torch.searchsorted(cu[1:], tokens, right=True) clamped to num_seqs - 1, by binary
+    search keeping cu[lo] <= token < cu[hi]."""
+    lo = tokens * 0  # int32: row indices, like the token counts, stay below 2**31
+    hi = lo + num_seqs
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        right = tl.load(cu_ptr + mid) <= tokens
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    return lo
+
+
+@triton.jit
+def _store_new_state(x_ptr, state_ptr, has_state_ptr, cu_ptr, new_state_ptr, seq, chans,
+                     chan_ok, stride_xt, stride_sn, stride_sc, CHANNELS: tl.constexpr,
+                     WIDTH: tl.constexpr, BLOCK_C: tl.constexpr,
+                     HAS_STATE: tl.constexpr):  # fmt: skip
+    """Sequence `seq`'s new state [C, K-1] (contiguous), oldest first: its own last inputs,
+    and where it is shorter than K-1 the carried state shifted in (zeros for a fresh row):
+    `_final_conv_state`'s values, each cast once from its source's dtype."""
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    out_type = new_state_ptr.dtype.element_ty
+    for j in tl.static_range(WIDTH - 1):
+        pos = end - (WIDTH - 1) + j
+        dest = new_state_ptr + (seq * CHANNELS + chans) * (WIDTH - 1) + j
+        if pos >= start:
+            value = tl.load(x_ptr + pos * stride_xt + chans, mask=chan_ok, other=0.0)
+            tl.store(dest, value.to(out_type), mask=chan_ok)
+        elif HAS_STATE:
+            # Position p before the start sits in state column K-1 - (start - p); a fresh
+            # row's state is never read (zeros).
+            flag = tl.load(has_state_ptr + seq).to(tl.int32)
+            column = (WIDTH - 1) - (start - pos)
+            carried = tl.load(
+                state_ptr + seq * stride_sn + chans * stride_sc + column,
+                mask=chan_ok & ((chans * 0 + flag) != 0),  # a vector mask (the interpreter's)
+                other=0.0,
+            )
+            tl.store(dest, carried.to(out_type), mask=chan_ok)
+        else:
+            tl.store(dest, tl.zeros([BLOCK_C], dtype=out_type), mask=chan_ok)
 
 
 def causal_conv1d_varlen_triton(
@@ -331,7 +396,9 @@ def causal_conv1d_varlen_triton(
     by the caller) read where has_initial_state [N]. Returns (y [T, C], the new state
     [N, C, K-1]). Every token's program reads only its own window, so the work is parallel
     over tokens and channels, and nothing is read back to the host: lengths stay on the
-    device. Tokens past cu_seqlens[-1] get zeros."""
+    device, where the kernel finds each token's sequence and stores the new states in the
+    same launch (a few host ops a call: every linear-attention layer of a mixed step
+    calls this). Tokens past cu_seqlens[-1] get zeros."""
     _check_varlen_args(x, weight, bias, cu_seqlens, conv_state, has_initial_state, activation)
     num_tokens, channels = x.shape
     width = weight.shape[1]
@@ -347,38 +414,57 @@ def causal_conv1d_varlen_triton(
     cu = cu_seqlens.to(torch.int64)
     if cu.device != x.device:  # the layers keep chunk bounds on the host: copy, no sync
         cu = to_device(cu, torch.int64, x.device)
-    if num_tokens:
-        positions = torch.arange(num_tokens, device=x.device)
-        seq = torch.searchsorted(cu[1:], positions, right=True).clamp_(max=num_seqs - 1)
-        has_state = conv_state is not None and width > 1
-        if has_state:
-            conv_state = conv_state if conv_state.stride(2) == 1 else conv_state.contiguous()
-        grid = (triton.cdiv(num_tokens, _VARLEN_BLOCK_T), triton.cdiv(channels, _VARLEN_BLOCK_C))
-        _conv1d_varlen_kernel[grid](
-            x,
-            weight,
-            bias if bias is not None else x,  # never read without HAS_BIAS
-            conv_state if has_state else x,  # never read without HAS_STATE
-            has_initial_state.to(torch.int8) if has_state else x,
-            seq,
-            cu,
-            out,
-            num_tokens,
-            x.stride(0),
-            weight.stride(0),
-            conv_state.stride(0) if has_state else 0,
-            conv_state.stride(1) if has_state else 0,
-            out.stride(0),
-            CHANNELS=channels,
-            WIDTH=width,
-            BLOCK_T=_VARLEN_BLOCK_T,
-            BLOCK_C=_VARLEN_BLOCK_C,
-            HAS_STATE=has_state,
-            HAS_BIAS=bias is not None,
-            SILU=ACTIVATIONS[activation],
-            num_warps=4,
-        )
-    return out, _final_conv_state(x, cu, conv_state, has_initial_state, width, state_dtype)
+    history = width - 1
+    if num_tokens == 0:  # every sequence empty: each keeps its carried state (or zeros)
+        return out, _final_conv_state(x, cu, conv_state, has_initial_state, width, state_dtype)
+    if history == 0:  # width 1: no state to keep
+        _launch_varlen(x, weight, bias, cu, None, None, out, None, activation)
+        return out, torch.zeros((num_seqs, channels, 0), dtype=state_dtype, device=x.device)
+    new_state = torch.empty((num_seqs, channels, history), dtype=state_dtype, device=x.device)
+    _launch_varlen(x, weight, bias, cu, conv_state, has_initial_state, out, new_state, activation)
+    return out, new_state
+
+
+def _launch_varlen(x, weight, bias, cu, conv_state, has_initial_state, out, new_state,
+                   activation) -> None:  # fmt: skip
+    """One launch: the packed tokens' outputs and, with `new_state`, every sequence's new
+    state (`_conv1d_varlen_kernel`)."""
+    num_tokens, channels = x.shape
+    width = weight.shape[1]
+    num_seqs = cu.shape[0] - 1
+    has_state = conv_state is not None and width > 1
+    if has_state:
+        conv_state = conv_state if conv_state.stride(2) == 1 else conv_state.contiguous()
+    token_blocks = triton.cdiv(num_tokens, _VARLEN_BLOCK_T)
+    state_programs = num_seqs if new_state is not None else 0
+    grid = (token_blocks + state_programs, triton.cdiv(channels, _VARLEN_BLOCK_C))
+    _conv1d_varlen_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else x,  # never read without HAS_BIAS
+        conv_state if has_state else x,  # never read without HAS_STATE
+        has_initial_state.to(torch.int8) if has_state else x,
+        cu,
+        out,
+        new_state if new_state is not None else out,  # never written without state programs
+        num_tokens,
+        num_seqs,
+        num_seqs.bit_length() + 1,
+        token_blocks,
+        x.stride(0),
+        weight.stride(0),
+        conv_state.stride(0) if has_state else 0,
+        conv_state.stride(1) if has_state else 0,
+        out.stride(0),
+        CHANNELS=channels,
+        WIDTH=width,
+        BLOCK_T=_VARLEN_BLOCK_T,
+        BLOCK_C=_VARLEN_BLOCK_C,
+        HAS_STATE=has_state,
+        HAS_BIAS=bias is not None,
+        SILU=ACTIVATIONS[activation],
+        num_warps=4,
+    )
 
 
 def _check_varlen_args(x, weight, bias, cu_seqlens, conv_state, has_initial_state, activation):

@@ -51,6 +51,26 @@ def test_varlen_conv_matches_the_reference(dtype, with_state, activation):
         assert torch.isfinite(got_y).all() and torch.isfinite(got_state).all()
 
 
+def test_varlen_conv_finds_rows_and_states_in_the_kernel():
+    """The launch finds each token's row itself (binary search over the bounds) and stores
+    the new states in the same launch: many rows (not a power of two), runs of empty rows,
+    rows shorter than K-1 with and without a state, and padding tokens past the last row
+    (a CUDA graph's), against the reference; the states bitwise, a float32 state beside
+    bf16 inputs."""
+    gen = torch.Generator().manual_seed(7)
+    lens = [0, 0, 3, 1, 0, 2, 17, 0, 0, 0, 1, 5, 2, 33, 1, 0, 4, 2, 1, 9, 0]
+    x, weight, bias, cu, state, has = case(lens, 136, 4, torch.bfloat16, True, gen)
+    padded = torch.cat([x, torch.randn(11, 136, generator=gen).to(x)])
+    want_y, want_state = causal_conv1d_varlen(x, weight, bias, cu, state, has)
+    got_y, got_state = causal_conv1d_varlen_triton(padded, weight, bias, cu.cpu(), state, has)
+    torch.testing.assert_close(got_y[: x.shape[0]], want_y, atol=1.6e-2, rtol=1.6e-2)
+    assert got_state.dtype == torch.float32 and torch.equal(got_state, want_state)
+    fresh_y, fresh_state = causal_conv1d_varlen_triton(x, weight, None, cu, None, None)
+    want_fresh = causal_conv1d_varlen(x, weight, None, cu, None, None)
+    torch.testing.assert_close(fresh_y, want_fresh[0], atol=1.6e-2, rtol=1.6e-2)
+    assert torch.equal(fresh_state, want_fresh[1])
+
+
 def test_varlen_conv_edge_launches():
     gen = torch.Generator().manual_seed(4)
     # No tokens at all (every sequence empty): the state carries over unchanged.
