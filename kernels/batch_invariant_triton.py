@@ -536,9 +536,12 @@ def _store_conv_state(x_ptr, state_row, start, end, chans, chan_ok, taps, has_st
 
 
 @triton.jit
-def _row_of(cu_ptr, token, num_seqs, search_steps):
-    """The row owning packed token `token` (< cu[num_seqs]): the last n with cu[n] <= token,
-    so empty rows before it are passed over. Binary search keeping cu[lo] <= token < cu[hi]."""
+def row_of(cu_ptr, token, num_seqs, search_steps):
+    """The row owning packed token `token` (< cu[num_seqs]; a scalar or a vector of them):
+    the last n with cu[n] <= token, so empty rows before it are passed over, i.e.
+    torch.searchsorted(cu[1:], token, right=True). Binary search keeping cu[lo] <= token <
+    cu[hi]; a token past cu[num_seqs] (padding) lands on row num_seqs - 1. The index type
+    is the token's. Also the varlen conv's (causal_conv1d_triton)."""
     lo = token * 0
     hi = lo + num_seqs
     for _ in range(search_steps):
@@ -588,7 +591,7 @@ def _token_conv_kernel(
         weight, bias = _conv_weights(weight_ptr, bias_ptr, chans, chan_ok, taps, stride_wc, WIDTH)
         # A row's bounds, slot and flag are loaded once, when the block reaches the row, so
         # a token's loads are its taps alone (no scalar loads ahead of them each token).
-        row = _row_of(cu_ptr, first, num_seqs, search_steps)
+        row = row_of(cu_ptr, first, num_seqs, search_steps)
         start = tl.load(cu_ptr + row).to(tl.int64)
         row_end = tl.load(cu_ptr + row + 1).to(tl.int64)
         slot = tl.load(slot_ptr + row).to(tl.int64)

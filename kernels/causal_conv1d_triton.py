@@ -38,6 +38,7 @@ from kvloom.kernels.arg_checks_triton import (
     check_shape,
     next_power_of_2,
 )
+from kvloom.kernels.batch_invariant_triton import row_of
 from kvloom.kernels.device_copy import to_device
 
 ACTIVATIONS = {None: False, "silu": True, "swish": True}  # name -> apply silu
@@ -290,7 +291,7 @@ def _conv1d_varlen_kernel(
         tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
         # Each token's sequence: the last n with cu[n] <= token (empty rows passed over);
         # tokens past cu[num_seqs] (padding) land on the last row and are masked below.
-        seq = _seq_of(cu_ptr, tokens, num_seqs, search_steps)
+        seq = row_of(cu_ptr, tokens, num_seqs, search_steps)
         start = tl.load(cu_ptr + seq).to(tl.int64)
         end = tl.load(cu_ptr + seq + 1).to(tl.int64)
         token_ok = (tokens < num_tokens) & (tokens < end)
@@ -334,20 +335,6 @@ def _conv1d_varlen_kernel(
             x_ptr, state_ptr, has_state_ptr, cu_ptr, new_state_ptr, block - token_blocks,
             chans, chan_ok, stride_xt, stride_sn, stride_sc, CHANNELS, WIDTH, BLOCK_C, HAS_STATE,
         )  # fmt: skip
-
-
-@triton.jit
-def _seq_of(cu_ptr, tokens, num_seqs, search_steps):
-    """torch.searchsorted(cu[1:], tokens, right=True) clamped to num_seqs - 1, by binary
-    search keeping cu[lo] <= token < cu[hi]."""
-    lo = tokens * 0  # int32: row indices, like the token counts, stay below 2**31
-    hi = lo + num_seqs
-    for _ in range(search_steps):
-        mid = (lo + hi) // 2
-        right = tl.load(cu_ptr + mid) <= tokens
-        lo = tl.where(right, mid, lo)
-        hi = tl.where(right, hi, mid)
-    return lo
 
 
 @triton.jit
