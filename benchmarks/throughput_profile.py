@@ -11,7 +11,8 @@ are timed on every step.
 first step, seconds; a mid-run compile is a stall no steady state has.
 
 `--layer-host` times the host per decoder-layer part in eager steps and counts the Triton
-launches each makes (`layer_host.py`).
+launches each makes (`layer_host.py`); `--host-fn MODULE:ATTR` adds a named function as a
+part of its own (fla's chunked forward, a layer's glue method).
 
 `--gpu-gaps` measures the host's share without a profiler (which slows the host it
 measures): a CUDA event is recorded as each step's forward is enqueued and another after
